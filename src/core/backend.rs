@@ -1,0 +1,160 @@
+//! The traits a backend implements, and the proofs it hands out.
+
+use std::path::Path;
+
+use crate::core::capabilities::SessionCapabilities;
+use crate::core::completion::{Completion, Submission};
+use crate::core::observation::{ObservationRequest, ObservationSet};
+
+/// Names a backend and the device it runs a model on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendDescriptor {
+    /// The backend's name, e.g. `candle`.
+    pub name: String,
+    /// The device it runs on.
+    pub device: DeviceDescriptor,
+}
+
+/// One device a backend can run on.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DeviceDescriptor {
+    /// The device kind: `cpu`, `cuda`, `metal`.
+    pub kind: String,
+    /// The ordinal among devices of its kind.
+    pub ordinal: usize,
+}
+
+impl std::fmt::Display for DeviceDescriptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.kind == "cpu" {
+            f.write_str("cpu")
+        } else {
+            write!(f, "{}:{}", self.kind, self.ordinal)
+        }
+    }
+}
+
+/// What a device can do.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DeviceCapabilities {
+    /// Element types the device computes in, e.g. `f32`, `f16`, `bf16`.
+    pub dtypes: Vec<String>,
+    /// Whether work on it completes asynchronously.
+    pub asynchronous: bool,
+}
+
+/// Proof that a backend prepared `M`, carrying the capabilities admitted at preparation.
+#[derive(Debug)]
+pub struct PreparedModel<M> {
+    model: M,
+    capabilities: SessionCapabilities,
+}
+
+impl<M> PreparedModel<M> {
+    /// Wraps a model the calling backend has prepared; only backends should call this.
+    pub fn new(model: M, capabilities: SessionCapabilities) -> Self {
+        Self { model, capabilities }
+    }
+
+    /// The prepared model.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The capabilities admitted at preparation.
+    pub fn capabilities(&self) -> SessionCapabilities {
+        self.capabilities
+    }
+
+    /// Gives up the proof for the model itself (for `create_session`).
+    pub fn into_parts(self) -> (M, SessionCapabilities) {
+        (self.model, self.capabilities)
+    }
+}
+
+/// One backend chosen for a whole model.
+pub trait BackendProvider: Sized {
+    /// What `prepare_model` takes: weights and architecture, backend-specific.
+    type ModelConfig;
+    /// The backend's executable model.
+    type Model;
+    /// The backend's execution session.
+    type Session: BackendSession<Self>;
+    /// The backend's error.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// The backend's name and device.
+    fn descriptor(&self) -> BackendDescriptor;
+    /// Every device this backend could run on, with what each can do.
+    fn devices(&self) -> Result<Vec<(DeviceDescriptor, DeviceCapabilities)>, Self::Error>;
+    /// Prepares a model for execution on this backend.
+    fn prepare_model(&self, config: Self::ModelConfig) -> Result<PreparedModel<Self::Model>, Self::Error>;
+    /// Creates the one session for a prepared model, consuming it.
+    fn create_session(&self, model: PreparedModel<Self::Model>) -> Result<Self::Session, Self::Error>;
+}
+
+/// An execution session: a model and its cache, stepped by submissions.
+pub trait BackendSession<B: BackendProvider> {
+    /// What a prefill takes.
+    type PrefillInput;
+    /// What a decode takes.
+    type DecodeInput;
+    /// What a step yields, still on the device.
+    type Output;
+    /// The completion handle of one submission.
+    type Completion: Completion<Error = B::Error>;
+
+    /// The capabilities this session realises.
+    fn capabilities(&self) -> SessionCapabilities;
+    /// Appends a chunk of tokens at the current position.
+    fn prefill(
+        &mut self,
+        backend: &B,
+        input: Self::PrefillInput,
+    ) -> Result<Submission<Self::Output, Self::Completion>, B::Error>;
+    /// Appends tokens one step at a time and yields logits for each.
+    fn decode(
+        &mut self,
+        backend: &B,
+        input: Self::DecodeInput,
+    ) -> Result<Submission<Self::Output, Self::Completion>, B::Error>;
+    /// Synchronises and copies an output's values to the host; ordinary inference never calls it.
+    fn observe_output(&self, backend: &B, output: &Self::Output) -> Result<ObservationSet, B::Error>;
+}
+
+/// An output together with the named activations that were asked for.
+#[derive(Debug)]
+pub struct InspectedOutput<O> {
+    /// The ordinary output of the step.
+    pub output: O,
+    /// Only the requested observation points, on the host.
+    pub observations: ObservationSet,
+}
+
+/// A session that can materialise named activations while it steps.
+pub trait InspectableBackendSession<B: BackendProvider>: BackendSession<B> {
+    /// Every observation path this session's model offers.
+    fn observation_points(&self) -> Vec<String>;
+    /// A prefill that runs to completion and materialises the requested points.
+    fn inspect_prefill(
+        &mut self,
+        backend: &B,
+        input: Self::PrefillInput,
+        request: &ObservationRequest,
+    ) -> Result<InspectedOutput<Self::Output>, B::Error>;
+    /// A decode that runs to completion and materialises the requested points.
+    fn inspect_decode(
+        &mut self,
+        backend: &B,
+        input: Self::DecodeInput,
+        request: &ObservationRequest,
+    ) -> Result<InspectedOutput<Self::Output>, B::Error>;
+}
+
+/// A backend that can turn an artifact on disk into its own model configuration.
+pub trait ModelLoadingBackend: BackendProvider {
+    /// Options for loading (dtype, context size, ...).
+    type LoadOptions;
+    /// Reads the artifact (a GGUF file, a Hugging Face directory) into a model configuration.
+    fn load_config(&self, artifact: &Path, options: &Self::LoadOptions) -> Result<Self::ModelConfig, Self::Error>;
+}

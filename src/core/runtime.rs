@@ -1,0 +1,160 @@
+//! `ModelRuntime`: a backend, its prepared model and the model's one session, owned together.
+
+use std::path::Path;
+
+use crate::core::backend::{
+    BackendProvider, BackendSession, InspectableBackendSession, InspectedOutput, ModelLoadingBackend, PreparedModel,
+};
+use crate::core::capabilities::SessionCapabilities;
+use crate::core::completion::Submission;
+use crate::core::error::{ModelLoadError, RuntimeError};
+use crate::core::observation::{ObservationRequest, ObservationSet};
+
+type SessionOf<B> = <B as BackendProvider>::Session;
+type SubmissionOf<B> = Submission<
+    <SessionOf<B> as BackendSession<B>>::Output,
+    <SessionOf<B> as BackendSession<B>>::Completion,
+>;
+
+/// The one owner of a backend and its session: a session never runs through another backend.
+#[derive(Debug)]
+pub struct ModelRuntime<B: BackendProvider> {
+    backend: B,
+    session: B::Session,
+    capabilities: SessionCapabilities,
+}
+
+impl<B: BackendProvider> ModelRuntime<B> {
+    /// Prepares `config` on `backend` and opens its session.
+    pub fn prepare(backend: B, config: B::ModelConfig) -> Result<Self, ModelLoadError<B::Error>> {
+        let model = backend
+            .prepare_model(config)
+            .map_err(|source| ModelLoadError::Backend { operation: "preparing the model", source })?;
+        Self::from_prepared(backend, model)
+    }
+
+    /// Opens the session of a prepared model, refusing one whose capabilities differ from those admitted.
+    pub fn from_prepared(backend: B, model: PreparedModel<B::Model>) -> Result<Self, ModelLoadError<B::Error>> {
+        let admitted = model.capabilities();
+        let session = backend
+            .create_session(model)
+            .map_err(|source| ModelLoadError::Backend { operation: "creating the session", source })?;
+        let realised = session.capabilities();
+        if realised != admitted {
+            return Err(RuntimeError::CapabilityMismatch { admitted, realised }.into());
+        }
+        Ok(Self { backend, session, capabilities: admitted })
+    }
+
+    /// The backend this runtime's session runs through.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The session, read-only.
+    pub fn session(&self) -> &B::Session {
+        &self.session
+    }
+
+    /// The session, for backend-specific operations (truncate, reset).
+    pub fn session_mut(&mut self) -> &mut B::Session {
+        &mut self.session
+    }
+
+    /// The backend and the session together, borrowed at once.
+    pub fn parts_mut(&mut self) -> (&B, &mut B::Session) {
+        (&self.backend, &mut self.session)
+    }
+
+    /// The capabilities admitted and realised.
+    pub fn capabilities(&self) -> SessionCapabilities {
+        self.capabilities
+    }
+
+    /// Submits a prefill.
+    pub fn prefill(
+        &mut self,
+        input: <B::Session as BackendSession<B>>::PrefillInput,
+    ) -> Result<SubmissionOf<B>, RuntimeError<B::Error>> {
+        self.session.prefill(&self.backend, input).map_err(RuntimeError::Backend)
+    }
+
+    /// Submits a decode.
+    pub fn decode(
+        &mut self,
+        input: <B::Session as BackendSession<B>>::DecodeInput,
+    ) -> Result<SubmissionOf<B>, RuntimeError<B::Error>> {
+        self.session.decode(&self.backend, input).map_err(RuntimeError::Backend)
+    }
+
+    /// Brings an output's values to the host.
+    pub fn observe_output(
+        &self,
+        output: &<B::Session as BackendSession<B>>::Output,
+    ) -> Result<ObservationSet, RuntimeError<B::Error>> {
+        if !self.capabilities.output_observation {
+            return Err(RuntimeError::MissingCapability {
+                operation: "observe_output",
+                capability: "output_observation",
+            });
+        }
+        self.session.observe_output(&self.backend, output).map_err(RuntimeError::Backend)
+    }
+}
+
+impl<B: ModelLoadingBackend> ModelRuntime<B> {
+    /// Loads an artifact (GGUF file or Hugging Face directory), prepares it and opens its session.
+    pub fn load(backend: B, artifact: &Path, options: &B::LoadOptions) -> Result<Self, ModelLoadError<B::Error>> {
+        let config = backend
+            .load_config(artifact, options)
+            .map_err(|source| ModelLoadError::Artifact { path: artifact.display().to_string(), source })?;
+        Self::prepare(backend, config)
+    }
+}
+
+impl<B> ModelRuntime<B>
+where
+    B: BackendProvider,
+    B::Session: InspectableBackendSession<B>,
+{
+    fn require_inspection(&self, operation: &'static str) -> Result<(), RuntimeError<B::Error>> {
+        if self.capabilities.activation_inspection {
+            Ok(())
+        } else {
+            Err(RuntimeError::MissingCapability { operation, capability: "activation_inspection" })
+        }
+    }
+
+    /// Every observation path the model offers.
+    pub fn observation_points(&self) -> Vec<String> {
+        self.session.observation_points()
+    }
+
+    /// A prefill that also materialises the requested observation points.
+    pub fn inspect_prefill(
+        &mut self,
+        input: <B::Session as BackendSession<B>>::PrefillInput,
+        request: &ObservationRequest,
+    ) -> Result<InspectedOutput<<B::Session as BackendSession<B>>::Output>, RuntimeError<B::Error>> {
+        self.require_inspection("inspect_prefill")?;
+        self.validate(request)?;
+        self.session.inspect_prefill(&self.backend, input, request).map_err(RuntimeError::Backend)
+    }
+
+    /// A decode that also materialises the requested observation points.
+    pub fn inspect_decode(
+        &mut self,
+        input: <B::Session as BackendSession<B>>::DecodeInput,
+        request: &ObservationRequest,
+    ) -> Result<InspectedOutput<<B::Session as BackendSession<B>>::Output>, RuntimeError<B::Error>> {
+        self.require_inspection("inspect_decode")?;
+        self.validate(request)?;
+        self.session.inspect_decode(&self.backend, input, request).map_err(RuntimeError::Backend)
+    }
+
+    fn validate(&self, request: &ObservationRequest) -> Result<(), RuntimeError<B::Error>> {
+        let points = self.session.observation_points();
+        request.validate(points.iter().map(String::as_str))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,134 @@
+//! The contract's rules, exercised through a minimal backend of the tests' own.
+
+use super::*;
+
+#[derive(Debug, thiserror::Error)]
+#[error("fake backend error: {0}")]
+struct FakeError(&'static str);
+
+/// A backend whose sessions realise whatever capabilities it is told to, so mismatches can be provoked.
+#[derive(Debug)]
+struct FakeBackend {
+    realise: SessionCapabilities,
+}
+
+#[derive(Debug)]
+struct FakeSession {
+    caps: SessionCapabilities,
+    position: usize,
+}
+
+impl BackendProvider for FakeBackend {
+    type ModelConfig = SessionCapabilities;
+    type Model = ();
+    type Session = FakeSession;
+    type Error = FakeError;
+
+    fn descriptor(&self) -> BackendDescriptor {
+        BackendDescriptor { name: "fake".into(), device: DeviceDescriptor { kind: "cpu".into(), ordinal: 0 } }
+    }
+    fn devices(&self) -> Result<Vec<(DeviceDescriptor, DeviceCapabilities)>, FakeError> {
+        Ok(vec![(self.descriptor().device, DeviceCapabilities::default())])
+    }
+    fn prepare_model(&self, admitted: SessionCapabilities) -> Result<PreparedModel<()>, FakeError> {
+        Ok(PreparedModel::new((), admitted))
+    }
+    fn create_session(&self, _model: PreparedModel<()>) -> Result<FakeSession, FakeError> {
+        Ok(FakeSession { caps: self.realise, position: 0 })
+    }
+}
+
+impl BackendSession<FakeBackend> for FakeSession {
+    type PrefillInput = usize;
+    type DecodeInput = usize;
+    type Output = usize;
+    type Completion = ReadyCompletion<FakeError>;
+
+    fn capabilities(&self) -> SessionCapabilities {
+        self.caps
+    }
+    fn prefill(&mut self, _b: &FakeBackend, n: usize) -> Result<Submission<usize, Self::Completion>, FakeError> {
+        self.position += n;
+        Ok(Submission::new(self.position, ReadyCompletion::new()))
+    }
+    fn decode(&mut self, b: &FakeBackend, n: usize) -> Result<Submission<usize, Self::Completion>, FakeError> {
+        self.prefill(b, n)
+    }
+    fn observe_output(&self, _b: &FakeBackend, out: &usize) -> Result<ObservationSet, FakeError> {
+        let mut set = ObservationSet::new();
+        set.insert("model.position", ObservationValue::Int(*out as i64)).map_err(|_| FakeError("insert"))?;
+        Ok(set)
+    }
+}
+
+impl InspectableBackendSession<FakeBackend> for FakeSession {
+    fn observation_points(&self) -> Vec<String> {
+        vec!["model.position".into()]
+    }
+    fn inspect_prefill(
+        &mut self,
+        b: &FakeBackend,
+        n: usize,
+        _r: &ObservationRequest,
+    ) -> Result<InspectedOutput<usize>, FakeError> {
+        let output = self.prefill(b, n)?.wait()?;
+        Ok(InspectedOutput { output, observations: self.observe_output(b, &output)? })
+    }
+    fn inspect_decode(
+        &mut self,
+        b: &FakeBackend,
+        n: usize,
+        r: &ObservationRequest,
+    ) -> Result<InspectedOutput<usize>, FakeError> {
+        self.inspect_prefill(b, n, r)
+    }
+}
+
+#[test]
+fn session_with_other_capabilities_than_admitted_is_refused() {
+    let admitted = SessionCapabilities { persistent_cache: true, ..SessionCapabilities::NONE };
+    let err = ModelRuntime::prepare(FakeBackend { realise: SessionCapabilities::ALL }, admitted).unwrap_err();
+    assert!(matches!(err, ModelLoadError::Runtime(RuntimeError::CapabilityMismatch { .. })), "{err}");
+}
+
+#[test]
+fn matching_capabilities_are_accepted_and_steps_go_through() {
+    let mut rt = ModelRuntime::prepare(FakeBackend { realise: SessionCapabilities::ALL }, SessionCapabilities::ALL)
+        .unwrap();
+    assert_eq!(rt.prefill(3).unwrap().wait().unwrap(), 3);
+    let out = rt.decode(1).unwrap().wait().unwrap();
+    let set = rt.observe_output(&out).unwrap();
+    assert_eq!(set.get("model.position"), Some(&ObservationValue::Int(4)));
+}
+
+#[test]
+fn capabilities_default_to_false() {
+    assert_eq!(SessionCapabilities::default(), SessionCapabilities::NONE);
+}
+
+#[test]
+fn inspection_without_the_capability_is_refused() {
+    let caps = SessionCapabilities { persistent_cache: true, output_observation: true, activation_inspection: false };
+    let mut rt = ModelRuntime::prepare(FakeBackend { realise: caps }, caps).unwrap();
+    let err = rt.inspect_prefill(2, &ObservationRequest::all()).unwrap_err();
+    assert!(matches!(err, RuntimeError::MissingCapability { capability: "activation_inspection", .. }), "{err}");
+    // The refused call left the session where it was.
+    assert_eq!(rt.session().position, 0);
+}
+
+#[test]
+fn observation_without_the_capability_is_refused() {
+    let caps = SessionCapabilities { persistent_cache: true, ..SessionCapabilities::NONE };
+    let mut rt = ModelRuntime::prepare(FakeBackend { realise: caps }, caps).unwrap();
+    let out = rt.prefill(1).unwrap().wait().unwrap();
+    assert!(matches!(rt.observe_output(&out), Err(RuntimeError::MissingCapability { .. })));
+}
+
+#[test]
+fn unknown_observation_point_is_refused_before_stepping() {
+    let mut rt = ModelRuntime::prepare(FakeBackend { realise: SessionCapabilities::ALL }, SessionCapabilities::ALL)
+        .unwrap();
+    let req = ObservationRequest::select([ObservationSelector::exact("model.nothing")]).unwrap();
+    assert!(matches!(rt.inspect_prefill(1, &req), Err(RuntimeError::Observation(ObservationError::UnknownPoint { .. }))));
+    assert_eq!(rt.session().position, 0);
+}
