@@ -3,5 +3,6 @@
 //! `core` is the backend-neutral contract, `backend` the candle implementation of it,
 //! `text` tokenizers and chat templates, `python` the thin PyO3 layer.
 
+pub mod backend;
 pub mod core;
 pub mod text;

@@ -1,0 +1,133 @@
+//! Grouped-query self-attention over the session's KV cache.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::layers::{Linear, RmsNorm};
+use super::observer::{observe, Recorder};
+use super::rope;
+use crate::backend::session::kv_cache::LayerKv;
+
+/// The attention's input projections.
+#[derive(Debug, Clone)]
+pub enum QkvProj {
+    /// Three maps.
+    Separate {
+        /// Queries.
+        q: Linear,
+        /// Keys.
+        k: Linear,
+        /// Values.
+        v: Linear,
+    },
+    /// One map whose output is queries, keys, values side by side (Phi-3).
+    Fused(Linear),
+}
+
+/// One layer's self-attention.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    /// Input projections.
+    pub qkv: QkvProj,
+    /// Output projection.
+    pub o: Linear,
+    /// Per-head norms of q and k (Qwen3, Gemma 3).
+    pub qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Multiplier of q·k.
+    pub scale: f64,
+    /// Soft cap of scores.
+    pub softcap: Option<f64>,
+    /// Whether RoPE rotates adjacent pairs.
+    pub rope_interleaved: bool,
+}
+
+/// What one forward step shares between the layers of one kind.
+pub struct StepTables {
+    /// RoPE cos table `[t, rot/2]`.
+    pub cos: Tensor,
+    /// RoPE sin table `[t, rot/2]`.
+    pub sin: Tensor,
+    /// Additive mask `[t, pos + t]` (0 or -inf), or `None` when nothing is masked.
+    pub mask: Option<Tensor>,
+}
+
+/// The additive causal mask for queries `pos..pos + t` over keys `0..pos + t`, with an optional window.
+pub fn causal_mask(pos: usize, t: usize, window: Option<usize>, device: &Device) -> candle_core::Result<Option<Tensor>> {
+    let total = pos + t;
+    let window_cuts = window.is_some_and(|w| total > w);
+    if t == 1 && !window_cuts {
+        return Ok(None);
+    }
+    let mut m = vec![0f32; t * total];
+    for i in 0..t {
+        let q = pos + i;
+        for (j, cell) in m[i * total..(i + 1) * total].iter_mut().enumerate() {
+            // Transformers' convention: a window of w keeps the query and the w - 1 keys before it.
+            let hidden = j > q || window.is_some_and(|w| q - j >= w);
+            if hidden {
+                *cell = f32::NEG_INFINITY;
+            }
+        }
+    }
+    Tensor::from_vec(m, (t, total), device).map(Some)
+}
+
+impl Attention {
+    /// Attends `x` `[t, hidden]` at positions `pos..pos + t`, appending its keys and values to `kv`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        pos: usize,
+        kv: &mut LayerKv,
+        max_context: usize,
+        tables: &StepTables,
+        layer: usize,
+        rec: &mut Option<&mut Recorder<'_>>,
+    ) -> candle_core::Result<Tensor> {
+        let t = x.dim(0)?;
+        let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (q, k, v) = match &self.qkv {
+            QkvProj::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+            QkvProj::Fused(qkv) => {
+                let y = qkv.forward(x)?;
+                (y.narrow(1, 0, nh * d)?, y.narrow(1, nh * d, nkv * d)?, y.narrow(1, (nh + nkv) * d, nkv * d)?)
+            }
+        };
+        let mut q = q.reshape((t, nh, d))?;
+        let mut k = k.reshape((t, nkv, d))?;
+        if let Some((qn, kn)) = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        // [1, heads, t, d]
+        let q = q.transpose(0, 1)?.unsqueeze(0)?;
+        let k = k.transpose(0, 1)?.unsqueeze(0)?;
+        let v = v.reshape((t, nkv, d))?.transpose(0, 1)?.unsqueeze(0)?;
+        let q = rope::apply(&q, &tables.cos, &tables.sin, self.rope_interleaved)?;
+        let k = rope::apply(&k, &tables.cos, &tables.sin, self.rope_interleaved)?;
+        let (k_all, v_all) = kv.append(&k, &v, pos, max_context)?;
+        let total = pos + t;
+        // Grouped-query attention without copying keys: fold each group's query heads into rows.
+        let group = nh / nkv;
+        let q = q.contiguous()?.reshape((1, nkv, group * t, d))?;
+        let scores = q.matmul(&k_all.t()?)?.to_dtype(DType::F32)?;
+        let mut scores = (scores * self.scale)?.reshape((1, nh, t, total))?;
+        if let Some(cap) = self.softcap {
+            scores = ((scores / cap)?.tanh()? * cap)?;
+        }
+        if let Some(mask) = &tables.mask {
+            scores = scores.broadcast_add(mask)?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        observe(rec, || format!("model.layers.{layer}.attention.pattern"), &probs.squeeze(0)?);
+        let probs = probs.to_dtype(v_all.dtype())?.reshape((1, nkv, group * t, total))?;
+        let out = probs.matmul(&v_all)?; // [1, nkv, group * t, d]
+        let out = out.reshape((nh, t, d))?.transpose(0, 1)?.reshape((t, nh * d))?;
+        self.o.forward(&out)
+    }
+}

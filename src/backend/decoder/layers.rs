@@ -1,0 +1,120 @@
+//! The decoder's small building blocks: linear maps, RMS norms, embeddings, the MLP.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Module, Tensor, D};
+
+use crate::backend::config::Activation;
+
+/// `x Wᵀ + b` with a dense or quantized weight.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: QMatMul,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// A linear map from its weight and optional bias.
+    pub fn new(weight: QMatMul, bias: Option<Tensor>) -> Self {
+        Self { weight, bias }
+    }
+
+    /// Applies the map to `[rows, in]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = self.weight.forward(x)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Root-mean-square norm over the last dimension, computed in float32.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    /// The effective scale (Gemma's 1 + w already added).
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// A norm with a float32 scale; `offset` adds Gemma's 1 to the stored weight.
+    pub fn new(weight: Tensor, eps: f64, offset: bool) -> candle_core::Result<Self> {
+        let weight = if offset { (weight + 1.0)? } else { weight };
+        Ok(Self { weight, eps: eps as f32 })
+    }
+
+    /// Normalises `x` over its last dimension, returning its dtype.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dtype = x.dtype();
+        let xf = x.to_dtype(DType::F32)?.contiguous()?;
+        candle_nn::ops::rms_norm(&xf, &self.weight, self.eps)?.to_dtype(dtype)
+    }
+}
+
+/// The token embedding table.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    table: Tensor,
+}
+
+impl Embedding {
+    /// A dense `[vocab, hidden]` table.
+    pub fn new(table: Tensor) -> Self {
+        Self { table }
+    }
+
+    /// The rows of `ids` `[t]` as `[t, hidden]`.
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.table.index_select(ids, 0)
+    }
+
+    /// The same table as an output projection (tied embeddings).
+    pub fn as_linear(&self) -> Linear {
+        Linear::new(QMatMul::Tensor(self.table.clone()), None)
+    }
+}
+
+/// The gated MLP: `down(act(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    /// Separate gate and up, or one fused map whose output halves are gate then up.
+    pub gate_up: GateUp,
+    /// The down projection.
+    pub down: Linear,
+    /// The gate's activation.
+    pub activation: Activation,
+}
+
+/// The MLP's input projections.
+#[derive(Debug, Clone)]
+pub enum GateUp {
+    /// Two maps.
+    Separate {
+        /// The gate.
+        gate: Linear,
+        /// The up projection.
+        up: Linear,
+    },
+    /// One map of twice the width (Phi-3).
+    Fused(Linear),
+}
+
+impl Mlp {
+    /// Applies the MLP to `[rows, hidden]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Fused(gu) => {
+                let y = gu.forward(x)?;
+                let half = y.dim(D::Minus1)? / 2;
+                (y.narrow(D::Minus1, 0, half)?, y.narrow(D::Minus1, half, half)?)
+            }
+        };
+        let gate = match self.activation {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+            Activation::Gelu => gate.gelu_erf()?,
+        };
+        self.down.forward(&(gate * up)?)
+    }
+}

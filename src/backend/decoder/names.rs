@@ -1,0 +1,111 @@
+//! Tensor names of each checkpoint format for the decoder's weight slots.
+
+use crate::backend::config::Architecture;
+
+/// A weight of the decoder, independent of how a format names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// Token embedding table.
+    Embed,
+    /// Norm before attention.
+    AttnInNorm,
+    /// Query projection.
+    Q,
+    /// Key projection.
+    K,
+    /// Value projection.
+    V,
+    /// Fused query/key/value projection.
+    Qkv,
+    /// Attention output projection.
+    O,
+    /// Per-head query norm.
+    QNorm,
+    /// Per-head key norm.
+    KNorm,
+    /// Norm of the attention output before the residual add (Gemma 3).
+    AttnOutNorm,
+    /// Norm before the MLP.
+    MlpInNorm,
+    /// Norm of the MLP output before the residual add (Gemma 3).
+    MlpOutNorm,
+    /// MLP gate projection.
+    Gate,
+    /// MLP up projection.
+    Up,
+    /// Fused gate/up projection.
+    GateUp,
+    /// MLP down projection.
+    Down,
+    /// Final norm.
+    FinalNorm,
+    /// Output projection (untied).
+    LmHead,
+}
+
+/// How a checkpoint format names tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Naming {
+    /// Hugging Face `model.layers.{i}.self_attn.q_proj.weight` style.
+    HuggingFace,
+    /// GGUF `blk.{i}.attn_q.weight` style.
+    Gguf,
+}
+
+impl Naming {
+    /// The stem of a slot's tensor name (without `.weight` / `.bias`).
+    pub fn stem(self, arch: Architecture, slot: Slot, layer: usize) -> String {
+        match self {
+            Self::HuggingFace => {
+                let gemma = arch == Architecture::Gemma3;
+                let s = match slot {
+                    Slot::Embed => return "model.embed_tokens".into(),
+                    Slot::FinalNorm => return "model.norm".into(),
+                    Slot::LmHead => return "lm_head".into(),
+                    Slot::AttnInNorm => "input_layernorm",
+                    Slot::Q => "self_attn.q_proj",
+                    Slot::K => "self_attn.k_proj",
+                    Slot::V => "self_attn.v_proj",
+                    Slot::Qkv => "self_attn.qkv_proj",
+                    Slot::O => "self_attn.o_proj",
+                    Slot::QNorm => "self_attn.q_norm",
+                    Slot::KNorm => "self_attn.k_norm",
+                    // Gemma calls its attention-output norm "post_attention"; elsewhere that name is the MLP's input norm.
+                    Slot::AttnOutNorm => "post_attention_layernorm",
+                    Slot::MlpInNorm if gemma => "pre_feedforward_layernorm",
+                    Slot::MlpInNorm => "post_attention_layernorm",
+                    Slot::MlpOutNorm => "post_feedforward_layernorm",
+                    Slot::Gate => "mlp.gate_proj",
+                    Slot::Up => "mlp.up_proj",
+                    Slot::GateUp => "mlp.gate_up_proj",
+                    Slot::Down => "mlp.down_proj",
+                };
+                format!("model.layers.{layer}.{s}")
+            }
+            Self::Gguf => {
+                let s = match slot {
+                    Slot::Embed => return "token_embd".into(),
+                    Slot::FinalNorm => return "output_norm".into(),
+                    Slot::LmHead => return "output".into(),
+                    Slot::AttnInNorm => "attn_norm",
+                    Slot::Q => "attn_q",
+                    Slot::K => "attn_k",
+                    Slot::V => "attn_v",
+                    Slot::Qkv => "attn_qkv",
+                    Slot::O => "attn_output",
+                    Slot::QNorm => "attn_q_norm",
+                    Slot::KNorm => "attn_k_norm",
+                    Slot::AttnOutNorm => "post_attention_norm",
+                    Slot::MlpInNorm => "ffn_norm",
+                    Slot::MlpOutNorm => "post_ffw_norm",
+                    Slot::Gate => "ffn_gate",
+                    Slot::Up => "ffn_up",
+                    // llama.cpp stores Phi-3's fused gate/up as ffn_up with twice the rows.
+                    Slot::GateUp => "ffn_up",
+                    Slot::Down => "ffn_down",
+                };
+                format!("blk.{layer}.{s}")
+            }
+        }
+    }
+}

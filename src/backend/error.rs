@@ -1,0 +1,134 @@
+//! The candle backend's error: every failure named with its context.
+
+use crate::core::ObservationError;
+
+/// Everything the candle backend can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum CandleError {
+    /// The requested device is not in this build or not present.
+    #[error("device `{spec}` is not available: {reason}")]
+    Device {
+        /// The device as requested.
+        spec: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// A file of the artifact is missing.
+    #[error("{what} not found at {path}")]
+    MissingFile {
+        /// Which file was looked for.
+        what: &'static str,
+        /// Where.
+        path: String,
+    },
+    /// A file of the artifact is malformed or truncated.
+    #[error("malformed {what} {path}: {reason}")]
+    Malformed {
+        /// The kind of file.
+        what: &'static str,
+        /// Its path.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The artifact names an architecture this backend does not implement.
+    #[error("unsupported architecture `{name}` (supported: llama, mistral, qwen2, qwen3, gemma3, phi3)")]
+    UnsupportedArchitecture {
+        /// The architecture as named in the artifact.
+        name: String,
+    },
+    /// A configuration value this backend does not implement.
+    #[error("unsupported configuration: {what}")]
+    UnsupportedConfig {
+        /// What is not supported.
+        what: String,
+    },
+    /// A tensor is stored in an element type this backend cannot run.
+    #[error("tensor `{tensor}` has type {dtype}, which candlewick cannot run")]
+    UnsupportedTensorType {
+        /// The tensor's name.
+        tensor: String,
+        /// Its element type.
+        dtype: String,
+    },
+    /// A tensor the architecture needs is not in the checkpoint.
+    #[error("tensor `{name}` is missing from the checkpoint")]
+    MissingTensor {
+        /// The tensor's name.
+        name: String,
+    },
+    /// A tensor's shape is not what the configuration implies.
+    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    TensorShape {
+        /// The tensor's name.
+        name: String,
+        /// The shape the configuration implies.
+        expected: Vec<usize>,
+        /// The shape in the checkpoint.
+        found: Vec<usize>,
+    },
+    /// A token id is outside the vocabulary.
+    #[error("token id {token} at input index {index} is out of range for a vocabulary of {vocab_size}")]
+    TokenOutOfRange {
+        /// The offending id.
+        token: u32,
+        /// Where in the input it stood.
+        index: usize,
+        /// The vocabulary size.
+        vocab_size: usize,
+    },
+    /// The step would run past the session's context.
+    #[error("context is full: {position} tokens held + {requested} requested > max_context {max_context}")]
+    ContextFull {
+        /// Tokens already in the cache.
+        position: usize,
+        /// Tokens in the refused step.
+        requested: usize,
+        /// The session's context size.
+        max_context: usize,
+    },
+    /// A step, truncation or option the session cannot take.
+    #[error("invalid {operation}: {reason}")]
+    InvalidInput {
+        /// The operation refused.
+        operation: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// An observation request that the model cannot serve.
+    #[error(transparent)]
+    Observation(#[from] ObservationError),
+    /// A tensor operation failed inside candle.
+    #[error("{context}: {source}")]
+    Candle {
+        /// What was being done.
+        context: String,
+        /// candle's error.
+        #[source]
+        source: candle_core::Error,
+    },
+    /// Reading a file failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Attaches context to candle's errors.
+pub(crate) trait CandleContext<T> {
+    /// Wraps a candle error with what was being done.
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, CandleError>;
+}
+
+impl<T> CandleContext<T> for candle_core::Result<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, CandleError> {
+        self.map_err(|source| CandleError::Candle { context: context(), source })
+    }
+}
+
+/// The backend's result type.
+pub type Result<T, E = CandleError> = std::result::Result<T, E>;

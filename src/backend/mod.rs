@@ -1,0 +1,188 @@
+//! The candle backend: devices, checkpoint loading, the generic decoder and the session.
+
+pub mod config;
+pub mod decoder;
+pub mod device;
+pub mod error;
+pub mod session;
+pub mod weights;
+
+use std::path::Path;
+
+use candle_core::{DType, Device};
+
+use crate::core::{
+    BackendDescriptor, BackendProvider, DeviceCapabilities, DeviceDescriptor, ModelLoadingBackend, PreparedModel,
+    SessionCapabilities,
+};
+use config::ArchConfig;
+use decoder::names::Naming;
+use decoder::Decoder;
+pub use error::CandleError;
+use error::Result;
+pub use session::{CandleSession, DecodeInput, PrefillInput, StepOutput};
+use weights::safetensors::SafetensorsWeights;
+use weights::{WeightLoader, WeightSource};
+
+/// The candle backend bound to one device.
+#[derive(Debug, Clone)]
+pub struct CandleBackend {
+    device: Device,
+}
+
+impl CandleBackend {
+    /// A backend on the device a string names (`cpu`, `cuda[:N]`, `metal[:N]`, `auto`).
+    pub fn new(device: &str) -> Result<Self> {
+        Ok(Self { device: device::parse_device(device)? })
+    }
+
+    /// The candle device models are prepared on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+/// How to load an artifact.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Element type to compute in; `None` keeps the checkpoint's (float32 on the CPU for half types).
+    pub dtype: Option<DType>,
+    /// Context size of the session; `None` uses the model's trained context.
+    pub max_context: Option<usize>,
+}
+
+/// Parses `f32`, `f16`, `bf16` (and their long names).
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    Ok(match s.to_ascii_lowercase().as_str() {
+        "f32" | "float32" | "float" => DType::F32,
+        "f16" | "float16" | "half" => DType::F16,
+        "bf16" | "bfloat16" => DType::BF16,
+        other => {
+            return Err(CandleError::InvalidInput {
+                operation: "load",
+                reason: format!("dtype `{other}` is not one of f32, f16, bf16"),
+            })
+        }
+    })
+}
+
+/// Which kind of artifact a model came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArtifactFormat {
+    /// A Hugging Face directory of safetensors.
+    HuggingFace,
+    /// A GGUF file.
+    Gguf,
+}
+
+/// Everything needed to prepare a model: its architecture, its weights and how to run them.
+pub struct CandleModelConfig {
+    /// The architecture.
+    pub arch: ArchConfig,
+    /// Where the tensors come from.
+    pub weights: Box<dyn WeightSource>,
+    /// How the format names tensors.
+    pub naming: Naming,
+    /// The element type activations run in.
+    pub dtype: DType,
+    /// The session's context size.
+    pub max_context: usize,
+    /// The artifact's format.
+    pub format: ArtifactFormat,
+}
+
+/// A decoder ready to run, with the context its session will get.
+#[derive(Debug)]
+pub struct CandleModel {
+    decoder: Decoder,
+    max_context: usize,
+}
+
+impl BackendProvider for CandleBackend {
+    type ModelConfig = CandleModelConfig;
+    type Model = CandleModel;
+    type Session = CandleSession;
+    type Error = CandleError;
+
+    fn descriptor(&self) -> BackendDescriptor {
+        BackendDescriptor { name: "candle".into(), device: device::describe(&self.device) }
+    }
+
+    fn devices(&self) -> Result<Vec<(DeviceDescriptor, DeviceCapabilities)>> {
+        Ok(device::available_devices())
+    }
+
+    fn prepare_model(&self, config: CandleModelConfig) -> Result<PreparedModel<CandleModel>> {
+        let loader = WeightLoader::new(config.weights.as_ref(), config.dtype, &self.device);
+        let decoder = Decoder::load(config.arch, &loader, config.naming)?;
+        // Every capability below is implemented by CandleSession for every decoder.
+        Ok(PreparedModel::new(CandleModel { decoder, max_context: config.max_context }, SessionCapabilities::ALL))
+    }
+
+    fn create_session(&self, model: PreparedModel<CandleModel>) -> Result<CandleSession> {
+        let (model, caps) = model.into_parts();
+        Ok(CandleSession::new(model.decoder, model.max_context, caps))
+    }
+}
+
+impl ModelLoadingBackend for CandleBackend {
+    type LoadOptions = LoadOptions;
+
+    fn load_config(&self, artifact: &Path, options: &LoadOptions) -> Result<CandleModelConfig> {
+        if artifact.is_dir() {
+            return self.load_hf_dir(artifact, options);
+        }
+        if !artifact.exists() {
+            return Err(CandleError::MissingFile { what: "model artifact", path: artifact.display().to_string() });
+        }
+        Err(CandleError::Malformed {
+            what: "model artifact",
+            path: artifact.display().to_string(),
+            reason: "expected a Hugging Face checkpoint directory".into(),
+        })
+    }
+}
+
+impl CandleBackend {
+    fn load_hf_dir(&self, dir: &Path, options: &LoadOptions) -> Result<CandleModelConfig> {
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(CandleError::MissingFile { what: "config.json", path: config_path.display().to_string() });
+        }
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|source| CandleError::Io { path: config_path.display().to_string(), source })?;
+        let arch = config::hf::parse_config(&text, &config_path.display().to_string())?;
+        let weights = SafetensorsWeights::open_dir(dir)?;
+        let stored = weights.dominant_dtype().unwrap_or(DType::F32);
+        let dtype = self.choose_dtype(options.dtype, stored);
+        let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
+        validate_context(max_context)?;
+        Ok(CandleModelConfig {
+            arch,
+            weights: Box::new(weights),
+            naming: Naming::HuggingFace,
+            dtype,
+            max_context,
+            format: ArtifactFormat::HuggingFace,
+        })
+    }
+
+    /// The requested dtype, else the checkpoint's; half types run as float32 on the CPU unless asked for.
+    fn choose_dtype(&self, requested: Option<DType>, stored: DType) -> DType {
+        match requested {
+            Some(d) => d,
+            None if self.device.is_cpu() => DType::F32,
+            None => stored,
+        }
+    }
+}
+
+fn validate_context(max_context: usize) -> Result<()> {
+    if max_context == 0 {
+        return Err(CandleError::InvalidInput { operation: "load", reason: "max_context must be positive".into() });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

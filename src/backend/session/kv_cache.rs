@@ -1,0 +1,112 @@
+//! The KV cache: per layer, keys and values of every position held, grown on demand.
+
+use candle_core::Tensor;
+
+/// Keys and values of one layer, `[1, kv_heads, capacity, head_dim]`, valid up to the session's length.
+#[derive(Debug, Clone)]
+pub struct LayerKv {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+}
+
+/// The whole model's cache and how many positions it holds.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+    len: usize,
+    max_context: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `n_layers` layers that never grows past `max_context` positions.
+    pub fn new(n_layers: usize, max_context: usize) -> Self {
+        Self { layers: vec![LayerKv { k: None, v: None }; n_layers], len: 0, max_context }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The largest number of positions it may hold.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    /// The cache of layer `i`.
+    pub fn layer(&mut self, i: usize) -> &mut LayerKv {
+        &mut self.layers[i]
+    }
+
+    /// Marks `n` more positions as held, after every layer appended them.
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Keeps only the first `n` positions; later appends overwrite the rest.
+    pub fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+    }
+
+    /// Forgets everything and frees the memory.
+    pub fn reset(&mut self) {
+        self.len = 0;
+        for l in &mut self.layers {
+            l.k = None;
+            l.v = None;
+        }
+    }
+
+    /// Bytes held by the cache's buffers.
+    pub fn allocated_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.k, &l.v])
+            .flatten()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+}
+
+impl LayerKv {
+    /// Writes `k`, `v` `[1, kv_heads, t, head_dim]` at positions `pos..pos + t` and returns
+    /// views of all `pos + t` positions.
+    pub fn append(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        pos: usize,
+        max_context: usize,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let t = k.dim(2)?;
+        let needed = pos + t;
+        let capacity = self.k.as_ref().map(|k| k.dim(2)).transpose()?.unwrap_or(0);
+        if needed > capacity {
+            // Grow geometrically so a long generation reallocates O(log n) times, never past max_context.
+            let new_cap = needed.max(capacity * 2).max(64).min(max_context.max(needed));
+            self.k = Some(grow(self.k.take(), k, pos, new_cap)?);
+            self.v = Some(grow(self.v.take(), v, pos, new_cap)?);
+        }
+        let (kc, vc) = (self.k.as_ref().expect("allocated above"), self.v.as_ref().expect("allocated above"));
+        kc.slice_set(&k.contiguous()?, 2, pos)?;
+        vc.slice_set(&v.contiguous()?, 2, pos)?;
+        Ok((kc.narrow(2, 0, needed)?, vc.narrow(2, 0, needed)?))
+    }
+}
+
+fn grow(old: Option<Tensor>, like: &Tensor, keep: usize, capacity: usize) -> candle_core::Result<Tensor> {
+    let (b, h, _, d) = like.dims4()?;
+    let fresh = Tensor::zeros((b, h, capacity, d), like.dtype(), like.device())?;
+    if let Some(old) = old {
+        if keep > 0 {
+            fresh.slice_set(&old.narrow(2, 0, keep)?.contiguous()?, 2, 0)?;
+        }
+    }
+    Ok(fresh)
+}
+

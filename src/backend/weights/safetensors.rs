@@ -1,0 +1,117 @@
+//! Hugging Face safetensors checkpoints, single-file or sharded.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+
+use super::{convert, WeightSource};
+use crate::backend::error::{CandleContext, CandleError, Result};
+
+/// Memory-mapped safetensors files with their tensors' shapes indexed up front.
+pub struct SafetensorsWeights {
+    files: MmapedSafetensors,
+    index: HashMap<String, (Vec<usize>, String)>,
+}
+
+impl SafetensorsWeights {
+    /// Opens `model.safetensors`, or every shard listed in `model.safetensors.index.json`, in `dir`.
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let paths = if single.is_file() {
+            vec![single]
+        } else if index.is_file() {
+            shard_paths(&index)?
+        } else {
+            return Err(CandleError::MissingFile {
+                what: "model.safetensors or model.safetensors.index.json",
+                path: dir.display().to_string(),
+            });
+        };
+        Self::open(&paths)
+    }
+
+    /// Opens and validates the given files.
+    pub fn open(paths: &[PathBuf]) -> Result<Self> {
+        for p in paths {
+            if !p.is_file() {
+                return Err(CandleError::MissingFile { what: "safetensors shard", path: p.display().to_string() });
+            }
+        }
+        // SAFETY: the files are mapped read-only; candlewick never writes to them, and a file
+        // changed underneath a running model is outside what any mmap-based loader can guard.
+        let files = unsafe { MmapedSafetensors::multi(paths) }.map_err(|e| CandleError::Malformed {
+            what: "safetensors file",
+            path: paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+            reason: e.to_string(),
+        })?;
+        let index = files
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, (view.shape().to_vec(), format!("{:?}", view.dtype()))))
+            .collect();
+        Ok(Self { files, index })
+    }
+
+    /// The element type most tensors are stored in, if any are floating point.
+    pub fn dominant_dtype(&self) -> Option<DType> {
+        let mut counts: HashMap<DType, usize> = HashMap::new();
+        for (_, dt) in self.index.values() {
+            if let Some(d) = float_dtype(dt) {
+                *counts.entry(d).or_default() += 1;
+            }
+        }
+        counts.into_iter().max_by_key(|(_, n)| *n).map(|(d, _)| d)
+    }
+}
+
+/// The candle dtype of a safetensors element type name, for the float types candlewick runs.
+fn float_dtype(stored: &str) -> Option<DType> {
+    match stored {
+        "F32" => Some(DType::F32),
+        "F16" => Some(DType::F16),
+        "BF16" => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index).map_err(|source| CandleError::Io { path: index.display().to_string(), source })?;
+    let malformed = |reason: String| CandleError::Malformed {
+        what: "safetensors index",
+        path: index.display().to_string(),
+        reason,
+    };
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| malformed(e.to_string()))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| malformed("no `weight_map` object".into()))?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let mut files: Vec<PathBuf> = Vec::new();
+    for v in map.values() {
+        let f = v.as_str().ok_or_else(|| malformed("a `weight_map` value is not a file name".into()))?;
+        let p = dir.join(f);
+        if !files.contains(&p) {
+            files.push(p);
+        }
+    }
+    Ok(files)
+}
+
+impl WeightSource for SafetensorsWeights {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.index.get(name).map(|(s, _)| s.clone())
+    }
+
+    fn dense(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        let (_, stored) = self.index.get(name).ok_or_else(|| CandleError::MissingTensor { name: name.to_owned() })?;
+        if float_dtype(stored).is_none() {
+            return Err(CandleError::UnsupportedTensorType { tensor: name.to_owned(), dtype: stored.clone() });
+        }
+        let t = self.files.load(name, device).ctx(|| format!("loading tensor `{name}`"))?;
+        convert(t, name, dtype)
+    }
+}
