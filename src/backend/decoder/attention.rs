@@ -44,6 +44,8 @@ pub struct Attention {
     pub softcap: Option<f64>,
     /// Whether RoPE rotates adjacent pairs.
     pub rope_interleaved: bool,
+    /// The dtype keys and values are cached in.
+    pub cache_dtype: DType,
 }
 
 /// What one forward step shares between the layers of one kind.
@@ -110,6 +112,9 @@ impl Attention {
         let v = v.reshape((t, nkv, d))?.transpose(0, 1)?.unsqueeze(0)?;
         let q = rope::apply(&q, &tables.cos, &tables.sin, self.rope_interleaved)?;
         let k = rope::apply(&k, &tables.cos, &tables.sin, self.rope_interleaved)?;
+        // The cache (and so the score and value matmuls) is in the weights' dtype.
+        let cache_dtype = self.cache_dtype;
+        let (k, v, q) = (k.to_dtype(cache_dtype)?, v.to_dtype(cache_dtype)?, q.to_dtype(cache_dtype)?);
         let (k_all, v_all) = kv.append(&k, &v, pos, max_context)?;
         let total = pos + t;
         // Grouped-query attention without copying keys: fold each group's query heads into rows.
@@ -127,7 +132,7 @@ impl Attention {
         observe(rec, || format!("model.layers.{layer}.attention.pattern"), &probs.squeeze(0)?);
         let probs = probs.to_dtype(v_all.dtype())?.reshape((1, nkv, group * t, total))?;
         let out = probs.matmul(&v_all)?; // [1, nkv, group * t, d]
-        let out = out.reshape((nh, t, d))?.transpose(0, 1)?.reshape((t, nh * d))?;
+        let out = out.reshape((nh, t, d))?.transpose(0, 1)?.reshape((t, nh * d))?.to_dtype(DType::F32)?;
         self.o.forward(&out)
     }
 }

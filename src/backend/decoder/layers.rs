@@ -18,9 +18,16 @@ impl Linear {
         Self { weight, bias }
     }
 
-    /// Applies the map to `[rows, in]`.
+    /// Applies the map to float32 `[rows, in]`, multiplying in the weight's dtype and returning float32.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = self.weight.forward(x)?;
+        let y = match &self.weight {
+            // Half-precision weights multiply half-precision inputs; the result rejoins the
+            // float32 residual stream, which keeps long residual sums accurate.
+            QMatMul::Tensor(w) | QMatMul::TensorF16(w) if w.dtype() != x.dtype() => {
+                self.weight.forward(&x.to_dtype(w.dtype())?)?.to_dtype(DType::F32)?
+            }
+            _ => self.weight.forward(x)?,
+        };
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -63,9 +70,9 @@ impl Embedding {
         Self { table }
     }
 
-    /// The rows of `ids` `[t]` as `[t, hidden]`.
+    /// The rows of `ids` `[t]` as float32 `[t, hidden]`.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        self.table.index_select(ids, 0)
+        self.table.index_select(ids, 0)?.to_dtype(DType::F32)
     }
 
     /// The same table as an output projection (tied embeddings).

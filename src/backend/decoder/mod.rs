@@ -46,6 +46,10 @@ pub enum LogitsRows {
 }
 
 /// The generic decoder: embeddings, blocks, final norm, output projection.
+///
+/// Weights and the KV cache are in the model's dtype; the residual stream, norms and
+/// attention scores run in float32 (as llama.cpp does), so half-precision models lose
+/// precision only inside their matmuls.
 #[derive(Debug, Clone)]
 pub struct Decoder {
     config: ArchConfig,
@@ -72,7 +76,7 @@ impl Decoder {
         };
         let linear = |slot: Slot, layer: usize, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let weight = w.matmul(&name(slot, layer, "weight"), out, inp)?;
-            let bias = if bias { Some(w.dense(&name(slot, layer, "bias"), &[out])?) } else { None };
+            let bias = if bias { Some(w.dense_f32(&name(slot, layer, "bias"), &[out])?) } else { None };
             Ok(Linear::new(weight, bias))
         };
         let embed_name = name(Slot::Embed, 0, "weight");
@@ -109,6 +113,7 @@ impl Decoder {
                 scale: c.attn_scale,
                 softcap: c.attn_softcap,
                 rope_interleaved: c.rope_interleaved,
+                cache_dtype: w.dtype(),
             };
             // Phi-3 fuses gate and up; GGUF names the fused one like the plain up projection.
             let fused_gate_up = !w.contains(&name(Slot::Gate, i, "weight"));
@@ -193,7 +198,7 @@ impl Decoder {
         let mut x = self.embed.forward(&ids_t)?;
         if let Some(s) = self.config.embed_scale {
             // transformers rounds the scale to the weights' dtype before multiplying.
-            let s = Tensor::new(s as f32, &self.device)?.to_dtype(self.dtype)?;
+            let s = Tensor::new(s as f32, &self.device)?.to_dtype(self.dtype)?.to_dtype(DType::F32)?;
             x = x.broadcast_mul(&s)?;
         }
         observe(&mut rec, || "model.embed_tokens".into(), &x);
@@ -202,7 +207,7 @@ impl Decoder {
             .iter()
             .map(|(lc, rope)| {
                 let (cos, sin) = rope
-                    .tables(pos, t, self.dtype, &self.device)
+                    .tables(pos, t, DType::F32, &self.device)
                     .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 Ok(StepTables { cos, sin, mask: causal_mask(pos, t, lc.sliding_window, &self.device)? })
             })

@@ -1,0 +1,62 @@
+"""candlewick: a local language-model runtime on candle.
+
+``ModelRuntime`` owns a loaded model, the backend that prepared it and its one
+session (the KV cache). Step it with ``prefill`` / ``decode``, read logits as numpy,
+and ask for named activations with ``inspect_prefill`` / ``inspect_decode``.
+"""
+
+from collections.abc import Mapping
+
+from ._native import (
+    ArtifactError,
+    Backend,
+    CandlewickError,
+    ContextFullError,
+    DeviceError,
+    InspectedOutput,
+    InternalError,
+    ModelRuntime,
+    ObservationError,
+    ObservationRequest,
+    ObservationSet,
+    Session,
+    SessionCapabilities,
+    SessionError,
+    StepOutput,
+    Submission,
+    TokenizerError,
+    TokenOutOfRangeError,
+    UnsupportedArchitectureError,
+    UnsupportedError,
+    UnsupportedTensorTypeError,
+    __version__,
+)
+
+# ObservationSet implements the mapping protocol natively; registering it makes
+# isinstance(obs, Mapping) true so it works wherever a read-only mapping is expected.
+Mapping.register(ObservationSet)
+
+__all__ = [
+    "ArtifactError",
+    "Backend",
+    "CandlewickError",
+    "ContextFullError",
+    "DeviceError",
+    "InspectedOutput",
+    "InternalError",
+    "ModelRuntime",
+    "ObservationError",
+    "ObservationRequest",
+    "ObservationSet",
+    "Session",
+    "SessionCapabilities",
+    "SessionError",
+    "StepOutput",
+    "Submission",
+    "TokenizerError",
+    "TokenOutOfRangeError",
+    "UnsupportedArchitectureError",
+    "UnsupportedError",
+    "UnsupportedTensorTypeError",
+    "__version__",
+]

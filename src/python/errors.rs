@@ -1,0 +1,107 @@
+//! The Python exception hierarchy and the mapping of every Rust error onto it.
+
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+use crate::backend::CandleError;
+use crate::core::{ModelLoadError, ObservationError, RuntimeError};
+
+pyo3::create_exception!(candlewick, CandlewickError, PyException, "Base class of every candlewick error.");
+pyo3::create_exception!(candlewick, ArtifactError, CandlewickError, "A model file or directory is missing, malformed or truncated.");
+pyo3::create_exception!(candlewick, UnsupportedError, CandlewickError, "Something candlewick does not implement.");
+pyo3::create_exception!(candlewick, UnsupportedArchitectureError, UnsupportedError, "The checkpoint's architecture is not supported.");
+pyo3::create_exception!(candlewick, UnsupportedTensorTypeError, UnsupportedError, "A tensor is stored in a type candlewick cannot run.");
+pyo3::create_exception!(candlewick, DeviceError, CandlewickError, "The requested device is not in this build or not present.");
+pyo3::create_exception!(candlewick, SessionError, CandlewickError, "A step, truncation or call the session cannot take.");
+pyo3::create_exception!(candlewick, TokenOutOfRangeError, SessionError, "A token id outside the vocabulary.");
+pyo3::create_exception!(candlewick, ContextFullError, SessionError, "The step would run past the session's context.");
+/// Holds the Python `ObservationError` apart from the core's Rust type of the same name.
+mod observation_exc {
+    pyo3::create_exception!(candlewick, ObservationError, super::CandlewickError, "An observation request the model cannot serve.");
+}
+pub use observation_exc::ObservationError as PyObservationError;
+pyo3::create_exception!(candlewick, TokenizerError, CandlewickError, "Tokenization, detokenization or a chat template failed.");
+pyo3::create_exception!(candlewick, InternalError, CandlewickError, "A failure inside candlewick or candle (a bug: please report it).");
+
+/// Registers the exception classes on the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("CandlewickError", py.get_type::<CandlewickError>())?;
+    m.add("ArtifactError", py.get_type::<ArtifactError>())?;
+    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    m.add("UnsupportedArchitectureError", py.get_type::<UnsupportedArchitectureError>())?;
+    m.add("UnsupportedTensorTypeError", py.get_type::<UnsupportedTensorTypeError>())?;
+    m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add("SessionError", py.get_type::<SessionError>())?;
+    m.add("TokenOutOfRangeError", py.get_type::<TokenOutOfRangeError>())?;
+    m.add("ContextFullError", py.get_type::<ContextFullError>())?;
+    m.add("ObservationError", py.get_type::<PyObservationError>())?;
+    m.add("TokenizerError", py.get_type::<TokenizerError>())?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
+    Ok(())
+}
+
+/// The Python exception for a backend error.
+pub fn backend_err(e: CandleError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        CandleError::Device { .. } => DeviceError::new_err(msg),
+        CandleError::MissingFile { .. }
+        | CandleError::Malformed { .. }
+        | CandleError::MissingTensor { .. }
+        | CandleError::TensorShape { .. }
+        | CandleError::Io { .. } => ArtifactError::new_err(msg),
+        CandleError::UnsupportedArchitecture { .. } => UnsupportedArchitectureError::new_err(msg),
+        CandleError::UnsupportedTensorType { .. } => UnsupportedTensorTypeError::new_err(msg),
+        CandleError::UnsupportedConfig { .. } => UnsupportedError::new_err(msg),
+        CandleError::TokenOutOfRange { .. } => TokenOutOfRangeError::new_err(msg),
+        CandleError::ContextFull { .. } => ContextFullError::new_err(msg),
+        CandleError::InvalidInput { .. } => SessionError::new_err(msg),
+        CandleError::Observation(_) => PyObservationError::new_err(msg),
+        CandleError::Candle { .. } => InternalError::new_err(msg),
+    }
+}
+
+/// The Python exception for a runtime error.
+pub fn runtime_err(e: RuntimeError<CandleError>) -> PyErr {
+    match e {
+        RuntimeError::Backend(e) => backend_err(e),
+        RuntimeError::Observation(e) => observation_err(e),
+        other => SessionError::new_err(other.to_string()),
+    }
+}
+
+/// The Python exception for an invalid observation request or set.
+pub fn observation_err(e: ObservationError) -> PyErr {
+    PyObservationError::new_err(e.to_string())
+}
+
+/// The Python exception for a failed load, keeping the artifact's path in the message.
+pub fn load_err(e: ModelLoadError<CandleError>) -> PyErr {
+    match e {
+        ModelLoadError::Artifact { path, source } => {
+            let err = backend_err(source);
+            Python::attach(|py| {
+                let msg = format!("{path}: {}", err.value(py));
+                PyErr::from_type(err.get_type(py), msg)
+            })
+        }
+        ModelLoadError::Backend { source, .. } => backend_err(source),
+        ModelLoadError::Runtime(e) => runtime_err(e),
+    }
+}
+
+/// Runs `f`, turning a Rust panic into `InternalError` instead of unwinding into Python.
+pub fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(InternalError::new_err(format!("internal error (Rust panic): {what}")))
+        }
+    }
+}

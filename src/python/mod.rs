@@ -1,0 +1,24 @@
+//! The PyO3 layer: a thin binding of the core, one file per domain.
+
+mod errors;
+mod observation;
+mod runtime;
+
+use pyo3::prelude::*;
+
+/// The native module behind the `candlewick` package.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<runtime::PyModelRuntime>()?;
+    m.add_class::<runtime::PyBackend>()?;
+    m.add_class::<runtime::PySession>()?;
+    m.add_class::<runtime::PySessionCapabilities>()?;
+    m.add_class::<runtime::PyStepOutput>()?;
+    m.add_class::<runtime::PySubmission>()?;
+    m.add_class::<runtime::PyInspectedOutput>()?;
+    m.add_class::<observation::PyObservationRequest>()?;
+    m.add_class::<observation::PyObservationSet>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

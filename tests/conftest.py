@@ -1,0 +1,44 @@
+"""Shared helpers: where the reference fixtures live and how results are compared (DESIGN §7)."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(os.environ.get("CANDLEWICK_FIXTURES", REPO.parent / "shared" / "fixtures"))
+TINY = FIXTURES / "tiny"
+CASES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
+
+
+def rel_l2(a, r):
+    """Relative L2 error ‖a − r‖ / ‖r‖ in float64."""
+    a = np.asarray(a, dtype=np.float64)
+    r = np.asarray(r, dtype=np.float64)
+    assert a.shape == r.shape, (a.shape, r.shape)
+    return float(np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30))
+
+
+def reference(case):
+    """transformers' outputs for a tiny checkpoint."""
+    return load_file(str(TINY / case / "reference.safetensors"))
+
+
+@pytest.fixture(params=CASES)
+def case(request):
+    """Each of the six tiny architectures."""
+    return request.param
+
+
+@pytest.fixture
+def ref(case):
+    return reference(case)
+
+
+@pytest.fixture
+def runtime(case):
+    import candlewick
+
+    return candlewick.ModelRuntime.load(TINY / case, device="cpu")
