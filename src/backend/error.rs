@@ -51,6 +51,12 @@ pub enum CandleError {
         /// Its element type.
         dtype: String,
     },
+    /// A metadata key the architecture needs is not in the GGUF file.
+    #[error("GGUF metadata key `{key}` is missing")]
+    MissingMetadata {
+        /// The key.
+        key: String,
+    },
     /// A tensor the architecture needs is not in the checkpoint.
     #[error("tensor `{name}` is missing from the checkpoint")]
     MissingTensor {

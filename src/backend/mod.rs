@@ -21,6 +21,7 @@ use decoder::Decoder;
 pub use error::CandleError;
 use error::Result;
 pub use session::{CandleSession, DecodeInput, PrefillInput, StepOutput};
+use weights::gguf::{GgufWeights, Metadata};
 use weights::safetensors::SafetensorsWeights;
 use weights::{WeightLoader, WeightSource};
 
@@ -135,11 +136,7 @@ impl ModelLoadingBackend for CandleBackend {
         if !artifact.exists() {
             return Err(CandleError::MissingFile { what: "model artifact", path: artifact.display().to_string() });
         }
-        Err(CandleError::Malformed {
-            what: "model artifact",
-            path: artifact.display().to_string(),
-            reason: "expected a Hugging Face checkpoint directory".into(),
-        })
+        self.load_gguf(artifact, options)
     }
 }
 
@@ -164,6 +161,28 @@ impl CandleBackend {
             dtype,
             max_context,
             format: ArtifactFormat::HuggingFace,
+        })
+    }
+
+    fn load_gguf(&self, path: &Path, options: &LoadOptions) -> Result<CandleModelConfig> {
+        // Without a dtype the weights stay quantized and activations run in float32; a dtype
+        // de-quantizes every weight at load (f32 for exact comparison with a reference).
+        let weights = GgufWeights::open(path, options.dtype.is_some())?;
+        let md = Metadata::new(weights.metadata());
+        let embed = weights
+            .shape("token_embd.weight")
+            .ok_or_else(|| CandleError::MissingTensor { name: "token_embd.weight".into() })?;
+        let vocab_size = embed.first().copied().unwrap_or(0);
+        let arch = config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size)?;
+        let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
+        validate_context(max_context)?;
+        Ok(CandleModelConfig {
+            arch,
+            weights: Box::new(weights),
+            naming: Naming::Gguf,
+            dtype: options.dtype.unwrap_or(DType::F32),
+            max_context,
+            format: ArtifactFormat::Gguf,
         })
     }
 

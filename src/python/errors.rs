@@ -49,6 +49,7 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::MissingFile { .. }
         | CandleError::Malformed { .. }
         | CandleError::MissingTensor { .. }
+        | CandleError::MissingMetadata { .. }
         | CandleError::TensorShape { .. }
         | CandleError::Io { .. } => ArtifactError::new_err(msg),
         CandleError::UnsupportedArchitecture { .. } => UnsupportedArchitectureError::new_err(msg),

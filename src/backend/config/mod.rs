@@ -1,5 +1,6 @@
 //! The architecture description the one decoder is parameterised by.
 
+pub mod gguf;
 pub mod hf;
 
 /// The architecture families the decoder implements.

@@ -1,6 +1,8 @@
 //! The decoder's small building blocks: linear maps, RMS norms, embeddings, the MLP.
 
-use candle_core::quantized::QMatMul;
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor, D};
 
 use crate::backend::config::Activation;
@@ -58,26 +60,30 @@ impl RmsNorm {
     }
 }
 
-/// The token embedding table.
+/// The token embedding table, dense or quantized (a large vocabulary stays compact).
 #[derive(Debug, Clone)]
-pub struct Embedding {
-    table: Tensor,
+pub enum Embedding {
+    /// A dense `[vocab, hidden]` table.
+    Dense(Tensor),
+    /// A quantized `[vocab, hidden]` table whose rows are de-quantized on lookup.
+    Quantized(Arc<QTensor>),
 }
 
 impl Embedding {
-    /// A dense `[vocab, hidden]` table.
-    pub fn new(table: Tensor) -> Self {
-        Self { table }
-    }
-
     /// The rows of `ids` `[t]` as float32 `[t, hidden]`.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        self.table.index_select(ids, 0)?.to_dtype(DType::F32)
+        match self {
+            Self::Dense(table) => table.index_select(ids, 0)?.to_dtype(DType::F32),
+            Self::Quantized(q) => q.embedding(ids)?.to_dtype(DType::F32),
+        }
     }
 
-    /// The same table as an output projection (tied embeddings).
-    pub fn as_linear(&self) -> Linear {
-        Linear::new(QMatMul::Tensor(self.table.clone()), None)
+    /// The same table as an output projection (tied embeddings), quantized where it is.
+    pub fn as_linear(&self) -> candle_core::Result<Linear> {
+        Ok(match self {
+            Self::Dense(table) => Linear::new(QMatMul::Tensor(table.clone()), None),
+            Self::Quantized(q) => Linear::new(QMatMul::from_arc(q.clone())?, None),
+        })
     }
 }
 

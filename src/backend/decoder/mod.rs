@@ -80,7 +80,7 @@ impl Decoder {
             Ok(Linear::new(weight, bias))
         };
         let embed_name = name(Slot::Embed, 0, "weight");
-        let embed = Embedding::new(w.dense(&embed_name, &[c.vocab_size, h])?);
+        let embed = w.embedding(&embed_name, c.vocab_size, h)?;
 
         let mut kinds: Vec<(LayerConfig, Rope)> = Vec::new();
         let mut blocks = Vec::with_capacity(c.num_layers());
@@ -138,7 +138,7 @@ impl Decoder {
         }
         let head_name = name(Slot::LmHead, 0, "weight");
         let lm_head = if c.tie_word_embeddings {
-            embed.as_linear()
+            embed.as_linear().ctx(|| format!("tying the output projection to `{embed_name}`"))?
         } else {
             Linear::new(w.matmul(&head_name, c.vocab_size, h)?, None)
         };

@@ -1,11 +1,13 @@
 //! Where weights come from: a checkpoint format behind one small interface.
 
+pub mod gguf;
 pub mod safetensors;
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor};
 
-use crate::backend::error::{CandleError, CandleContext, Result};
+use crate::backend::decoder::layers::Embedding;
+use crate::backend::error::{CandleContext, CandleError, Result};
 
 /// A checkpoint's named tensors.
 pub trait WeightSource: Send + Sync {
@@ -16,6 +18,10 @@ pub trait WeightSource: Send + Sync {
     /// Loads `name` as a matmul weight; formats that store quantized blocks keep them quantized.
     fn matmul(&self, name: &str, dtype: DType, device: &Device) -> Result<QMatMul> {
         Ok(QMatMul::Tensor(self.dense(name, dtype, device)?))
+    }
+    /// Loads `name` as an embedding table; formats that store quantized blocks keep them quantized.
+    fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
+        Ok(Embedding::Dense(self.dense(name, dtype, device)?))
     }
 }
 
@@ -65,6 +71,12 @@ impl<'a> WeightLoader<'a> {
     pub fn dense_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.check(name, shape)?;
         self.source.dense(name, DType::F32, self.device)
+    }
+
+    /// A `[rows, cols]` embedding table, quantized where the checkpoint is.
+    pub fn embedding(&self, name: &str, rows: usize, cols: usize) -> Result<Embedding> {
+        self.check(name, &[rows, cols])?;
+        self.source.embedding(name, self.dtype, self.device)
     }
 
     /// A `[out, in]` matmul weight, quantized where the checkpoint is.

@@ -1,0 +1,92 @@
+//! GGUF metadata (llama.cpp's keys) to an `ArchConfig`.
+
+use super::{Activation, ArchConfig, Architecture, LayerConfig, RopeConfig, RopeScaling};
+use crate::backend::error::{CandleError, Result};
+use crate::backend::weights::gguf::Metadata;
+
+/// Reads the architecture; `has_tensor` tells which optional tensors the file carries.
+pub fn parse_config(md: &Metadata<'_>, has_tensor: &dyn Fn(&str) -> bool, vocab_size: usize) -> Result<ArchConfig> {
+    let name = md.string("general.architecture")?;
+    let arch = match name.as_str() {
+        "llama" => Architecture::Llama,
+        "mistral" => Architecture::Mistral,
+        "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
+        "gemma3" => Architecture::Gemma3,
+        "phi3" => Architecture::Phi3,
+        other => return Err(CandleError::UnsupportedArchitecture { name: other.to_owned() }),
+    };
+    let key = |k: &str| format!("{name}.{k}");
+    let hidden = md.usize(&key("embedding_length"))?;
+    let n_layers = md.usize(&key("block_count"))?;
+    let heads = md.usize(&key("attention.head_count"))?;
+    let kv_heads = md.opt_usize(&key("attention.head_count_kv"))?.unwrap_or(heads);
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden == 0 || n_layers == 0 {
+        return Err(CandleError::UnsupportedConfig {
+            what: format!("{heads} heads over {kv_heads} key/value heads, hidden {hidden}, {n_layers} layers"),
+        });
+    }
+    let head_dim = md.opt_usize(&key("attention.key_length"))?.unwrap_or(hidden / heads);
+    let rotary = md.opt_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim);
+    let theta = md.opt_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+    let scaling = match md.string(&key("rope.scaling.type")).ok().as_deref() {
+        None | Some("none") => RopeScaling::None,
+        Some("linear") => RopeScaling::Linear { factor: md.opt_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0) },
+        Some(other) => return Err(CandleError::UnsupportedConfig { what: format!("GGUF rope scaling `{other}`") }),
+    };
+    if has_tensor("rope_factors_long.weight") {
+        return Err(CandleError::UnsupportedConfig { what: "LongRoPE (rope_factors_long) scaling".into() });
+    }
+    let full = RopeConfig { theta, scaling };
+    let gemma = arch == Architecture::Gemma3;
+    let window = md.opt_usize(&key("attention.sliding_window"))?;
+    let layers = (0..n_layers)
+        .map(|i| {
+            if gemma {
+                // llama.cpp: five sliding layers then one global, the sliding ones with base 10k.
+                let sliding = (i + 1) % 6 != 0;
+                match (sliding, window) {
+                    (true, Some(w)) => LayerConfig {
+                        sliding_window: Some(w),
+                        rope: RopeConfig { theta: 10_000.0, scaling: RopeScaling::None },
+                    },
+                    _ => LayerConfig { sliding_window: None, rope: full },
+                }
+            } else {
+                let w = if matches!(arch, Architecture::Mistral | Architecture::Phi3) { window } else { None };
+                LayerConfig { sliding_window: w, rope: full }
+            }
+        })
+        .collect();
+    let has = |t: &str| has_tensor(&format!("blk.0.{t}.weight")) || has_tensor(&format!("blk.0.{t}.bias"));
+    Ok(ArchConfig {
+        architecture: arch,
+        vocab_size,
+        hidden_size: hidden,
+        intermediate_size: md.usize(&key("feed_forward_length"))?,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        layers,
+        rms_norm_eps: md.opt_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
+        max_position_embeddings: md.opt_usize(&key("context_length"))?.unwrap_or(4096),
+        tie_word_embeddings: !has_tensor("output.weight"),
+        partial_rotary_factor: rotary as f64 / head_dim as f64,
+        // llama.cpp permutes Llama/Mistral q and k rows so that RoPE rotates adjacent pairs.
+        rope_interleaved: matches!(arch, Architecture::Llama | Architecture::Mistral),
+        qkv_bias: has_tensor("blk.0.attn_q.bias") || has_tensor("blk.0.attn_qkv.bias"),
+        o_bias: has_tensor("blk.0.attn_output.bias"),
+        mlp_bias: has_tensor("blk.0.ffn_down.bias"),
+        qk_norm: has("attn_q_norm"),
+        // llama.cpp's converter stores Gemma norms with the 1 already added.
+        norm_weight_offset: false,
+        sandwich_norms: has("post_attention_norm"),
+        embed_scale: gemma.then(|| (hidden as f64).sqrt()),
+        activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+        attn_scale: (head_dim as f64).powf(-0.5),
+        attn_softcap: md.opt_f64(&key("attn_logit_softcapping"))?,
+        final_softcap: md.opt_f64(&key("final_logit_softcapping"))?,
+        eos_token_ids: md.opt_usize("tokenizer.ggml.eos_token_id")?.map(|x| vec![x as u32]).unwrap_or_default(),
+        bos_token_id: md.opt_usize("tokenizer.ggml.bos_token_id")?.map(|x| x as u32),
+    })
+}
