@@ -1,0 +1,656 @@
+//! Chat templates: the Jinja programs Hugging Face checkpoints ship to turn a conversation
+//! into a prompt, rendered with minijinja configured like transformers' sandboxed Jinja2
+//! environment (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `tojson`,
+//! `strftime_now`, Python string and dict methods).
+
+use std::sync::Arc;
+
+use minijinja::syntax::SyntaxConfig;
+use minijinja::value::{from_args, Kwargs, Rest, Value, ValueOrKwargs};
+use minijinja::{Environment, Error, ErrorKind};
+use serde::{Deserialize, Serialize};
+
+use super::error::TextError;
+use super::pyjson::{dumps, DumpOptions, OrderedValue};
+
+/// The name the template is registered under; no extension, so no auto-escaping.
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`, ... as the template expects.
+    pub role: String,
+    /// The turn's text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with the given role and content.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    fn to_value(&self) -> Value {
+        Value::from_pairs([
+            ("role", Value::from(self.role.as_str())),
+            ("content", Value::from(self.content.as_str())),
+        ])
+    }
+}
+
+/// The error `raise_exception` attaches, so its message reaches the user verbatim.
+#[derive(Debug)]
+struct RaisedException(String);
+
+impl std::fmt::Display for RaisedException {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RaisedException {}
+
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message.clone())
+        .with_source(RaisedException(message)))
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)`, positional arguments in that order.
+fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
+    let args = args.into_values();
+    let (ensure_ascii, indent, separators, sort_keys, kwargs) = from_args::<(
+        Option<Value>,
+        Option<Value>,
+        Option<Value>,
+        Option<Value>,
+        Kwargs,
+    )>(&args)?;
+    let pick = |positional: Option<Value>, name: &str| -> Result<Option<Value>, Error> {
+        match kwargs.get::<Option<Value>>(name)? {
+            Some(v) => Ok(Some(v)),
+            None => Ok(positional),
+        }
+    };
+    let ensure_ascii = pick(ensure_ascii, "ensure_ascii")?.is_some_and(|v| v.is_true());
+    let sort_keys = pick(sort_keys, "sort_keys")?.is_some_and(|v| v.is_true());
+    let indent = match pick(indent, "indent")? {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) if v.as_str().is_some() => Some(v.as_str().unwrap_or_default().to_string()),
+        Some(v) => {
+            let n = i64::try_from(v)?;
+            Some(" ".repeat(n.max(0) as usize))
+        }
+    };
+    let separators = match pick(separators, "separators")? {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => {
+            let parts: Vec<Value> = v.try_iter()?.collect();
+            match parts.as_slice() {
+                [item, key] => match (item.as_str(), key.as_str()) {
+                    (Some(item), Some(key)) => Some((item.to_string(), key.to_string())),
+                    _ => None,
+                },
+                _ => None,
+            }
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidOperation,
+                    "separators must be two strings",
+                )
+            })
+            .map(Some)?
+        }
+    };
+    kwargs.assert_all_used()?;
+    let opts = DumpOptions {
+        ensure_ascii,
+        indent,
+        separators,
+        sort_keys,
+    };
+    Ok(Value::from_safe_string(dumps(value, &opts)?))
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian.
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+const WEEKDAYS: [&str; 7] = [
+    "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+];
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+
+/// C `strftime` over a Unix timestamp in UTC (no time-zone database is available to us).
+fn strftime_utc(format: &str, unix_seconds: i64) -> String {
+    let days = unix_seconds.div_euclid(86_400);
+    let secs = unix_seconds.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    let (hour, minute, second) = (secs / 3600, (secs / 60) % 60, secs % 60);
+    let weekday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let is_leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let cumulative = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cumulative[month as usize - 1] + day as i64 + i64::from(is_leap && month > 2);
+    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
+
+    let mut out = String::new();
+    let mut chars = format.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        // GNU's `-` flag drops the zero padding (`%-d`), common in Llama 3 templates.
+        let unpadded = chars.peek() == Some(&'-');
+        if unpadded {
+            chars.next();
+        }
+        let num = |v: i64, width: usize| {
+            if unpadded {
+                v.to_string()
+            } else {
+                format!("{v:0width$}")
+            }
+        };
+        let Some(spec) = chars.next() else {
+            out.push('%');
+            break;
+        };
+        let piece = match spec {
+            'a' => WEEKDAYS[weekday][..3].to_string(),
+            'A' => WEEKDAYS[weekday].to_string(),
+            'b' | 'h' => MONTHS[month as usize - 1][..3].to_string(),
+            'B' => MONTHS[month as usize - 1].to_string(),
+            'd' => num(day as i64, 2),
+            'e' => {
+                if unpadded {
+                    day.to_string()
+                } else {
+                    format!("{day:>2}")
+                }
+            }
+            'H' => num(hour, 2),
+            'I' => num(hour12, 2),
+            'j' => num(yday, 3),
+            'm' => num(month as i64, 2),
+            'M' => num(minute, 2),
+            'p' => if hour < 12 { "AM" } else { "PM" }.to_string(),
+            'S' => num(second, 2),
+            'y' => num(year.rem_euclid(100), 2),
+            'Y' => year.to_string(),
+            'F' => format!("{year}-{month:02}-{day:02}"),
+            'T' => format!("{hour:02}:{minute:02}:{second:02}"),
+            'D' => format!("{month:02}/{day:02}/{:02}", year.rem_euclid(100)),
+            'c' => format!(
+                "{} {} {day:>2} {hour:02}:{minute:02}:{second:02} {year}",
+                &WEEKDAYS[weekday][..3],
+                &MONTHS[month as usize - 1][..3]
+            ),
+            'Z' => "UTC".to_string(),
+            'z' => "+0000".to_string(),
+            'n' => "\n".to_string(),
+            't' => "\t".to_string(),
+            '%' => "%".to_string(),
+            other => format!("%{}{other}", if unpadded { "-" } else { "" }),
+        };
+        out.push_str(&piece);
+    }
+    out
+}
+
+/// transformers' `strftime_now`; the clock is read in UTC.
+fn strftime_now(format: String) -> Result<String, Error> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidOperation,
+                format!("system clock before 1970: {e}"),
+            )
+        })?;
+    Ok(strftime_utc(&format, now.as_secs() as i64))
+}
+
+/// Rewrites `{% generation %}` / `{% endgeneration %}` (transformers' assistant-mask tags, which
+/// minijinja cannot parse) into an always-true `if`, keeping their whitespace control.
+fn neutralize_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        out.push_str(&rest[..start]);
+        let tag = &rest[start..];
+        let Some(end) = tag.find("%}") else {
+            out.push_str(tag);
+            return out;
+        };
+        let inner = &tag[2..end];
+        let (left, body) = match inner.strip_prefix(['-', '+']) {
+            Some(b) => (&inner[..1], b),
+            None => ("", inner),
+        };
+        let (body, right) = match body.strip_suffix(['-', '+']) {
+            Some(b) => (b, &body[b.len()..]),
+            None => (body, ""),
+        };
+        let replacement = match body.trim() {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => {
+                let _ =
+                    std::fmt::Write::write_fmt(&mut out, format_args!("{{%{left} {r} {right}%}}"));
+            }
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A compiled chat template and the special-token texts it is rendered with.
+#[derive(Clone)]
+pub struct ChatTemplate {
+    env: Arc<Environment<'static>>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+fn template_error(err: Error) -> TextError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    while let Some(e) = source {
+        if let Some(raised) = e.downcast_ref::<RaisedException>() {
+            return TextError::Template {
+                message: raised.0.clone(),
+            };
+        }
+        source = e.source();
+    }
+    TextError::Template {
+        message: format!("{err:#}"),
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; `bos_token`/`eos_token` become the template variables of that name.
+    pub fn new(
+        source: &str,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, TextError> {
+        let mut env = Environment::new();
+        let syntax = SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(template_error)?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, neutralize_generation_tags(source))
+            .map_err(template_error)?;
+        Ok(Self {
+            env: Arc::new(env),
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Renders a plain conversation.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
+        let messages = Value::from(
+            messages
+                .iter()
+                .map(ChatMessage::to_value)
+                .collect::<Vec<_>>(),
+        );
+        self.render_value(messages, add_generation_prompt, Vec::new())
+    }
+
+    /// Renders messages given as JSON (tool calls, multimodal parts...) plus extra template
+    /// variables from the `extra` object (`tools`, `documents`, `enable_thinking`...).
+    ///
+    /// `serde_json::Value` objects are sorted by key unless serde_json's `preserve_order` is on;
+    /// use [`ChatTemplate::render_json`] when key order matters (e.g. tool schemas).
+    pub fn render_with(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Value,
+    ) -> Result<String, TextError> {
+        let to_value = |v: &serde_json::Value| {
+            OrderedValue::deserialize(v)
+                .map(|o| o.0)
+                .map_err(|e| TextError::Template {
+                    message: format!("cannot convert JSON to a template value: {e}"),
+                })
+        };
+        self.render_value(
+            to_value(messages)?,
+            add_generation_prompt,
+            extra_pairs(to_value(extra)?)?,
+        )
+    }
+
+    /// Like [`ChatTemplate::render_with`], from JSON text, keeping every object's key order as
+    /// Python dicts do.
+    pub fn render_json(
+        &self,
+        messages_json: &str,
+        add_generation_prompt: bool,
+        extra_json: Option<&str>,
+    ) -> Result<String, TextError> {
+        let parse = |s: &str, what: &str| {
+            serde_json::from_str::<OrderedValue>(s)
+                .map(|o| o.0)
+                .map_err(|e| TextError::Template {
+                    message: format!("cannot parse {what} JSON: {e}"),
+                })
+        };
+        let messages = parse(messages_json, "messages")?;
+        let extra = match extra_json {
+            Some(s) => extra_pairs(parse(s, "extra variables")?)?,
+            None => Vec::new(),
+        };
+        self.render_value(messages, add_generation_prompt, extra)
+    }
+
+    fn render_value(
+        &self,
+        messages: Value,
+        add_generation_prompt: bool,
+        extra: Vec<(String, Value)>,
+    ) -> Result<String, TextError> {
+        // What transformers' apply_chat_template passes: tools/documents default to None.
+        let mut ctx: Vec<(String, Value)> = vec![
+            ("messages".into(), messages),
+            (
+                "add_generation_prompt".into(),
+                Value::from(add_generation_prompt),
+            ),
+            ("tools".into(), Value::from(())),
+            ("documents".into(), Value::from(())),
+        ];
+        if let Some(bos) = &self.bos_token {
+            ctx.push(("bos_token".into(), Value::from(bos.as_str())));
+        }
+        if let Some(eos) = &self.eos_token {
+            ctx.push(("eos_token".into(), Value::from(eos.as_str())));
+        }
+        for (key, value) in extra {
+            match ctx.iter_mut().find(|(k, _)| *k == key) {
+                Some(slot) => slot.1 = value,
+                None => ctx.push((key, value)),
+            }
+        }
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(template_error)?;
+        template
+            .render(Value::from_pairs(ctx))
+            .map_err(template_error)
+    }
+}
+
+/// The entries of an `extra` object; `null` means none.
+fn extra_pairs(extra: Value) -> Result<Vec<(String, Value)>, TextError> {
+    if extra.is_none() || extra.is_undefined() {
+        return Ok(Vec::new());
+    }
+    let not_object = || TextError::Template {
+        message: "extra template variables must be a JSON object".into(),
+    };
+    if extra.kind() != minijinja::value::ValueKind::Map {
+        return Err(not_object());
+    }
+    let mut pairs = Vec::new();
+    for key in extra.try_iter().map_err(|_| not_object())? {
+        let name = key.as_str().ok_or_else(not_object)?.to_string();
+        let value = extra.get_item(&key).map_err(|_| not_object())?;
+        pairs.push((name, value));
+    }
+    Ok(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GEMMA_TEMPLATE: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
+
+' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}
+"#;
+
+    const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    fn conversation() -> Vec<ChatMessage> {
+        vec![
+            ChatMessage::new("system", "You are helpful."),
+            ChatMessage::new("user", "  Hi  "),
+            ChatMessage::new("assistant", "Hello!"),
+            ChatMessage::new("user", "How are you?"),
+        ]
+    }
+
+    #[test]
+    fn gemma_template() {
+        let t =
+            ChatTemplate::new(GEMMA_TEMPLATE, Some("<bos>".into()), Some("<eos>".into())).unwrap();
+        let out = t.render(&conversation(), true).unwrap();
+        assert_eq!(
+            out,
+            "<bos><start_of_turn>user\nYou are helpful.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n<start_of_turn>user\nHow are you?<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let out = t.render(&conversation()[1..2], false).unwrap();
+        assert_eq!(out, "<bos><start_of_turn>user\nHi<end_of_turn>\n");
+    }
+
+    #[test]
+    fn raise_exception_surfaces_its_message() {
+        let t = ChatTemplate::new(GEMMA_TEMPLATE, Some("<bos>".into()), None).unwrap();
+        let bad = vec![ChatMessage::new("assistant", "x")];
+        match t.render(&bad, false) {
+            Err(TextError::Template { message }) => {
+                assert_eq!(
+                    message,
+                    "Conversation roles must alternate user/assistant/user/assistant/..."
+                )
+            }
+            other => panic!("expected a template error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn chatml_template() {
+        let t = ChatTemplate::new(CHATML_TEMPLATE, None, Some("<|im_end|>".into())).unwrap();
+        let out = t.render(&conversation()[..2], true).unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n  Hi  <|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_python_methods_namespace_and_loop_controls() {
+        // Multi-line template relying on trim_blocks/lstrip_blocks like HF's environment.
+        let source = r#"{% set ns = namespace(count=0, sys='') %}
+{% if messages[0]['content'] | trim %}
+  {% set ns.sys = messages[0]['content'].strip() %}
+{% endif %}
+[{{ ns.sys }}]
+{% for m in messages %}
+  {% if m.role == 'system' %}{% continue %}{% endif %}
+  {% set ns.count = ns.count + 1 %}
+  {{ m.role.upper() }}:{{ m.content.split()|join('_') }}{% if not loop.last %},{% endif %}
+  {% if m.content.startswith('How') %}{% break %}{% endif %}
+{% endfor %}
+n={{ ns.count }}"#;
+        let t = ChatTemplate::new(source, None, None).unwrap();
+        let out = t.render(&conversation(), false).unwrap();
+        assert_eq!(
+            out,
+            "[You are helpful.]\n  USER:Hi,  ASSISTANT:Hello!,  USER:How_are_you?n=3"
+        );
+    }
+
+    #[test]
+    fn tojson_and_extra_variables() {
+        let source = "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ flag }}|{{ messages[0].content }}";
+        let t = ChatTemplate::new(source, None, None).unwrap();
+        let out = t
+            .render_json(
+                r#"[{"role": "user", "content": "é"}]"#,
+                false,
+                Some(r#"{"tools": [{"name": "f", "parameters": {"z": 1, "a": [true, null, 1.5]}}], "flag": "yes"}"#),
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            "[{\"name\": \"f\", \"parameters\": {\"z\": 1, \"a\": [true, null, 1.5]}}]|{\n  \"name\": \"f\",\n  \"parameters\": {\n    \"z\": 1,\n    \"a\": [\n      true,\n      null,\n      1.5\n    ]\n  }\n}|yes|é"
+        );
+        // As in transformers, serializing an undefined value is an error, not "null".
+        let err = t
+            .render_with(
+                &serde_json::json!([{"role": "user", "content": "x"}]),
+                false,
+                &serde_json::json!({"tools": [], "flag": 1}),
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("not JSON serializable"), "{err}");
+        let t = ChatTemplate::new(
+            "{{ tools | tojson }}|{{ flag }}|{{ messages[0].content }}",
+            None,
+            None,
+        )
+        .unwrap();
+        let out = t
+            .render_with(
+                &serde_json::json!([{"role": "user", "content": "x"}]),
+                false,
+                &serde_json::json!({"tools": [], "flag": 1}),
+            )
+            .unwrap();
+        assert_eq!(out, "[]|1|x");
+    }
+
+    #[test]
+    fn generation_tags_and_strftime() {
+        let source = "{%- generation -%}\n  {{ 'a' }}\n{%- endgeneration %}|{{ strftime_now('%Y') | length }}";
+        let t = ChatTemplate::new(source, None, None).unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "a|4");
+        // 2024-07-23 13:05:09 UTC, a Tuesday.
+        assert_eq!(
+            strftime_utc("%d %b %Y %a %H:%M:%S %-d %j %p %I", 1_721_739_909),
+            "23 Jul 2024 Tue 13:05:09 23 205 PM 01"
+        );
+        assert_eq!(strftime_utc("%F %A %B", 0), "1970-01-01 Thursday January");
+    }
+
+    #[test]
+    fn undefined_variables_are_lenient_and_syntax_errors_are_typed() {
+        let t = ChatTemplate::new("{% if foo %}x{% endif %}{{ bar }}ok", None, None).unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "ok");
+        assert!(matches!(
+            ChatTemplate::new("{% if %}", None, None),
+            Err(TextError::Template { .. })
+        ));
+    }
+}

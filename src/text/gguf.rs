@@ -1,0 +1,798 @@
+//! Rebuilding a `tokenizers::Tokenizer` from the vocabulary a GGUF file carries.
+//!
+//! A GGUF holds no `tokenizer.json`: only llama.cpp's description of one (tokens, scores,
+//! token types, merges, the name of a pre-tokenizer). The reference we must equal token for
+//! token is Hugging Face transformers (5.x, `integrations/gguf/gguf_tokenizer_mapping.py`), which
+//! hands the vocabulary to its own tokenizer classes (`GemmaTokenizer`, `LlamaTokenizer`,
+//! `GPT2Tokenizer`); the pipelines below reproduce those step by step, including the order in
+//! which merges are derived. Where transformers has no answer (pre-tokenizers it does not list)
+//! we take llama.cpp's split rules or refuse.
+
+use std::cmp::Ordering;
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file::Value;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
+use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::processors::template::{SpecialToken, TemplateProcessing};
+use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+use super::error::TextError;
+
+/// llama.cpp's token types (`llama_token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// The sentencepiece word-boundary marker.
+const SPIECE_UNDERLINE: &str = "\u{2581}";
+
+/// Control-token texts llama.cpp treats as end of generation besides `eos_token_id`; without
+/// them a chat model's turn never ends (Gemma's `<end_of_turn>`, ChatML's `<|im_end|>`...).
+const END_OF_GENERATION_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+];
+
+// Split regexes, verbatim from transformers' `GGUF_PRE_TOKENIZER_SPLITS` (the originals recorded
+// in each model's tokenizer.json, not llama.cpp's rewrites of them).
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// How a byte-level vocabulary cuts text before BPE.
+#[derive(Debug, Clone, Copy)]
+enum ByteLevelSplit {
+    /// GPT-2's own regex, built into `ByteLevel`.
+    Gpt2,
+    /// Every digit on its own, then GPT-2's regex (StarCoder-style tokenizers, SmolLM).
+    DigitsThenGpt2,
+    /// A model-specific regex in front of a regex-free `ByteLevel`.
+    Regex(&'static str),
+}
+
+/// Maps the pre-tokenizer names we know for certain; anything else is refused, never guessed.
+fn byte_level_split(pre: &str) -> Option<ByteLevelSplit> {
+    Some(match pre {
+        // llama.cpp writes these for vocabularies cut by GPT-2's regex; transformers leaves
+        // GPT2Tokenizer's `ByteLevel` in place for them.
+        "default" | "gpt-2" | "phi-2" | "mpt" | "olmo" => ByteLevelSplit::Gpt2,
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
+        | "lfm2" | "jina-v5-nano" | "dbrx" | "smaug-bpe" => ByteLevelSplit::Regex(LLAMA3_SPLIT),
+        "tekken" => ByteLevelSplit::Regex(TEKKEN_SPLIT),
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => {
+            ByteLevelSplit::Regex(QWEN2_SPLIT)
+        }
+        "qwen35" => ByteLevelSplit::Regex(QWEN35_SPLIT),
+        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => {
+            ByteLevelSplit::Regex(GPT4O_SPLIT)
+        }
+        // transformers does not list these and would keep plain GPT-2, which joins digit runs;
+        // llama.cpp (and the models' own tokenizer.json) isolate every digit first.
+        "smollm" | "starcoder" | "refact" => ByteLevelSplit::DigitsThenGpt2,
+        _ => return None,
+    })
+}
+
+/// The sentencepiece-family builders transformers picks between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sentencepiece {
+    /// `GemmaTokenizer` fed a respelled vocabulary with merges ranked by position (gemma 1-3).
+    Gemma,
+    /// `GemmaTokenizer` with merges from the file or the scores (`tokenizer.ggml.model` gemma4).
+    Gemma4,
+    /// `LlamaTokenizer`: Metaspace, byte fallback, no normalizer.
+    Llama,
+    /// Phi-3: the prefix space comes from a normalizer instead of Metaspace.
+    Phi3,
+}
+
+/// The tokenizer rebuilt from GGUF metadata, with what the wrapper needs besides it.
+pub(crate) struct GgufTokenizer {
+    pub tokenizer: tokenizers::Tokenizer,
+    pub bos_id: Option<u32>,
+    pub eos_ids: Vec<u32>,
+    pub add_bos: bool,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub chat_template: Option<String>,
+    pub vocab_size: usize,
+}
+
+/// Typed access to the metadata map, with errors naming the key.
+struct Metadata<'a>(&'a HashMap<String, Value>);
+
+fn invalid(key: &str, message: impl Into<String>) -> TextError {
+    TextError::InvalidMetadata {
+        key: key.to_string(),
+        message: message.into(),
+    }
+}
+
+fn value_as_i64(v: &Value) -> Option<i64> {
+    Some(match v {
+        Value::U8(x) => *x as i64,
+        Value::I8(x) => *x as i64,
+        Value::U16(x) => *x as i64,
+        Value::I16(x) => *x as i64,
+        Value::U32(x) => *x as i64,
+        Value::I32(x) => *x as i64,
+        Value::U64(x) => i64::try_from(*x).ok()?,
+        Value::I64(x) => *x,
+        _ => return None,
+    })
+}
+
+fn value_as_f64(v: &Value) -> Option<f64> {
+    match v {
+        Value::F32(x) => Some(*x as f64),
+        Value::F64(x) => Some(*x),
+        other => value_as_i64(other).map(|x| x as f64),
+    }
+}
+
+impl<'a> Metadata<'a> {
+    fn string(&self, key: &str) -> Result<Option<&'a str>, TextError> {
+        match self.0.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.as_str())),
+            Some(_) => Err(invalid(key, "expected a string")),
+        }
+    }
+
+    fn boolean(&self, key: &str) -> Result<Option<bool>, TextError> {
+        match self.0.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(invalid(key, "expected a boolean")),
+        }
+    }
+
+    /// A token id; llama.cpp writes -1 (as a signed or wrapped unsigned value) for "none".
+    fn token_id(&self, key: &str, n_tokens: usize) -> Result<Option<u32>, TextError> {
+        let Some(v) = self.0.get(key) else {
+            return Ok(None);
+        };
+        if matches!(v, Value::U32(u32::MAX) | Value::U64(u64::MAX)) {
+            return Ok(None);
+        }
+        let id = value_as_i64(v).ok_or_else(|| invalid(key, "expected an integer token id"))?;
+        if id < 0 {
+            return Ok(None);
+        }
+        if id as u64 >= n_tokens as u64 {
+            return Err(invalid(
+                key,
+                format!("token id {id} is outside the vocabulary of {n_tokens} tokens"),
+            ));
+        }
+        Ok(Some(id as u32))
+    }
+
+    fn array(&self, key: &str) -> Result<Option<&'a Vec<Value>>, TextError> {
+        match self.0.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => Ok(Some(a)),
+            Some(_) => Err(invalid(key, "expected an array")),
+        }
+    }
+
+    fn strings(&self, key: &str) -> Result<Option<Vec<String>>, TextError> {
+        let Some(items) = self.array(key)? else {
+            return Ok(None);
+        };
+        items
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s.clone()),
+                _ => Err(invalid(key, "expected an array of strings")),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+
+    fn floats(&self, key: &str) -> Result<Option<Vec<f64>>, TextError> {
+        let Some(items) = self.array(key)? else {
+            return Ok(None);
+        };
+        items
+            .iter()
+            .map(|v| value_as_f64(v).ok_or_else(|| invalid(key, "expected an array of numbers")))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+
+    fn integers(&self, key: &str) -> Result<Option<Vec<i64>>, TextError> {
+        let Some(items) = self.array(key)? else {
+            return Ok(None);
+        };
+        items
+            .iter()
+            .map(|v| value_as_i64(v).ok_or_else(|| invalid(key, "expected an array of integers")))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+}
+
+/// The GGUF vocabulary, read once and validated.
+struct Vocabulary {
+    /// Tokens exactly as the file spells them.
+    tokens: Vec<String>,
+    scores: Option<Vec<f64>>,
+    token_types: Option<Vec<i64>>,
+    merges: Option<Vec<String>>,
+    bos_id: Option<u32>,
+    eos_id: Option<u32>,
+    eot_id: Option<u32>,
+    eom_id: Option<u32>,
+    unk_id: Option<u32>,
+    pad_id: Option<u32>,
+    add_bos: Option<bool>,
+    add_eos: Option<bool>,
+    add_space_prefix: Option<bool>,
+    pre: Option<String>,
+    chat_template: Option<String>,
+}
+
+impl Vocabulary {
+    fn read(md: &Metadata<'_>) -> Result<Self, TextError> {
+        const TOKENS: &str = "tokenizer.ggml.tokens";
+        let tokens = md
+            .strings(TOKENS)?
+            .ok_or_else(|| TextError::MissingMetadata {
+                key: TOKENS.to_string(),
+            })?;
+        let n = tokens.len();
+        let scores = md.floats("tokenizer.ggml.scores")?;
+        let token_types = md.integers("tokenizer.ggml.token_type")?;
+        for (key, len) in [
+            ("tokenizer.ggml.scores", scores.as_ref().map(Vec::len)),
+            (
+                "tokenizer.ggml.token_type",
+                token_types.as_ref().map(Vec::len),
+            ),
+        ] {
+            if let Some(len) = len {
+                if len != n {
+                    return Err(invalid(key, format!("has {len} entries for {n} tokens")));
+                }
+            }
+        }
+        Ok(Self {
+            scores,
+            token_types,
+            merges: md.strings("tokenizer.ggml.merges")?,
+            bos_id: md.token_id("tokenizer.ggml.bos_token_id", n)?,
+            eos_id: md.token_id("tokenizer.ggml.eos_token_id", n)?,
+            unk_id: md.token_id("tokenizer.ggml.unknown_token_id", n)?,
+            // Only hints for stopping and special-token marking: a bad value is dropped rather
+            // than failing the load.
+            eot_id: md
+                .token_id("tokenizer.ggml.eot_token_id", n)
+                .unwrap_or(None),
+            eom_id: md
+                .token_id("tokenizer.ggml.eom_token_id", n)
+                .unwrap_or(None),
+            pad_id: md
+                .token_id("tokenizer.ggml.padding_token_id", n)
+                .unwrap_or(None),
+            add_bos: md.boolean("tokenizer.ggml.add_bos_token")?,
+            add_eos: md.boolean("tokenizer.ggml.add_eos_token")?,
+            add_space_prefix: md.boolean("tokenizer.ggml.add_space_prefix")?,
+            pre: md.string("tokenizer.ggml.pre")?.map(str::to_string),
+            chat_template: md.string("tokenizer.chat_template")?.map(str::to_string),
+            tokens,
+        })
+    }
+
+    fn token_type(&self, id: usize) -> Option<i64> {
+        self.token_types.as_ref().map(|t| t[id])
+    }
+
+    /// Ids llama.cpp stops generation at: EOS first, then EOT/EOM and known end-of-turn texts.
+    fn end_of_generation_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = Vec::new();
+        let mut push = |id: u32| {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        };
+        for id in [self.eos_id, self.eot_id, self.eom_id]
+            .into_iter()
+            .flatten()
+        {
+            push(id);
+        }
+        for (id, token) in self.tokens.iter().enumerate() {
+            let is_control = self.token_type(id) == Some(TOKEN_TYPE_CONTROL);
+            if is_control && END_OF_GENERATION_TEXTS.contains(&token.as_str()) {
+                push(id as u32);
+            }
+        }
+        ids
+    }
+}
+
+/// Python's `str.isspace` for one character (it includes the ASCII separators 0x1C-0x1F).
+fn py_isspace(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// transformers' Gemma respelling: a whitespace-only token containing a space is stored as
+/// spaces in the file but looked up as that many `▁`.
+fn gemma_spelled(token: &str) -> String {
+    if token.contains(' ') && token.chars().all(py_isspace) {
+        SPIECE_UNDERLINE.repeat(token.chars().count())
+    } else {
+        token.to_string()
+    }
+}
+
+/// `{token: id}` where a repeated token keeps its last id, as a Python dict comprehension does.
+fn vocab_map(tokens: &[String]) -> HashMap<String, u32> {
+    let mut vocab = HashMap::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        vocab.insert(t.clone(), i as u32);
+    }
+    vocab
+}
+
+/// transformers' `generate_merges(vocab, vocab_scores)` (vocab = `{token: index}`).
+///
+/// Every split of a token into two vocabulary pieces is a merge, ordered within the token by
+/// the pieces' ids; then all are stably sorted by (token score, left length, right length),
+/// descending. `scores[i]` is token `i`'s score; as in a dict, a repeated token keeps the score
+/// and index of its last occurrence but the position of its first.
+fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
+    let mut last: HashMap<&str, (usize, f64)> = HashMap::with_capacity(tokens.len());
+    let mut order: Vec<&str> = Vec::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        if last.insert(t.as_str(), (i, scores[i])).is_none() {
+            order.push(t.as_str());
+        }
+    }
+    let mut merges: Vec<(f64, usize, usize, &str, &str)> = Vec::new();
+    for &token in &order {
+        let score = last[token].1;
+        let mut local: Vec<(&str, &str)> = token
+            .char_indices()
+            .skip(1)
+            .map(|(at, _)| token.split_at(at))
+            .filter(|(l, r)| last.contains_key(l) && last.contains_key(r))
+            .collect();
+        local.sort_by_key(|(l, r)| (last[l].0, last[r].0));
+        merges.extend(
+            local
+                .into_iter()
+                .map(|(l, r)| (score, l.chars().count(), r.chars().count(), l, r)),
+        );
+    }
+    // Python compares floats numerically (-0.0 == 0.0), which `partial_cmp` matches; the sort is
+    // stable like `sorted(..., reverse=True)`.
+    merges.sort_by(|a, b| {
+        b.0.partial_cmp(&a.0)
+            .unwrap_or(Ordering::Equal)
+            .then(b.1.cmp(&a.1))
+            .then(b.2.cmp(&a.2))
+    });
+    merges
+        .into_iter()
+        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
+        .collect()
+}
+
+/// Merges stated by the file, as `"left right"` strings.
+fn parse_merges(merges: &[String]) -> Result<Vec<(String, String)>, TextError> {
+    merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .filter(|(_, r)| !r.contains(' '))
+                .map(|(l, r)| (l.to_string(), r.to_string()))
+                .ok_or_else(|| {
+                    invalid(
+                        "tokenizer.ggml.merges",
+                        format!("merge {m:?} is not two tokens separated by one space"),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// The file's merges, or those its vocabulary implies given each token's score.
+fn merges_or_generated(
+    v: &Vocabulary,
+    tokens: &[String],
+    scores: Option<Vec<f64>>,
+) -> Result<Vec<(String, String)>, TextError> {
+    if let Some(merges) = &v.merges {
+        return parse_merges(merges);
+    }
+    let scores = scores
+        .or_else(|| v.scores.clone())
+        .ok_or_else(|| TextError::MissingMetadata {
+            key: "tokenizer.ggml.scores".to_string(),
+        })?;
+    Ok(generate_merges(tokens, &scores))
+}
+
+fn build_err(what: &str) -> impl Fn(tokenizers::Error) -> TextError + '_ {
+    move |e| TextError::tokenizer(format!("building the {what} from GGUF metadata"), e)
+}
+
+fn bpe(
+    vocab: &HashMap<String, u32>,
+    merges: Vec<(String, String)>,
+    unk: Option<&str>,
+    byte_fallback: bool,
+) -> Result<BPE, TextError> {
+    let vocab_ahash: Vocab = vocab.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab_ahash, merges)
+        .fuse_unk(byte_fallback)
+        .byte_fallback(byte_fallback);
+    if let Some(unk) = unk {
+        builder = builder.unk_token(unk.to_string());
+    }
+    builder.build().map_err(build_err("BPE model"))
+}
+
+/// The sentencepiece family (`tokenizer.ggml.model` = `llama` or `gemma4`).
+fn build_sentencepiece(
+    v: &Vocabulary,
+    kind: Sentencepiece,
+) -> Result<tokenizers::Tokenizer, TextError> {
+    let tokens: Vec<String> = match kind {
+        Sentencepiece::Gemma => v.tokens.iter().map(|t| gemma_spelled(t)).collect(),
+        _ => v.tokens.clone(),
+    };
+    // Gemma's scores are ranks punched through with -1000 placeholders; its merge order is the
+    // order tokens appear in the file.
+    let positions =
+        (kind == Sentencepiece::Gemma).then(|| (0..tokens.len()).map(|i| -(i as f64)).collect());
+    let merges = merges_or_generated(v, &tokens, positions)?;
+    let vocab = vocab_map(&tokens);
+    let gemma = matches!(kind, Sentencepiece::Gemma | Sentencepiece::Gemma4);
+    // GemmaTokenizer builds its BPE with unk "<unk>"; LlamaTokenizer with none.
+    let unk = (gemma && vocab.contains_key("<unk>")).then_some("<unk>");
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe(&vocab, merges, unk, true)?);
+
+    let replace = |from: &str, to: &str| Replace::new(from, to).map_err(build_err("normalizer"));
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        replace(SPIECE_UNDERLINE, " ")?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    match kind {
+        Sentencepiece::Gemma | Sentencepiece::Gemma4 => {
+            // Spaces become `▁` up front and nothing is prepended; the split on " " never fires
+            // once the normalizer has run, but GemmaTokenizer installs it, so we do too.
+            tokenizer
+                .with_normalizer(Some(replace(" ", SPIECE_UNDERLINE)?))
+                .map_err(build_err("normalizer"))?;
+            let split = Split::new(" ", SplitDelimiterBehavior::MergedWithPrevious, false)
+                .map_err(build_err("pre-tokenizer"))?;
+            tokenizer.with_pre_tokenizer(Some(split));
+        }
+        Sentencepiece::Llama => {
+            // transformers always prepends (LlamaTokenizer's default); a file that explicitly
+            // says otherwise is honoured, as llama.cpp does, since the flag is the original
+            // sentencepiece model's `add_dummy_prefix`.
+            let prepend = v.add_space_prefix != Some(false);
+            let scheme = if prepend {
+                PrependScheme::First
+            } else {
+                PrependScheme::Never
+            };
+            tokenizer.with_pre_tokenizer(Some(Metaspace::new('\u{2581}', scheme, false)));
+            if prepend {
+                decoders.push(Strip::new(' ', 1, 0).into());
+            }
+        }
+        Sentencepiece::Phi3 => {
+            let normalizer = NormalizerSequence::new(vec![
+                Prepend::new(SPIECE_UNDERLINE.to_string()).into(),
+                replace(" ", SPIECE_UNDERLINE)?.into(),
+            ]);
+            tokenizer
+                .with_normalizer(Some(normalizer))
+                .map_err(build_err("normalizer"))?;
+            decoders.push(Strip::new(' ', 1, 0).into());
+        }
+    }
+    tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
+    add_gguf_tokens(&mut tokenizer, v, &vocab, |_| true)?;
+    Ok(tokenizer)
+}
+
+/// GPT-2's byte-to-character table (`bytes_to_unicode`).
+pub(crate) fn bytes_to_unicode() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
+    let mut n = 0u32;
+    for b in 0u32..256 {
+        table[b as usize] = if printable(b) {
+            char::from_u32(b).unwrap()
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap()
+        };
+    }
+    table
+}
+
+/// The byte-level family (`tokenizer.ggml.model` = `gpt2`), as transformers' GPT2Tokenizer.
+fn build_byte_level(v: &Vocabulary) -> Result<tokenizers::Tokenizer, TextError> {
+    let pre = v.pre.as_deref().unwrap_or("default");
+    let split = byte_level_split(pre).ok_or_else(|| TextError::UnsupportedPreTokenizer {
+        pre: pre.to_string(),
+    })?;
+
+    // llama.cpp writes tokens in byte-level spelling, except ones whose bytes do not decode
+    // (written raw); respell those so the merges naming them resolve.
+    let table = bytes_to_unicode();
+    let in_alphabet = move |t: &str| t.chars().all(|c| table.contains(&c));
+    let tokens: Vec<String> = v
+        .tokens
+        .iter()
+        .map(|t| {
+            if in_alphabet(t) {
+                t.clone()
+            } else {
+                t.bytes().map(|b| table[b as usize]).collect()
+            }
+        })
+        .collect();
+    let merges = merges_or_generated(v, &tokens, None)?;
+    let vocab = vocab_map(&tokens);
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe(&vocab, merges, None, false)?);
+
+    let pre_tokenizer: PreTokenizerWrapper = match split {
+        ByteLevelSplit::Gpt2 => ByteLevel::new(false, true, true).into(),
+        ByteLevelSplit::DigitsThenGpt2 => PreTokenizerSequence::new(vec![
+            Digits::new(true).into(),
+            ByteLevel::new(false, true, true).into(),
+        ])
+        .into(),
+        ByteLevelSplit::Regex(regex) => {
+            let split = Split::new(
+                SplitPattern::Regex(regex.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(build_err("pre-tokenizer split"))?;
+            PreTokenizerSequence::new(vec![
+                split.into(),
+                ByteLevel::new(false, true, false).into(),
+            ])
+            .into()
+        }
+    };
+    tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
+    tokenizer.with_decoder(Some(ByteLevel::new(false, true, true)));
+    // A control token outside the byte alphabet is a byte sequence llama.cpp mislabelled;
+    // registering it would take it out of the merges, so transformers skips it.
+    add_gguf_tokens(&mut tokenizer, v, &vocab, in_alphabet)?;
+    Ok(tokenizer)
+}
+
+/// transformers' `add_gguf_special_tokens` plus the special tokens its tokenizer classes add.
+///
+/// Control tokens become special (chat markup typed as text is one id, and is skipped when
+/// decoding with `skip_special_tokens`); user-defined tokens found in the vocabulary are matched
+/// whole but kept when decoding; BOS/EOS/UNK/PAD are special whatever their type.
+fn add_gguf_tokens(
+    tokenizer: &mut tokenizers::Tokenizer,
+    v: &Vocabulary,
+    vocab: &HashMap<String, u32>,
+    control_allowed: impl Fn(&str) -> bool,
+) -> Result<(), TextError> {
+    let mut special: Vec<AddedToken> = Vec::new();
+    let mut user_defined: Vec<AddedToken> = Vec::new();
+    if v.token_types.is_some() {
+        for (id, token) in v.tokens.iter().enumerate() {
+            match v.token_type(id) {
+                Some(TOKEN_TYPE_CONTROL) if control_allowed(token) => {
+                    special.push(AddedToken::from(token.clone(), true).normalized(false))
+                }
+                Some(TOKEN_TYPE_USER_DEFINED) if vocab.contains_key(token) => {
+                    user_defined.push(AddedToken::from(token.clone(), false).normalized(false))
+                }
+                _ => {}
+            }
+        }
+    }
+    for id in [v.bos_id, v.eos_id, v.unk_id, v.pad_id]
+        .into_iter()
+        .flatten()
+    {
+        let token = &v.tokens[id as usize];
+        let known = special
+            .iter()
+            .chain(&user_defined)
+            .any(|t| &t.content == token);
+        if !known && vocab.contains_key(token) {
+            special.push(AddedToken::from(token.clone(), true).normalized(false));
+        }
+    }
+    if !special.is_empty() {
+        tokenizer
+            .add_special_tokens(special)
+            .map_err(build_err("special tokens"))?;
+    }
+    if !user_defined.is_empty() {
+        tokenizer
+            .add_tokens(user_defined)
+            .map_err(build_err("user-defined tokens"))?;
+    }
+    Ok(())
+}
+
+/// `update_post_processor`: BOS/EOS insertion lives in the inner tokenizer, so
+/// `inner().encode` agrees with ours.
+fn special_token_processor(
+    v: &Vocabulary,
+    add_bos: bool,
+    add_eos: bool,
+) -> Result<Option<TemplateProcessing>, TextError> {
+    let bos = v.bos_id.filter(|_| add_bos);
+    let eos = v.eos_id.filter(|_| add_eos);
+    if bos.is_none() && eos.is_none() {
+        return Ok(None);
+    }
+    let err = |e: String| TextError::tokenizer("building the BOS/EOS template", e);
+    // Internal piece names, so token texts containing spaces or colons cannot break the template.
+    let mut specials = Vec::new();
+    for (name, id) in [("BOS", bos), ("EOS", eos)] {
+        if let Some(id) = id {
+            let text = v.tokens[id as usize].clone();
+            specials.push(
+                SpecialToken::new(name.into(), vec![id], vec![text])
+                    .map_err(|e| err(e.to_string()))?,
+            );
+        }
+    }
+    // transformers' shape: `BOS $A EOS` and `BOS $A EOS BOS $B EOS` (type ids 0, then 1).
+    let sequence = |seq: &str, type_id: u32| {
+        let mut pieces = Vec::new();
+        if bos.is_some() {
+            pieces.push(format!("BOS:{type_id}"));
+        }
+        pieces.push(format!("{seq}:{type_id}"));
+        if eos.is_some() {
+            pieces.push(format!("EOS:{type_id}"));
+        }
+        pieces
+    };
+    let single = sequence("$A", 0);
+    let pair: Vec<String> = single.iter().cloned().chain(sequence("$B", 1)).collect();
+    let processor = TemplateProcessing::builder()
+        .try_single(single)
+        .map_err(err)?
+        .try_pair(pair)
+        .map_err(err)?
+        .special_tokens(specials)
+        .build()
+        .map_err(|e| err(e.to_string()))?;
+    Ok(Some(processor))
+}
+
+/// Builds the tokenizer a GGUF file describes.
+pub(crate) fn tokenizer_from_gguf(md: &HashMap<String, Value>) -> Result<GgufTokenizer, TextError> {
+    let md = Metadata(md);
+    const MODEL: &str = "tokenizer.ggml.model";
+    let model = md
+        .string(MODEL)?
+        .ok_or_else(|| TextError::MissingMetadata {
+            key: MODEL.to_string(),
+        })?;
+    let architecture = md.string("general.architecture")?.unwrap_or("");
+    let v = Vocabulary::read(&md)?;
+    // transformers: sentencepiece files add BOS unless they say otherwise; gemma4 files never
+    // do (their chat template writes `<bos>`); byte-level files only when they say so.
+    let (mut tokenizer, add_bos) = match model {
+        "llama" => {
+            let kind = match architecture {
+                "gemma" | "gemma2" | "gemma3" => Sentencepiece::Gemma,
+                "phi3" => Sentencepiece::Phi3,
+                _ => Sentencepiece::Llama,
+            };
+            (build_sentencepiece(&v, kind)?, v.add_bos.unwrap_or(true))
+        }
+        "gemma4" => (build_sentencepiece(&v, Sentencepiece::Gemma4)?, false),
+        "gpt2" => (build_byte_level(&v)?, v.add_bos.unwrap_or(false)),
+        other => {
+            return Err(TextError::UnsupportedTokenizerModel {
+                model: other.to_string(),
+            })
+        }
+    };
+    let add_bos = add_bos && v.bos_id.is_some();
+    let add_eos = v.add_eos.unwrap_or(false) && v.eos_id.is_some();
+    if let Some(processor) = special_token_processor(&v, add_bos, add_eos)? {
+        tokenizer.with_post_processor(Some(processor));
+    }
+    let token_text = |id: Option<u32>| id.map(|id| v.tokens[id as usize].clone());
+    Ok(GgufTokenizer {
+        bos_id: v.bos_id,
+        eos_ids: v.end_of_generation_ids(),
+        add_bos,
+        bos_token: token_text(v.bos_id),
+        eos_token: token_text(v.eos_id),
+        chat_template: v.chat_template.clone(),
+        vocab_size: v.tokens.len(),
+        tokenizer,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(merges: &[(String, String)]) -> Vec<(&str, &str)> {
+        merges
+            .iter()
+            .map(|(l, r)| (l.as_str(), r.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn generated_merges_follow_transformers_ordering() {
+        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        // By score: "ab" (-1), "abc" (-2), "bc" (-3); within "abc" the longer left piece first.
+        let scores = [-0.1, -0.2, -0.5, -1.0, -3.0, -2.0];
+        assert_eq!(
+            pairs(&generate_merges(&tokens, &scores)),
+            [("a", "b"), ("ab", "c"), ("a", "bc"), ("b", "c")]
+        );
+        // By position (Gemma): "ab" (3), "bc" (4), "abc" (5).
+        let positions: Vec<f64> = (0..6).map(|i| -(i as f64)).collect();
+        assert_eq!(
+            pairs(&generate_merges(&tokens, &positions)),
+            [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
+        );
+    }
+
+    #[test]
+    fn bytes_to_unicode_matches_gpt2() {
+        let t = bytes_to_unicode();
+        assert_eq!(t[b' ' as usize], '\u{120}'); // Ġ
+        assert_eq!(t[b'\n' as usize], '\u{10a}'); // Ċ
+        assert_eq!(t[b'a' as usize], 'a');
+        let alphabet = ByteLevel::alphabet();
+        assert!(t.iter().all(|c| alphabet.contains(c)));
+        assert_eq!(alphabet.len(), 256);
+    }
+
+    #[test]
+    fn gemma_respelling() {
+        assert_eq!(gemma_spelled("   "), "\u{2581}\u{2581}\u{2581}");
+        assert_eq!(gemma_spelled("\n\n"), "\n\n");
+        assert_eq!(gemma_spelled(" a"), " a");
+    }
+}

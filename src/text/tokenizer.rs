@@ -1,0 +1,354 @@
+//! The tokenizer the runtime uses: a `tokenizers::Tokenizer` plus the special-token facts
+//! (BOS, end-of-generation ids, chat template) that live outside `tokenizer.json`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use serde_json::Value as Json;
+
+use super::chat_template::ChatTemplate;
+use super::error::TextError;
+use super::gguf::tokenizer_from_gguf;
+
+/// How our `encode` corrects the inner post-processor so BOS follows `add_bos_token`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BosFix {
+    /// The inner tokenizer already does the right thing.
+    None,
+    /// `add_bos_token` is true but tokenizer.json's post-processor adds no BOS.
+    Prepend,
+    /// `add_bos_token` is false but tokenizer.json's post-processor adds one.
+    Strip,
+}
+
+/// A tokenizer with the special-token facts generation needs.
+///
+/// Built from a Hugging Face checkpoint directory or from GGUF metadata; either way the
+/// tokenization equals what transformers produces for the same files.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    bos_id: Option<u32>,
+    eos_ids: Vec<u32>,
+    add_bos: bool,
+    bos_fix: BosFix,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    vocab_size: usize,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The inner tokenizer's Debug prints the whole vocabulary.
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .field("add_bos", &self.add_bos)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .field("has_chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
+// The runtime shares one tokenizer across threads (and the GIL-free Python layer).
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+};
+
+fn read_json_opt(path: &Path) -> Result<Option<Json>, TextError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(TextError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| TextError::Json {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+}
+
+fn read_text_opt(path: &Path) -> Result<Option<String>, TextError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TextError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// A special token in tokenizer_config.json: a string or an `AddedToken` object.
+fn token_text(v: Option<&Json>) -> Option<String> {
+    match v? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// An id field that may be one integer or a list of them (generation_config.json, config.json).
+fn id_list(v: Option<&Json>) -> Vec<u32> {
+    match v {
+        Some(Json::Number(n)) => n
+            .as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .into_iter()
+            .collect(),
+        Some(Json::Array(items)) => items
+            .iter()
+            .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `chat_template` in tokenizer_config.json: a string, or a list of named templates.
+fn config_chat_template(v: Option<&Json>) -> Option<String> {
+    match v? {
+        Json::String(s) => Some(s.clone()),
+        Json::Array(items) => items.iter().find_map(|item| {
+            (item.get("name")?.as_str()? == "default")
+                .then(|| item.get("template")?.as_str().map(str::to_string))
+                .flatten()
+        }),
+        _ => None,
+    }
+}
+
+fn push_unique(ids: &mut Vec<u32>, id: u32) {
+    if !ids.contains(&id) {
+        ids.push(id);
+    }
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` and the optional side files of a Hugging Face checkpoint.
+    ///
+    /// Reads `tokenizer_config.json` (special tokens, `add_bos_token`, chat template),
+    /// `chat_template.jinja` / `chat_template.json` (newer checkpoints keep the template there),
+    /// `generation_config.json` and `config.json` (end-of-generation and BOS ids).
+    pub fn from_hf_dir(dir: &Path) -> Result<Self, TextError> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(TextError::TokenizerFileNotFound {
+                dir: dir.to_path_buf(),
+            });
+        }
+        let mut inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| TextError::tokenizer(format!("loading {}", path.display()), e))?;
+        // transformers ignores the truncation/padding a tokenizer.json may carry unless asked.
+        inner
+            .with_truncation(None)
+            .map_err(|e| TextError::tokenizer("disabling truncation", e))?;
+        inner.with_padding(None);
+
+        let config = read_json_opt(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
+        let generation = read_json_opt(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
+        let model_config = read_json_opt(&dir.join("config.json"))?.unwrap_or(Json::Null);
+
+        let chat_template = match read_text_opt(&dir.join("chat_template.jinja"))? {
+            Some(t) => Some(t),
+            None => {
+                let json_path = dir.join("chat_template.json");
+                let from_json = read_json_opt(&json_path)?
+                    .and_then(|j| config_chat_template(j.get("chat_template")));
+                from_json.or_else(|| config_chat_template(config.get("chat_template")))
+            }
+        };
+
+        // Does tokenizer.json's post-processor put a token in front? Probe instead of parsing it.
+        let probe = |special: bool| {
+            inner
+                .encode("a", special)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TextError::tokenizer("probing the post-processor", e))
+        };
+        let (with, without) = (probe(true)?, probe(false)?);
+        let prepended =
+            (with.len() > without.len() && with[1..].starts_with(&without)).then(|| with[0]);
+
+        let bos_text = token_text(config.get("bos_token"));
+        let bos_id = bos_text
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .or_else(|| id_list(model_config.get("bos_token_id")).first().copied())
+            .or_else(|| id_list(generation.get("bos_token_id")).first().copied())
+            .or(prepended);
+        let bos_token = bos_text.or_else(|| bos_id.and_then(|id| inner.id_to_token(id)));
+
+        let eos_text = token_text(config.get("eos_token"));
+        let mut eos_ids = Vec::new();
+        if let Some(id) = eos_text.as_deref().and_then(|t| inner.token_to_id(t)) {
+            push_unique(&mut eos_ids, id);
+        }
+        for id in id_list(generation.get("eos_token_id"))
+            .into_iter()
+            .chain(id_list(model_config.get("eos_token_id")))
+        {
+            push_unique(&mut eos_ids, id);
+        }
+        let eos_token = eos_text.or_else(|| eos_ids.first().and_then(|&id| inner.id_to_token(id)));
+
+        let post_adds_bos = bos_id.is_some() && prepended == bos_id;
+        let bos_fix = match config.get("add_bos_token").and_then(Json::as_bool) {
+            Some(true) if !post_adds_bos && bos_id.is_some() => BosFix::Prepend,
+            Some(false) if post_adds_bos => BosFix::Strip,
+            _ => BosFix::None,
+        };
+        let add_bos = match bos_fix {
+            BosFix::Prepend => true,
+            BosFix::Strip => false,
+            BosFix::None => post_adds_bos,
+        };
+
+        let vocab_size = inner
+            .get_vocab(true)
+            .values()
+            .map(|&id| id as usize + 1)
+            .max()
+            .unwrap_or(0);
+        Ok(Self {
+            inner,
+            bos_id,
+            eos_ids,
+            add_bos,
+            bos_fix,
+            chat_template,
+            bos_token,
+            eos_token,
+            vocab_size,
+        })
+    }
+
+    /// Converts a GGUF vocabulary into a tokenizer, as transformers' GGUF loader does.
+    ///
+    /// `tokenizer.ggml.model` = `llama` (sentencepiece: Gemma or Llama-2 style BPE with byte
+    /// fallback) or `gpt2` (byte-level BPE with the pre-tokenizer `tokenizer.ggml.pre` names).
+    pub fn from_gguf(metadata: &HashMap<String, gguf_file::Value>) -> Result<Self, TextError> {
+        let g = tokenizer_from_gguf(metadata)?;
+        Ok(Self {
+            inner: g.tokenizer,
+            bos_id: g.bos_id,
+            eos_ids: g.eos_ids,
+            add_bos: g.add_bos,
+            // BOS is already in the converted tokenizer's post-processor.
+            bos_fix: BosFix::None,
+            chat_template: g.chat_template,
+            bos_token: g.bos_token,
+            eos_token: g.eos_token,
+            vocab_size: g.vocab_size,
+        })
+    }
+
+    /// Reads only the metadata of a GGUF file and converts its vocabulary.
+    pub fn from_gguf_file(path: &Path) -> Result<Self, TextError> {
+        let io_err = |source| TextError::Io {
+            path: PathBuf::from(path),
+            source,
+        };
+        let mut file = std::fs::File::open(path).map_err(io_err)?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| TextError::Gguf {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Self::from_gguf(&content.metadata)
+    }
+
+    /// Token ids of `text`; with `add_special_tokens`, BOS (and EOS where configured) are added.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| TextError::tokenizer("encoding text", e))?;
+        let mut ids = encoding.get_ids().to_vec();
+        if add_special_tokens {
+            match (self.bos_fix, self.bos_id) {
+                (BosFix::Prepend, Some(bos)) => ids.insert(0, bos),
+                (BosFix::Strip, Some(bos)) if ids.first() == Some(&bos) => {
+                    ids.remove(0);
+                }
+                _ => {}
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids`. Like transformers' `decode`, ids outside the vocabulary are dropped.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| TextError::tokenizer("decoding ids", e))
+    }
+
+    /// Number of token ids (highest id + 1, added tokens included).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The beginning-of-sequence id, if the model has one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// Ids that end generation: EOS first, then end-of-turn tokens the model also stops at.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// Whether `encode(text, true)` puts BOS in front.
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// The id of a token text (added tokens included).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The text of a token id, in the vocabulary's own spelling.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The Jinja chat template source, if the model ships one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// The chat template compiled with this tokenizer's BOS/EOS texts.
+    pub fn chat_template_engine(&self) -> Result<ChatTemplate, TextError> {
+        let source = self
+            .chat_template
+            .as_deref()
+            .ok_or(TextError::NoChatTemplate)?;
+        ChatTemplate::new(source, self.bos_token.clone(), self.eos_token.clone())
+    }
+
+    /// The BOS token's text (what chat templates see as `bos_token`).
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    /// The EOS token's text (what chat templates see as `eos_token`).
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
