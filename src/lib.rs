@@ -5,7 +5,7 @@
 
 pub mod backend;
 pub mod core;
-#[cfg(feature = "text")]
+pub mod generation;
 pub mod text;
 #[cfg(feature = "python")]
 pub mod python;

@@ -1,8 +1,10 @@
 """Type stubs of the native module (Rust, PyO3)."""
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from os import PathLike
-from typing import Any, final
+from typing import Any, Literal, TypedDict, final, overload
+
+from typing_extensions import Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -14,6 +16,8 @@ __all__ = [
     "CandlewickError",
     "ContextFullError",
     "DeviceError",
+    "GenerationResult",
+    "GenerationStream",
     "InspectedOutput",
     "InternalError",
     "ModelRuntime",
@@ -26,12 +30,29 @@ __all__ = [
     "StepOutput",
     "Submission",
     "TokenOutOfRangeError",
+    "Tokenizer",
     "TokenizerError",
     "UnsupportedArchitectureError",
     "UnsupportedError",
     "UnsupportedTensorTypeError",
     "__version__",
 ]
+
+class _GenerateOptions(TypedDict, total=False):
+    """Keyword arguments of generate / stream / chat (defaults as llama-cpp-python's)."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: dict[int, float] | None
+    stop: str | Sequence[str] | None
+    seed: int | None
+    ignore_eos: bool
 
 class CandlewickError(Exception): ...
 class ArtifactError(CandlewickError): ...
@@ -139,6 +160,53 @@ class Session:
     def reset(self) -> None: ...
 
 @final
+class Tokenizer:
+    """A model's tokenizer (from tokenizer.json or the GGUF vocabulary)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+    @property
+    def bos_id(self) -> int | None: ...
+    @property
+    def eos_ids(self) -> list[int]: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def token_to_id(self, token: str) -> int | None: ...
+    def id_to_token(self, id: int) -> str | None: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]: ...
+
+@final
+class GenerationResult:
+    """A finished generation."""
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def finish_reason(self) -> Literal["stop", "length", "eos"]: ...
+    @property
+    def usage(self) -> dict[str, Any]: ...
+
+@final
+class GenerationStream:
+    """An iterator of text pieces; `result` is set once it is exhausted."""
+
+    def __iter__(self) -> GenerationStream: ...
+    def __next__(self) -> str: ...
+    @property
+    def result(self) -> GenerationResult | None: ...
+
+@final
 class ModelRuntime:
     """A loaded model, the backend that prepared it and its one session."""
 
@@ -165,3 +233,33 @@ class ModelRuntime:
     ) -> InspectedOutput: ...
     def inspect_decode(self, tokens: Sequence[int], request: ObservationRequest | None = None) -> InspectedOutput: ...
     def observation_points(self) -> list[str]: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    def cached_tokens(self) -> list[int]: ...
+    @overload
+    def generate(
+        self, prompt: str | Sequence[int], *, stream: Literal[False] = False, **kwargs: Unpack[_GenerateOptions]
+    ) -> GenerationResult: ...
+    @overload
+    def generate(
+        self, prompt: str | Sequence[int], *, stream: Literal[True], **kwargs: Unpack[_GenerateOptions]
+    ) -> GenerationStream: ...
+    def stream(self, prompt: str | Sequence[int], **kwargs: Unpack[_GenerateOptions]) -> GenerationStream: ...
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[False] = False,
+        chat_template: str | None = None,
+        **kwargs: Unpack[_GenerateOptions],
+    ) -> GenerationResult: ...
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[True],
+        chat_template: str | None = None,
+        **kwargs: Unpack[_GenerateOptions],
+    ) -> GenerationStream: ...

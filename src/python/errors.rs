@@ -92,6 +92,11 @@ pub fn load_err(e: ModelLoadError<CandleError>) -> PyErr {
     }
 }
 
+/// The Python exception for a text error.
+pub fn text_err(e: crate::text::TextError) -> PyErr {
+    TokenizerError::new_err(e.to_string())
+}
+
 /// Runs `f`, turning a Rust panic into `InternalError` instead of unwinding into Python.
 pub fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {

@@ -1,8 +1,10 @@
 //! The PyO3 layer: a thin binding of the core, one file per domain.
 
 mod errors;
+mod generation;
 mod observation;
 mod runtime;
+mod text;
 
 use pyo3::prelude::*;
 
@@ -19,6 +21,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<runtime::PyInspectedOutput>()?;
     m.add_class::<observation::PyObservationRequest>()?;
     m.add_class::<observation::PyObservationSet>()?;
+    m.add_class::<text::PyTokenizer>()?;
+    m.add_class::<generation::PyGenerationResult>()?;
+    m.add_class::<generation::PyGenerationStream>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -2,18 +2,30 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayD, IxDyn};
 use numpy::PyArray;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyAny, PyDict};
 
-use super::errors::{backend_err, guard, load_err, runtime_err, InternalError, SessionError, TokenOutOfRangeError};
+use super::errors::{
+    backend_err, guard, load_err, runtime_err, text_err, InternalError, SessionError, TokenOutOfRangeError, TokenizerError,
+};
+use super::generation::{options_from_kwargs, run_to_end, PyGenerationStream};
+use super::text::PyTokenizer;
+use crate::text::Tokenizer;
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
 use crate::backend::session::CandleCompletion;
 use crate::backend::{parse_dtype, CandleBackend, DecodeInput, LoadOptions, PrefillInput, StepOutput};
 use crate::core::{BackendProvider, Completion, InspectedOutput, ModelRuntime, ObservationRequest};
+
+/// The tokenizer that goes with an artifact: tokenizer.json beside a checkpoint, or the GGUF's vocabulary.
+fn load_tokenizer(path: &Path) -> Result<Arc<Tokenizer>, String> {
+    let loaded = if path.is_dir() { Tokenizer::from_hf_dir(path) } else { Tokenizer::from_gguf_file(path) };
+    loaded.map(Arc::new).map_err(|e| format!("this model has no usable tokenizer: {e}"))
+}
 
 static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -21,6 +33,8 @@ static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
 #[pyclass(name = "ModelRuntime", module = "candlewick._native", frozen)]
 pub struct PyModelRuntime {
     pub(crate) inner: Mutex<ModelRuntime<CandleBackend>>,
+    /// The model's tokenizer, or why it could not be built (the model stays usable on ids).
+    pub(crate) tokenizer: Result<Arc<Tokenizer>, String>,
     pub(crate) id: u64,
     pub(crate) path: String,
     pub(crate) format: &'static str,
@@ -37,6 +51,28 @@ pub fn token_ids(ids: Vec<i64>) -> PyResult<Vec<u32>> {
 }
 
 impl PyModelRuntime {
+    /// The tokenizer, or a TokenizerError saying why there is none.
+    pub(crate) fn tokenizer_arc(&self) -> PyResult<Arc<Tokenizer>> {
+        self.tokenizer.clone().map_err(TokenizerError::new_err)
+    }
+
+    /// Token ids of a prompt given as text (encoded with special tokens) or as ids.
+    fn prompt_ids(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        if let Ok(text) = prompt.extract::<String>() {
+            let tok = self.tokenizer_arc()?;
+            return py.detach(|| tok.encode(&text, true)).map_err(text_err);
+        }
+        token_ids(prompt.extract()?)
+    }
+
+    /// Token ids of a chat rendered through the model's template.
+    fn chat_ids(&self, py: Python<'_>, messages: &Bound<'_, PyAny>, template: Option<&str>) -> PyResult<Vec<u32>> {
+        let tok = PyTokenizer { inner: self.tokenizer_arc()? };
+        let text = tok.render_chat(py, messages, true, None, template)?;
+        // The template writes the special tokens itself, as transformers' apply_chat_template does.
+        py.detach(|| tok.inner.encode(&text, false)).map_err(text_err)
+    }
+
     /// Locks the runtime; a poisoned lock (a panic mid-step) is reported, not propagated.
     pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, ModelRuntime<CandleBackend>>> {
         self.inner.lock().map_err(|_| InternalError::new_err("the runtime was poisoned by an earlier internal error"))
@@ -75,8 +111,10 @@ impl PyModelRuntime {
             })
         })?;
         let format = if path.is_dir() { "huggingface" } else { "gguf" };
+        let tokenizer = py.detach(|| load_tokenizer(&path));
         Ok(Self {
             inner: Mutex::new(rt),
+            tokenizer,
             id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
             path: path.display().to_string(),
             format,
@@ -188,6 +226,62 @@ impl PyModelRuntime {
         let req = request_of(request);
         let r = py.detach(|| guard(|| self.lock()?.inspect_decode(DecodeInput { tokens }, &req).map_err(runtime_err)))?;
         self.inspected(py, r)
+    }
+
+    /// The model's tokenizer.
+    #[getter]
+    fn tokenizer(&self) -> PyResult<PyTokenizer> {
+        Ok(PyTokenizer { inner: self.tokenizer_arc()? })
+    }
+
+    /// Generates from a prompt (text or ids); with `stream=True` returns an iterator of text pieces.
+    #[pyo3(signature = (prompt, *, stream=false, **kwargs))]
+    fn generate<'py>(
+        slf: &Bound<'py, Self>,
+        prompt: &Bound<'py, PyAny>,
+        stream: bool,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let opts = options_from_kwargs(kwargs)?;
+        let ids = slf.get().prompt_ids(py, prompt)?;
+        if stream {
+            return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
+        }
+        Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any())
+    }
+
+    /// Generates from a prompt, yielding text pieces as they become final.
+    #[pyo3(signature = (prompt, **kwargs))]
+    fn stream(slf: &Bound<'_, Self>, prompt: &Bound<'_, PyAny>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<PyGenerationStream> {
+        let py = slf.py();
+        let opts = options_from_kwargs(kwargs)?;
+        let ids = slf.get().prompt_ids(py, prompt)?;
+        PyGenerationStream::start(py, slf, ids, opts)
+    }
+
+    /// Answers a conversation (a list of `{"role", "content"}` dicts) through the chat template
+    /// (or `chat_template`, a Jinja source, for models that ship none).
+    #[pyo3(signature = (messages, *, stream=false, chat_template=None, **kwargs))]
+    fn chat<'py>(
+        slf: &Bound<'py, Self>,
+        messages: &Bound<'py, PyAny>,
+        stream: bool,
+        chat_template: Option<&str>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let opts = options_from_kwargs(kwargs)?;
+        let ids = slf.get().chat_ids(py, messages, chat_template)?;
+        if stream {
+            return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
+        }
+        Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any())
+    }
+
+    /// The token ids the session holds, oldest first.
+    fn cached_tokens(&self) -> PyResult<Vec<u32>> {
+        Ok(self.lock()?.session().tokens().to_vec())
     }
 
     /// Every observation path the loaded model offers.

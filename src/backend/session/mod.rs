@@ -91,6 +91,8 @@ impl Completion for CandleCompletion {
 pub struct CandleSession {
     decoder: Decoder,
     cache: KvCache,
+    /// The token ids the cache holds, so a new prompt can reuse a shared prefix.
+    tokens: Vec<u32>,
     capabilities: SessionCapabilities,
 }
 
@@ -98,7 +100,7 @@ impl CandleSession {
     /// A session over `decoder` with a cache of `max_context` positions.
     pub(crate) fn new(decoder: Decoder, max_context: usize, capabilities: SessionCapabilities) -> Self {
         let n = decoder.config().num_layers();
-        Self { decoder, cache: KvCache::new(n, max_context), capabilities }
+        Self { decoder, cache: KvCache::new(n, max_context), tokens: Vec::new(), capabilities }
     }
 
     /// The decoder this session runs.
@@ -109,6 +111,11 @@ impl CandleSession {
     /// Tokens held in the cache.
     pub fn position(&self) -> usize {
         self.cache.len()
+    }
+
+    /// The token ids the cache holds, oldest first.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
 
     /// The most tokens the cache may hold.
@@ -130,12 +137,14 @@ impl CandleSession {
             });
         }
         self.cache.truncate(n);
+        self.tokens.truncate(n);
         Ok(())
     }
 
     /// Empties the cache and frees its memory.
     pub fn reset(&mut self) {
         self.cache.reset();
+        self.tokens.clear();
     }
 
     fn check(&self, operation: &'static str, tokens: &[u32]) -> Result<()> {
@@ -164,7 +173,10 @@ impl CandleSession {
         self.check(operation, tokens)?;
         let start = self.cache.len();
         match self.decoder.forward(tokens, &mut self.cache, rows, rec) {
-            Ok(logits) => Ok(StepOutput { logits, start_position: start, tokens: tokens.len() }),
+            Ok(logits) => {
+                self.tokens.extend_from_slice(tokens);
+                Ok(StepOutput { logits, start_position: start, tokens: tokens.len() })
+            }
             Err(source) => {
                 self.cache.truncate(start);
                 Err(CandleError::Candle { context: format!("running {operation} at position {start}"), source })
