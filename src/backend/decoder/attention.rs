@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::layers::{Linear, RmsNorm};
-use super::observer::{observe, Recorder};
+use super::observer::Observer;
 use super::rope;
 use crate::backend::session::kv_cache::LayerKv;
 
@@ -89,7 +89,7 @@ impl Attention {
         max_context: usize,
         tables: &StepTables,
         layer: usize,
-        rec: &mut Option<&mut Recorder<'_>>,
+        obs: &mut impl Observer,
     ) -> candle_core::Result<Tensor> {
         let t = x.dim(0)?;
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -129,7 +129,7 @@ impl Attention {
             scores = scores.broadcast_add(mask)?;
         }
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        observe(rec, || format!("model.layers.{layer}.attention.pattern"), &probs.squeeze(0)?);
+        obs.observe(|| format!("model.layers.{layer}.attention.pattern"), &probs.squeeze(0)?);
         let probs = probs.to_dtype(v_all.dtype())?.reshape((1, nkv, group * t, total))?;
         let out = probs.matmul(&v_all)?; // [1, nkv, group * t, d]
         let out = out.reshape((nh, t, d))?.transpose(0, 1)?.reshape((t, nh * d))?.to_dtype(DType::F32)?;

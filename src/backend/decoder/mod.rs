@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use attention::{causal_mask, Attention, QkvProj, StepTables};
 use layers::{Embedding, GateUp, Linear, Mlp, RmsNorm};
 use names::{Naming, Slot};
-use observer::{observe, Recorder};
+use observer::Observer;
 use rope::Rope;
 
 use crate::backend::config::{ArchConfig, LayerConfig};
@@ -189,7 +189,7 @@ impl Decoder {
         ids: &[u32],
         cache: &mut KvCache,
         rows: LogitsRows,
-        mut rec: Option<&mut Recorder<'_>>,
+        obs: &mut impl Observer,
     ) -> candle_core::Result<Tensor> {
         let t = ids.len();
         let pos = cache.len();
@@ -201,19 +201,17 @@ impl Decoder {
             let s = Tensor::new(s as f32, &self.device)?.to_dtype(self.dtype)?.to_dtype(DType::F32)?;
             x = x.broadcast_mul(&s)?;
         }
-        observe(&mut rec, || "model.embed_tokens".into(), &x);
+        obs.observe(|| "model.embed_tokens".into(), &x);
         let tables = self
             .kinds
             .iter()
             .map(|(lc, rope)| {
-                let (cos, sin) = rope
-                    .tables(pos, t, DType::F32, &self.device)
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let (cos, sin) = rope.tables(pos, t, &self.device)?;
                 Ok(StepTables { cos, sin, mask: causal_mask(pos, t, lc.sliding_window, &self.device)? })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         for (i, b) in self.blocks.iter().enumerate() {
-            observe(&mut rec, || format!("model.layers.{i}.input"), &x);
+            obs.observe(|| format!("model.layers.{i}.input"), &x);
             let a = b.attn.forward(
                 &b.attn_in_norm.forward(&x)?,
                 pos,
@@ -221,37 +219,36 @@ impl Decoder {
                 max_context,
                 &tables[b.kind],
                 i,
-                &mut rec,
+                obs,
             )?;
             let a = match &b.attn_out_norm {
                 Some(n) => n.forward(&a)?,
                 None => a,
             };
-            observe(&mut rec, || format!("model.layers.{i}.attention.output"), &a);
+            obs.observe(|| format!("model.layers.{i}.attention.output"), &a);
             x = (x + a)?;
             let m = b.mlp.forward(&b.mlp_in_norm.forward(&x)?)?;
             let m = match &b.mlp_out_norm {
                 Some(n) => n.forward(&m)?,
                 None => m,
             };
-            observe(&mut rec, || format!("model.layers.{i}.mlp.output"), &m);
+            obs.observe(|| format!("model.layers.{i}.mlp.output"), &m);
             x = (x + m)?;
-            observe(&mut rec, || format!("model.layers.{i}.output"), &x);
+            obs.observe(|| format!("model.layers.{i}.output"), &x);
         }
         cache.advance(t);
         // Only the last row is needed unless all rows, or the final points, were asked for.
-        let full = rows == LogitsRows::All
-            || rec.as_deref().is_some_and(|r| r.wants("model.norm") || r.wants("model.logits"));
+        let full = rows == LogitsRows::All || obs.wants("model.norm") || obs.wants("model.logits");
         if !full {
             x = x.narrow(0, t - 1, 1)?;
         }
         let h = self.norm.forward(&x)?;
-        observe(&mut rec, || "model.norm".into(), &h);
+        obs.observe(|| "model.norm".into(), &h);
         let mut logits = self.lm_head.forward(&h)?;
         if let Some(cap) = self.config.final_softcap {
             logits = ((logits / cap)?.tanh()? * cap)?;
         }
-        observe(&mut rec, || "model.logits".into(), &logits);
+        obs.observe(|| "model.logits".into(), &logits);
         if full && rows == LogitsRows::Last {
             logits = logits.narrow(0, t - 1, 1)?;
         }

@@ -17,11 +17,6 @@ impl<'r> Recorder<'r> {
         Self { request, kept: Vec::new() }
     }
 
-    /// Whether `path` is selected.
-    pub fn wants(&self, path: &str) -> bool {
-        self.request.matches(path)
-    }
-
     /// Keeps `t` under `path` when selected.
     pub fn record(&mut self, path: String, t: &Tensor) {
         if self.request.matches(&path) {
@@ -45,11 +40,33 @@ impl<'r> Recorder<'r> {
     }
 }
 
-/// Records `t` under the path `name()` builds, only when a recorder is present: the
-/// path string is never formatted on the plain inference path.
-#[inline]
-pub fn observe(rec: &mut Option<&mut Recorder<'_>>, name: impl FnOnce() -> String, t: &Tensor) {
-    if let Some(r) = rec.as_deref_mut() {
-        r.record(name(), t);
+/// Where the decoder reports its activations. The plain path uses `NoObserver`, whose
+/// methods are empty and inline away: ordinary inference formats no path, keeps no tensor
+/// and takes no branch for observation.
+pub trait Observer {
+    /// Whether `path` is wanted (decides how many rows the final points cover).
+    fn wants(&self, path: &str) -> bool;
+    /// Offers the tensor at the path `name()` builds.
+    fn observe(&mut self, name: impl FnOnce() -> String, t: &Tensor);
+}
+
+/// Observes nothing.
+pub struct NoObserver;
+
+impl Observer for NoObserver {
+    #[inline(always)]
+    fn wants(&self, _path: &str) -> bool {
+        false
+    }
+    #[inline(always)]
+    fn observe(&mut self, _name: impl FnOnce() -> String, _t: &Tensor) {}
+}
+
+impl Observer for Recorder<'_> {
+    fn wants(&self, path: &str) -> bool {
+        self.request.matches(path)
+    }
+    fn observe(&mut self, name: impl FnOnce() -> String, t: &Tensor) {
+        self.record(name(), t);
     }
 }

@@ -1,9 +1,8 @@
 //! Rotary position embeddings: frequencies per layer kind, cos/sin per step.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use crate::backend::config::{RopeConfig, RopeScaling};
-use crate::backend::error::{CandleContext, Result};
 
 /// The inverse frequencies of one rotary embedding, scaling applied.
 #[derive(Debug, Clone)]
@@ -43,8 +42,8 @@ impl Rope {
         Self { inv_freq, position_scale }
     }
 
-    /// cos and sin tables `[t, rotary_dim / 2]` for positions `start..start + t`.
-    pub fn tables(&self, start: usize, t: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+    /// Float32 cos and sin tables `[t, rotary_dim / 2]` for positions `start..start + t`.
+    pub fn tables(&self, start: usize, t: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(t * half);
         let mut sin = Vec::with_capacity(t * half);
@@ -56,12 +55,7 @@ impl Rope {
                 sin.push(angle.sin());
             }
         }
-        let mk = |v: Vec<f32>| -> Result<Tensor> {
-            Tensor::from_vec(v, (t, half), device)
-                .and_then(|x| x.to_dtype(dtype))
-                .ctx(|| "building rotary tables".into())
-        };
-        Ok((mk(cos)?, mk(sin)?))
+        Ok((Tensor::from_vec(cos, (t, half), device)?, Tensor::from_vec(sin, (t, half), device)?))
     }
 }
 

@@ -4,7 +4,7 @@ pub mod kv_cache;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::backend::decoder::observer::Recorder;
+use crate::backend::decoder::observer::{NoObserver, Observer, Recorder};
 use crate::backend::decoder::{Decoder, LogitsRows};
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::CandleBackend;
@@ -168,11 +168,11 @@ impl CandleSession {
         operation: &'static str,
         tokens: &[u32],
         rows: LogitsRows,
-        rec: Option<&mut Recorder<'_>>,
+        obs: &mut impl Observer,
     ) -> Result<StepOutput> {
         self.check(operation, tokens)?;
         let start = self.cache.len();
-        match self.decoder.forward(tokens, &mut self.cache, rows, rec) {
+        match self.decoder.forward(tokens, &mut self.cache, rows, obs) {
             Ok(logits) => {
                 self.tokens.extend_from_slice(tokens);
                 Ok(StepOutput { logits, start_position: start, tokens: tokens.len() })
@@ -193,7 +193,7 @@ impl CandleSession {
     ) -> Result<InspectedOutput<StepOutput>> {
         request.validate(self.decoder.observation_points().iter().map(String::as_str))?;
         let mut rec = Recorder::new(request);
-        let output = self.step(operation, tokens, rows, Some(&mut rec))?;
+        let output = self.step(operation, tokens, rows, &mut rec)?;
         Ok(InspectedOutput { output, observations: rec.finish()? })
     }
 
@@ -214,12 +214,12 @@ impl BackendSession<CandleBackend> for CandleSession {
 
     fn prefill(&mut self, _b: &CandleBackend, input: PrefillInput) -> Result<Submission<StepOutput, CandleCompletion>> {
         let rows = if input.all_logits { LogitsRows::All } else { LogitsRows::Last };
-        let out = self.step("prefill", &input.tokens, rows, None)?;
+        let out = self.step("prefill", &input.tokens, rows, &mut NoObserver)?;
         Ok(Submission::new(out, self.completion()))
     }
 
     fn decode(&mut self, _b: &CandleBackend, input: DecodeInput) -> Result<Submission<StepOutput, CandleCompletion>> {
-        let out = self.step("decode", &input.tokens, LogitsRows::All, None)?;
+        let out = self.step("decode", &input.tokens, LogitsRows::All, &mut NoObserver)?;
         Ok(Submission::new(out, self.completion()))
     }
 

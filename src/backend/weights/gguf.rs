@@ -122,6 +122,15 @@ fn scan_tensor_types<R: Read + Seek>(r: &mut R, file_size: u64) -> std::io::Resu
     Ok(out)
 }
 
+/// A candle error's message without the backtrace candle appends when `RUST_BACKTRACE` is set
+/// (a reason shown to users, not a crash report).
+fn reason_of(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => reason_of(inner),
+        e => e.to_string(),
+    }
+}
+
 /// Reads a GGUF file's header, refusing bad magic, truncation, absurd counts and tensor types candle cannot run.
 pub fn read_content(path: &Path) -> Result<Content> {
     let malformed = |reason: String| CandleError::Malformed {
@@ -132,7 +141,7 @@ pub fn read_content(path: &Path) -> Result<Content> {
     let file = File::open(path).map_err(|source| CandleError::Io { path: path.display().to_string(), source })?;
     let file_size = file.metadata().map(|m| m.len()).unwrap_or(0);
     let mut r = BufReader::new(file);
-    let content = Content::read(&mut r).map_err(|e| malformed(e.to_string()));
+    let content = Content::read(&mut r).map_err(|e| malformed(reason_of(&e)));
     let content = match content {
         Ok(c) => c,
         Err(e) => {
@@ -148,7 +157,8 @@ pub fn read_content(path: &Path) -> Result<Content> {
     };
     // Every tensor's data must lie inside the file: a truncated file is refused up front.
     for (name, info) in &content.tensor_infos {
-        let elems = info.shape.elem_count() as u64;
+        // Multiplied with overflow checks: absurd dimensions must not wrap to a small count.
+        let elems = info.shape.dims().iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64)).unwrap_or(u64::MAX);
         let block = info.ggml_dtype.block_size() as u64;
         let bytes = (elems / block).saturating_mul(info.ggml_dtype.type_size() as u64);
         let end = content.tensor_data_offset.saturating_add(info.offset).saturating_add(bytes);
@@ -201,7 +211,7 @@ impl GgufWeights {
         self.content.tensor(&mut r, name, device).map_err(|e| CandleError::Malformed {
             what: "GGUF file",
             path: self.path.display().to_string(),
-            reason: format!("reading tensor `{name}`: {e}"),
+            reason: format!("reading tensor `{name}`: {}", reason_of(&e)),
         })
     }
 }
