@@ -54,29 +54,37 @@ pub struct StepTables {
     pub cos: Tensor,
     /// RoPE sin table `[t, rot/2]`.
     pub sin: Tensor,
-    /// Additive mask `[t, pos + t]` (0 or -inf), or `None` when nothing is masked.
+    /// The first key any query of the step can see (0 unless a sliding window cuts earlier ones).
+    pub key_start: usize,
+    /// Additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is masked.
     pub mask: Option<Tensor>,
 }
 
-/// The additive causal mask for queries `pos..pos + t` over keys `0..pos + t`, with an optional window.
-pub fn causal_mask(pos: usize, t: usize, window: Option<usize>, device: &Device) -> candle_core::Result<Option<Tensor>> {
-    let total = pos + t;
-    let window_cuts = window.is_some_and(|w| total > w);
-    if t == 1 && !window_cuts {
-        return Ok(None);
-    }
-    let mut m = vec![0f32; t * total];
-    for i in 0..t {
-        let q = pos + i;
-        for (j, cell) in m[i * total..(i + 1) * total].iter_mut().enumerate() {
-            // Transformers' convention: a window of w keeps the query and the w - 1 keys before it.
-            let hidden = j > q || window.is_some_and(|w| q - j >= w);
-            if hidden {
-                *cell = f32::NEG_INFINITY;
+impl StepTables {
+    /// Tables for queries `pos..pos + t` of a layer kind with an optional sliding window.
+    pub fn new(cos: Tensor, sin: Tensor, pos: usize, t: usize, window: Option<usize>, device: &Device) -> candle_core::Result<Self> {
+        // Transformers' convention: a window of w keeps the query and the w - 1 keys before it,
+        // so keys before the first query's window are never attended and are not even read.
+        let key_start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let total = pos + t;
+        let keys = total - key_start;
+        let mask = if t == 1 {
+            None
+        } else {
+            let mut m = vec![0f32; t * keys];
+            for i in 0..t {
+                let q = pos + i;
+                for (j, cell) in m[i * keys..(i + 1) * keys].iter_mut().enumerate() {
+                    let k = key_start + j;
+                    if k > q || window.is_some_and(|w| q - k >= w) {
+                        *cell = f32::NEG_INFINITY;
+                    }
+                }
             }
-        }
+            Some(Tensor::from_vec(m, (t, keys), device)?)
+        };
+        Ok(Self { cos, sin, key_start, mask })
     }
-    Tensor::from_vec(m, (t, total), device).map(Some)
 }
 
 impl Attention {
@@ -117,11 +125,14 @@ impl Attention {
         let (k, v, q) = (k.to_dtype(cache_dtype)?, v.to_dtype(cache_dtype)?, q.to_dtype(cache_dtype)?);
         let (k_all, v_all) = kv.append(&k, &v, pos, max_context)?;
         let total = pos + t;
+        let start = tables.key_start;
+        let keys = total - start;
+        let (k_all, v_all) = if start > 0 { (k_all.narrow(2, start, keys)?, v_all.narrow(2, start, keys)?) } else { (k_all, v_all) };
         // Grouped-query attention without copying keys: fold each group's query heads into rows.
         let group = nh / nkv;
         let q = q.contiguous()?.reshape((1, nkv, group * t, d))?;
         let scores = q.matmul(&k_all.t()?)?.to_dtype(DType::F32)?;
-        let mut scores = (scores * self.scale)?.reshape((1, nh, t, total))?;
+        let mut scores = (scores * self.scale)?.reshape((1, nh, t, keys))?;
         if let Some(cap) = self.softcap {
             scores = ((scores / cap)?.tanh()? * cap)?;
         }
@@ -129,8 +140,17 @@ impl Attention {
             scores = scores.broadcast_add(mask)?;
         }
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        obs.observe(|| format!("model.layers.{layer}.attention.pattern"), &probs.squeeze(0)?);
-        let probs = probs.to_dtype(v_all.dtype())?.reshape((1, nkv, group * t, total))?;
+        if obs.active() {
+            // The pattern spans the whole cache: keys outside the window get probability 0.
+            let pattern = probs.squeeze(0)?;
+            let pattern = if start > 0 {
+                Tensor::cat(&[Tensor::zeros((nh, t, start), DType::F32, pattern.device())?, pattern], 2)?
+            } else {
+                pattern
+            };
+            obs.observe(|| format!("model.layers.{layer}.attention.pattern"), &pattern);
+        }
+        let probs = probs.to_dtype(v_all.dtype())?.reshape((1, nkv, group * t, keys))?;
         let out = probs.matmul(&v_all)?; // [1, nkv, group * t, d]
         let out = out.reshape((nh, t, d))?.transpose(0, 1)?.reshape((t, nh * d))?.to_dtype(DType::F32)?;
         self.o.forward(&out)

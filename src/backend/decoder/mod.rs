@@ -12,7 +12,7 @@ pub mod rope;
 
 use candle_core::{DType, Device, Tensor};
 
-use attention::{causal_mask, Attention, QkvProj, StepTables};
+use attention::{Attention, QkvProj, StepTables};
 use layers::{Embedding, GateUp, Linear, Mlp, RmsNorm};
 use names::{Naming, Slot};
 use observer::Observer;
@@ -207,7 +207,7 @@ impl Decoder {
             .iter()
             .map(|(lc, rope)| {
                 let (cos, sin) = rope.tables(pos, t, &self.device)?;
-                Ok(StepTables { cos, sin, mask: causal_mask(pos, t, lc.sliding_window, &self.device)? })
+                StepTables::new(cos, sin, pos, t, lc.sliding_window, &self.device)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         for (i, b) in self.blocks.iter().enumerate() {

@@ -44,6 +44,8 @@ impl<'r> Recorder<'r> {
 /// methods are empty and inline away: ordinary inference formats no path, keeps no tensor
 /// and takes no branch for observation.
 pub trait Observer {
+    /// Whether anything may be observed at all (false for `NoObserver`, statically).
+    fn active(&self) -> bool;
     /// Whether `path` is wanted (decides how many rows the final points cover).
     fn wants(&self, path: &str) -> bool;
     /// Offers the tensor at the path `name()` builds.
@@ -55,6 +57,10 @@ pub struct NoObserver;
 
 impl Observer for NoObserver {
     #[inline(always)]
+    fn active(&self) -> bool {
+        false
+    }
+    #[inline(always)]
     fn wants(&self, _path: &str) -> bool {
         false
     }
@@ -63,6 +69,9 @@ impl Observer for NoObserver {
 }
 
 impl Observer for Recorder<'_> {
+    fn active(&self) -> bool {
+        true
+    }
     fn wants(&self, path: &str) -> bool {
         self.request.matches(path)
     }
