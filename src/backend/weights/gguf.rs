@@ -230,7 +230,8 @@ impl WeightSource for GgufWeights {
         if self.dequantize {
             return Ok(QMatMul::Tensor(self.dense(name, dtype, device)?));
         }
-        let q = self.qtensor(name, device)?;
+        let q = super::requant::fast_encoding(self.qtensor(name, device)?, device)
+            .ctx(|| format!("re-encoding `{name}`"))?;
         QMatMul::from_arc(Arc::new(q)).ctx(|| format!("preparing matmul weight `{name}`"))
     }
 

@@ -1,6 +1,7 @@
 //! Where weights come from: a checkpoint format behind one small interface.
 
 pub mod gguf;
+pub mod requant;
 pub mod safetensors;
 
 use candle_core::quantized::QMatMul;

@@ -1,0 +1,60 @@
+//! Lossless re-encoding of quantized blocks into a type candle has SIMD kernels for.
+//!
+//! candle 0.11 multiplies Q5_0 weights with scalar code (its AVX2/NEON kernels cover Q4_0,
+//! Q8_0 and the k-quants), and llama.cpp's Q4_K_M files store most projections of models whose
+//! width is not a multiple of 256 (Gemma 3 270M: 640) as Q5_0. A Q5_0 value is `d * (q - 16)`
+//! with `q` in 0..32, which a Q8_0 block stores exactly as `d * q'` with `q' = q - 16`: same
+//! scale, same products, so the numbers do not change — only the kernel that computes them.
+
+use candle_core::quantized::{ggml_file, GgmlDType, QTensor};
+use candle_core::Device;
+
+const QK: usize = 32;
+const Q5_0_BYTES: usize = 2 + 4 + QK / 2;
+const Q8_0_BYTES: usize = 2 + QK;
+
+/// Re-encodes Q5_0 blocks as Q8_0 blocks with identical values.
+pub fn q5_0_to_q8_0(src: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(src.len() / Q5_0_BYTES * Q8_0_BYTES);
+    for block in src.chunks_exact(Q5_0_BYTES) {
+        let (d, rest) = block.split_at(2);
+        let (qh, qs) = rest.split_at(4);
+        let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+        out.extend_from_slice(d);
+        // Element j < 16 is the low nibble of qs[j], element j + 16 its high nibble; bit j of
+        // qh is the fifth bit of element j.
+        for j in 0..QK {
+            let nibble = if j < QK / 2 { qs[j] & 0x0F } else { qs[j - QK / 2] >> 4 };
+            let q = nibble | ((((qh >> j) & 1) as u8) << 4);
+            out.push((q as i8 - 16) as u8);
+        }
+    }
+    out
+}
+
+/// A tensor in the fastest lossless encoding candle runs: Q5_0 becomes Q8_0, others stay.
+pub fn fast_encoding(q: QTensor, device: &Device) -> candle_core::Result<QTensor> {
+    if q.dtype() != GgmlDType::Q5_0 || !device.is_cpu() {
+        return Ok(q);
+    }
+    let bytes = q5_0_to_q8_0(&q.data()?);
+    ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &bytes, q.shape().dims().to_vec(), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn q5_0_re_encoded_as_q8_0_dequantizes_identically() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (8, 64), &dev).unwrap();
+        let q5 = QTensor::quantize(&x, GgmlDType::Q5_0).unwrap();
+        let want = q5.dequantize(&dev).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let q8 = fast_encoding(q5, &dev).unwrap();
+        assert_eq!(q8.dtype(), GgmlDType::Q8_0);
+        let got = q8.dequantize(&dev).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got, want);
+    }
+}
