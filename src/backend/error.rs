@@ -132,7 +132,15 @@ pub(crate) trait CandleContext<T> {
 
 impl<T> CandleContext<T> for candle_core::Result<T> {
     fn ctx(self, context: impl FnOnce() -> String) -> Result<T, CandleError> {
-        self.map_err(|source| CandleError::Candle { context: context(), source })
+        self.map_err(|source| CandleError::Candle { context: context(), source: without_backtrace(source) })
+    }
+}
+
+/// candle attaches a backtrace to its errors when RUST_BACKTRACE is set; users get the message.
+pub(crate) fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => without_backtrace(*inner),
+        other => other,
     }
 }
 

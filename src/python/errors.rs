@@ -83,8 +83,13 @@ pub fn load_err(e: ModelLoadError<CandleError>) -> PyErr {
         ModelLoadError::Artifact { path, source } => {
             let err = backend_err(source);
             Python::attach(|py| {
-                let msg = format!("{path}: {}", err.value(py));
-                PyErr::from_type(err.get_type(py), msg)
+                // Most artifact errors name their file already; add the path only where not.
+                let msg = err.value(py).to_string();
+                if msg.contains(&path) {
+                    err
+                } else {
+                    PyErr::from_type(err.get_type(py), format!("{path}: {msg}"))
+                }
             })
         }
         ModelLoadError::Backend { source, .. } => backend_err(source),

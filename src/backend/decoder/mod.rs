@@ -237,19 +237,23 @@ impl Decoder {
             obs.observe(|| format!("model.layers.{i}.output"), &x);
         }
         cache.advance(t);
-        // Only the last row is needed unless all rows, or the final points, were asked for.
-        let full = rows == LogitsRows::All || obs.wants("model.norm") || obs.wants("model.logits");
-        if !full {
+        // The final norm covers every row only when it is observed; the vocabulary matmul
+        // (the most expensive one) every row only when all logits are returned or observed.
+        let all_logits = rows == LogitsRows::All || obs.wants("model.logits");
+        if !all_logits && !obs.wants("model.norm") {
             x = x.narrow(0, t - 1, 1)?;
         }
-        let h = self.norm.forward(&x)?;
+        let mut h = self.norm.forward(&x)?;
         obs.observe(|| "model.norm".into(), &h);
+        if !all_logits && h.dim(0)? > 1 {
+            h = h.narrow(0, t - 1, 1)?;
+        }
         let mut logits = self.lm_head.forward(&h)?;
         if let Some(cap) = self.config.final_softcap {
             logits = ((logits / cap)?.tanh()? * cap)?;
         }
         obs.observe(|| "model.logits".into(), &logits);
-        if full && rows == LogitsRows::Last {
+        if rows == LogitsRows::Last && logits.dim(0)? > 1 {
             logits = logits.narrow(0, t - 1, 1)?;
         }
         Ok(logits)

@@ -179,7 +179,10 @@ impl CandleSession {
             }
             Err(source) => {
                 self.cache.truncate(start);
-                Err(CandleError::Candle { context: format!("running {operation} at position {start}"), source })
+                Err(CandleError::Candle {
+                    context: format!("running {operation} at position {start}"),
+                    source: crate::backend::error::without_backtrace(source),
+                })
             }
         }
     }
