@@ -28,6 +28,9 @@ impl Linear {
             QMatMul::Tensor(w) | QMatMul::TensorF16(w) if w.dtype() != x.dtype() => {
                 self.weight.forward(&x.to_dtype(w.dtype())?)?.to_dtype(DType::F32)?
             }
+            QMatMul::QTensor(q) if x.dim(0)? >= DEQUANTIZED_GEMM_ROWS && x.device().is_cpu() => {
+                dequantized_matmul(x, q)?
+            }
             _ => self.weight.forward(x)?,
         };
         match &self.bias {
@@ -35,6 +38,37 @@ impl Linear {
             None => Ok(y),
         }
     }
+}
+
+/// From this many rows on, a quantized weight is expanded to float32 slab by slab and
+/// multiplied with the dense GEMM: candle's quantized CPU matmul computes one dot product at a
+/// time, which suits decode (one row, bandwidth-bound) but leaves prefill compute-bound far
+/// below what a blocked float32 GEMM reaches on the same cores.
+pub const DEQUANTIZED_GEMM_ROWS: usize = 16;
+
+/// Elements of one de-quantized slab (16 MiB of float32): bounds the temporary memory even
+/// for a 262k-row vocabulary projection.
+const SLAB_ELEMS: usize = 4 << 20;
+
+/// `x [m, k] · qᵀ` for a quantized `q [n, k]`, de-quantizing `q` in bounded slabs of rows.
+fn dequantized_matmul(x: &Tensor, q: &QTensor) -> candle_core::Result<Tensor> {
+    let device = x.device();
+    let (n, k) = q.shape().dims2()?;
+    if n * k <= SLAB_ELEMS {
+        return x.matmul(&q.dequantize(device)?.t()?);
+    }
+    let dtype = q.dtype();
+    let row_bytes = k / dtype.block_size() * dtype.type_size();
+    let data = q.data()?;
+    let slab_rows = (SLAB_ELEMS / k).max(1);
+    let mut parts = Vec::with_capacity(n.div_ceil(slab_rows));
+    for start in (0..n).step_by(slab_rows) {
+        let rows = slab_rows.min(n - start);
+        let bytes = &data[start * row_bytes..(start + rows) * row_bytes];
+        let slab = candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, bytes, vec![rows, k], device)?;
+        parts.push(x.matmul(&slab.dequantize(device)?.t()?)?);
+    }
+    Tensor::cat(&parts, 1)
 }
 
 /// Root-mean-square norm over the last dimension, computed in float32.
@@ -123,11 +157,7 @@ impl Mlp {
                 (y.narrow(D::Minus1, 0, half)?, y.narrow(D::Minus1, half, half)?)
             }
         };
-        let gate = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
-            Activation::Gelu => gate.gelu_erf()?,
-        };
+        let gate = super::activation::apply(self.activation, &gate)?;
         self.down.forward(&(gate * up)?)
     }
 }

@@ -4,6 +4,7 @@
 //! normalised, which layers slide, how embeddings are scaled. The observation points of
 //! DESIGN §2 are places in this one forward pass, so every architecture can be inspected.
 
+pub mod activation;
 pub mod attention;
 pub mod layers;
 pub mod names;
