@@ -24,6 +24,7 @@ use crate::core::{BackendProvider, Completion, InspectedOutput, ModelRuntime, Ob
 /// The tokenizer that goes with an artifact: tokenizer.json beside a checkpoint, or the GGUF's vocabulary.
 fn load_tokenizer(path: &Path) -> Result<Arc<Tokenizer>, String> {
     let loaded = if path.is_dir() { Tokenizer::from_hf_dir(path) } else { Tokenizer::from_gguf_file(path) };
+    crate::memory::release_freed_memory();
     loaded.map(Arc::new).map_err(|e| format!("this model has no usable tokenizer: {e}"))
 }
 
@@ -104,6 +105,9 @@ impl PyModelRuntime {
         let device = device.to_owned();
         let options = LoadOptions { dtype, max_context };
         let p = path.clone();
+        // The tokenizer first: its conversion's temporaries are freed (and handed back to the
+        // OS) before the weights arrive, so the two never add up in the peak resident size.
+        let tokenizer = py.detach(|| load_tokenizer(&path));
         let rt = py.detach(move || {
             guard(|| {
                 let backend = CandleBackend::new(&device).map_err(backend_err)?;
@@ -111,7 +115,6 @@ impl PyModelRuntime {
             })
         })?;
         let format = if path.is_dir() { "huggingface" } else { "gguf" };
-        let tokenizer = py.detach(|| load_tokenizer(&path));
         Ok(Self {
             inner: Mutex::new(rt),
             tokenizer,
