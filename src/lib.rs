@@ -7,6 +7,6 @@ pub mod backend;
 pub mod core;
 pub mod generation;
 pub mod memory;
-pub mod text;
 #[cfg(feature = "python")]
 pub mod python;
+pub mod text;

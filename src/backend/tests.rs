@@ -43,7 +43,8 @@ fn prompt_logits_and_every_observation_match_transformers() {
         let r = reference(case);
         let mut rt = load(case, LoadOptions::default());
         let prompt = ids(&r["input_ids"]);
-        let out = rt.inspect_prefill(PrefillInput { tokens: prompt, all_logits: true }, &ObservationRequest::all()).unwrap();
+        let out =
+            rt.inspect_prefill(PrefillInput { tokens: prompt, all_logits: true }, &ObservationRequest::all()).unwrap();
         for (path, value) in out.observations.iter() {
             let ObservationValue::Tensor { shape, data } = value else { panic!("{path} not a tensor") };
             let want = &r[path];

@@ -15,18 +15,10 @@ pub struct SessionCapabilities {
 
 impl SessionCapabilities {
     /// No capability at all: the safe default.
-    pub const NONE: Self = Self {
-        persistent_cache: false,
-        output_observation: false,
-        activation_inspection: false,
-    };
+    pub const NONE: Self = Self { persistent_cache: false, output_observation: false, activation_inspection: false };
 
     /// Every capability this contract knows.
-    pub const ALL: Self = Self {
-        persistent_cache: true,
-        output_observation: true,
-        activation_inspection: true,
-    };
+    pub const ALL: Self = Self { persistent_cache: true, output_observation: true, activation_inspection: true };
 }
 
 impl fmt::Display for SessionCapabilities {

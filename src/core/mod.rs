@@ -17,9 +17,7 @@ pub use backend::{
 pub use capabilities::SessionCapabilities;
 pub use completion::{Completion, ReadyCompletion, Submission};
 pub use error::{ModelLoadError, RuntimeError};
-pub use observation::{
-    ObservationError, ObservationRequest, ObservationSelector, ObservationSet, ObservationValue,
-};
+pub use observation::{ObservationError, ObservationRequest, ObservationSelector, ObservationSet, ObservationValue};
 pub use runtime::ModelRuntime;
 
 #[cfg(test)]

@@ -11,10 +11,8 @@ use crate::core::error::{ModelLoadError, RuntimeError};
 use crate::core::observation::{ObservationRequest, ObservationSet};
 
 type SessionOf<B> = <B as BackendProvider>::Session;
-type SubmissionOf<B> = Submission<
-    <SessionOf<B> as BackendSession<B>>::Output,
-    <SessionOf<B> as BackendSession<B>>::Completion,
->;
+type SubmissionOf<B> =
+    Submission<<SessionOf<B> as BackendSession<B>>::Output, <SessionOf<B> as BackendSession<B>>::Completion>;
 
 /// The one owner of a backend and its session: a session never runs through another backend.
 #[derive(Debug)]

@@ -93,8 +93,8 @@ fn session_with_other_capabilities_than_admitted_is_refused() {
 
 #[test]
 fn matching_capabilities_are_accepted_and_steps_go_through() {
-    let mut rt = ModelRuntime::prepare(FakeBackend { realise: SessionCapabilities::ALL }, SessionCapabilities::ALL)
-        .unwrap();
+    let mut rt =
+        ModelRuntime::prepare(FakeBackend { realise: SessionCapabilities::ALL }, SessionCapabilities::ALL).unwrap();
     assert_eq!(rt.prefill(3).unwrap().wait().unwrap(), 3);
     let out = rt.decode(1).unwrap().wait().unwrap();
     let set = rt.observe_output(&out).unwrap();
@@ -126,9 +126,12 @@ fn observation_without_the_capability_is_refused() {
 
 #[test]
 fn unknown_observation_point_is_refused_before_stepping() {
-    let mut rt = ModelRuntime::prepare(FakeBackend { realise: SessionCapabilities::ALL }, SessionCapabilities::ALL)
-        .unwrap();
+    let mut rt =
+        ModelRuntime::prepare(FakeBackend { realise: SessionCapabilities::ALL }, SessionCapabilities::ALL).unwrap();
     let req = ObservationRequest::select([ObservationSelector::exact("model.nothing")]).unwrap();
-    assert!(matches!(rt.inspect_prefill(1, &req), Err(RuntimeError::Observation(ObservationError::UnknownPoint { .. }))));
+    assert!(matches!(
+        rt.inspect_prefill(1, &req),
+        Err(RuntimeError::Observation(ObservationError::UnknownPoint { .. }))
+    ));
     assert_eq!(rt.session().position, 0);
 }

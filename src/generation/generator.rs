@@ -63,7 +63,13 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self { max_tokens: 256, stop: Vec::new(), sampling: SamplingParams::default(), eos_ids: Vec::new(), ignore_eos: false }
+        Self {
+            max_tokens: 256,
+            stop: Vec::new(),
+            sampling: SamplingParams::default(),
+            eos_ids: Vec::new(),
+            ignore_eos: false,
+        }
     }
 }
 
@@ -97,7 +103,11 @@ impl Usage {
 }
 
 fn rate(n: usize, secs: f64) -> f64 {
-    if secs > 0.0 { n as f64 / secs } else { 0.0 }
+    if secs > 0.0 {
+        n as f64 / secs
+    } else {
+        0.0
+    }
 }
 
 /// What a finished generation produced.

@@ -7,21 +7,61 @@ use crate::backend::CandleError;
 use crate::core::{ModelLoadError, ObservationError, RuntimeError};
 
 pyo3::create_exception!(candlewick, CandlewickError, PyException, "Base class of every candlewick error.");
-pyo3::create_exception!(candlewick, ArtifactError, CandlewickError, "A model file or directory is missing, malformed or truncated.");
+pyo3::create_exception!(
+    candlewick,
+    ArtifactError,
+    CandlewickError,
+    "A model file or directory is missing, malformed or truncated."
+);
 pyo3::create_exception!(candlewick, UnsupportedError, CandlewickError, "Something candlewick does not implement.");
-pyo3::create_exception!(candlewick, UnsupportedArchitectureError, UnsupportedError, "The checkpoint's architecture is not supported.");
-pyo3::create_exception!(candlewick, UnsupportedTensorTypeError, UnsupportedError, "A tensor is stored in a type candlewick cannot run.");
-pyo3::create_exception!(candlewick, DeviceError, CandlewickError, "The requested device is not in this build or not present.");
-pyo3::create_exception!(candlewick, SessionError, CandlewickError, "A step, truncation or call the session cannot take.");
+pyo3::create_exception!(
+    candlewick,
+    UnsupportedArchitectureError,
+    UnsupportedError,
+    "The checkpoint's architecture is not supported."
+);
+pyo3::create_exception!(
+    candlewick,
+    UnsupportedTensorTypeError,
+    UnsupportedError,
+    "A tensor is stored in a type candlewick cannot run."
+);
+pyo3::create_exception!(
+    candlewick,
+    DeviceError,
+    CandlewickError,
+    "The requested device is not in this build or not present."
+);
+pyo3::create_exception!(
+    candlewick,
+    SessionError,
+    CandlewickError,
+    "A step, truncation or call the session cannot take."
+);
 pyo3::create_exception!(candlewick, TokenOutOfRangeError, SessionError, "A token id outside the vocabulary.");
 pyo3::create_exception!(candlewick, ContextFullError, SessionError, "The step would run past the session's context.");
 /// Holds the Python `ObservationError` apart from the core's Rust type of the same name.
 mod observation_exc {
-    pyo3::create_exception!(candlewick, ObservationError, super::CandlewickError, "An observation request the model cannot serve.");
+    pyo3::create_exception!(
+        candlewick,
+        ObservationError,
+        super::CandlewickError,
+        "An observation request the model cannot serve."
+    );
 }
 pub use observation_exc::ObservationError as PyObservationError;
-pyo3::create_exception!(candlewick, TokenizerError, CandlewickError, "Tokenization, detokenization or a chat template failed.");
-pyo3::create_exception!(candlewick, InternalError, CandlewickError, "A failure inside candlewick or candle (a bug: please report it).");
+pyo3::create_exception!(
+    candlewick,
+    TokenizerError,
+    CandlewickError,
+    "Tokenization, detokenization or a chat template failed."
+);
+pyo3::create_exception!(
+    candlewick,
+    InternalError,
+    CandlewickError,
+    "A failure inside candlewick or candle (a bug: please report it)."
+);
 
 /// Registers the exception classes on the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -46,10 +46,18 @@ pub fn options_from_kwargs(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Gener
                     s.logit_bias = m.map(|m| m.into_iter().collect()).unwrap_or_default();
                 }
                 "stop" => {
-                    o.stop = if let Ok(one) = v.extract::<String>() { vec![one] } else { v.extract::<Option<Vec<String>>>()?.unwrap_or_default() }
+                    o.stop = if let Ok(one) = v.extract::<String>() {
+                        vec![one]
+                    } else {
+                        v.extract::<Option<Vec<String>>>()?.unwrap_or_default()
+                    }
                 }
                 "ignore_eos" => o.ignore_eos = v.extract()?,
-                other => return Err(pyo3::exceptions::PyTypeError::new_err(format!("unexpected keyword argument `{other}`"))),
+                other => {
+                    return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                        "unexpected keyword argument `{other}`"
+                    )))
+                }
             }
         }
     }
@@ -73,7 +81,12 @@ pub struct PyGenerationResult {
 #[pymethods]
 impl PyGenerationResult {
     fn __repr__(&self) -> String {
-        format!("GenerationResult(finish_reason={:?}, tokens={}, text={:?})", self.finish_reason, self.token_ids.len(), self.text)
+        format!(
+            "GenerationResult(finish_reason={:?}, tokens={}, text={:?})",
+            self.finish_reason,
+            self.token_ids.len(),
+            self.text
+        )
     }
 }
 
@@ -90,11 +103,21 @@ pub fn to_result(py: Python<'_>, r: GenerationResult) -> PyResult<PyGenerationRe
     d.set_item("decode_seconds", u.decode_seconds)?;
     d.set_item("prefill_tokens_per_second", u.prefill_tokens_per_second())?;
     d.set_item("decode_tokens_per_second", u.decode_tokens_per_second())?;
-    Ok(PyGenerationResult { text: r.text, token_ids: r.token_ids, finish_reason: r.finish_reason.as_str(), usage: d.unbind() })
+    Ok(PyGenerationResult {
+        text: r.text,
+        token_ids: r.token_ids,
+        finish_reason: r.finish_reason.as_str(),
+        usage: d.unbind(),
+    })
 }
 
 /// Runs a whole generation in Rust; Ctrl-C raises KeyboardInterrupt within one step.
-pub fn run_to_end(py: Python<'_>, rt: &PyModelRuntime, prompt: Vec<u32>, opts: GenerateOptions) -> PyResult<PyGenerationResult> {
+pub fn run_to_end(
+    py: Python<'_>,
+    rt: &PyModelRuntime,
+    prompt: Vec<u32>,
+    opts: GenerateOptions,
+) -> PyResult<PyGenerationResult> {
     let tokenizer = rt.tokenizer_arc()?;
     let mut pending: Option<PyErr> = None;
     let result = py.detach(|| {
@@ -102,16 +125,20 @@ pub fn run_to_end(py: Python<'_>, rt: &PyModelRuntime, prompt: Vec<u32>, opts: G
             let mut inner = rt.lock()?;
             let generation = Generation::start(&mut inner, tokenizer, &prompt, opts).map_err(generation_err)?;
             let (result, _) = generation
-                .run(&mut inner, |_| {}, || {
-                    // Signals are only delivered with the GIL held: take it briefly between steps.
-                    match Python::attach(|py| py.check_signals()) {
-                        Ok(()) => false,
-                        Err(e) => {
-                            pending = Some(e);
-                            true
+                .run(
+                    &mut inner,
+                    |_| {},
+                    || {
+                        // Signals are only delivered with the GIL held: take it briefly between steps.
+                        match Python::attach(|py| py.check_signals()) {
+                            Ok(()) => false,
+                            Err(e) => {
+                                pending = Some(e);
+                                true
+                            }
                         }
-                    }
-                })
+                    },
+                )
                 .map_err(generation_err)?;
             Ok(result)
         })
@@ -132,7 +159,12 @@ pub struct PyGenerationStream {
 
 impl PyGenerationStream {
     /// Starts a generation (prefilling the prompt) whose tokens are produced on iteration.
-    pub fn start(py: Python<'_>, runtime: &Bound<'_, PyModelRuntime>, prompt: Vec<u32>, opts: GenerateOptions) -> PyResult<Self> {
+    pub fn start(
+        py: Python<'_>,
+        runtime: &Bound<'_, PyModelRuntime>,
+        prompt: Vec<u32>,
+        opts: GenerateOptions,
+    ) -> PyResult<Self> {
         let rt = runtime.get();
         let tokenizer = rt.tokenizer_arc()?;
         let generation = py.detach(|| {
@@ -160,7 +192,8 @@ impl PyGenerationStream {
         loop {
             if generation.finish_reason().is_some() {
                 let result = to_result(py, generation.result())?;
-                *self.result.lock().map_err(|_| InternalError::new_err("generation stream poisoned"))? = Some(Py::new(py, result)?);
+                *self.result.lock().map_err(|_| InternalError::new_err("generation stream poisoned"))? =
+                    Some(Py::new(py, result)?);
                 *state = None;
                 return Err(PyStopIteration::new_err(()));
             }
@@ -175,7 +208,11 @@ impl PyGenerationStream {
     /// The finished generation (None until the stream is exhausted).
     #[getter]
     fn result(&self, py: Python<'_>) -> PyResult<Option<Py<PyGenerationResult>>> {
-        Ok(self.result.lock().map_err(|_| InternalError::new_err("generation stream poisoned"))?.as_ref().map(|r| r.clone_ref(py)))
+        Ok(self
+            .result
+            .lock()
+            .map_err(|_| InternalError::new_err("generation stream poisoned"))?
+            .as_ref()
+            .map(|r| r.clone_ref(py)))
     }
 }
-

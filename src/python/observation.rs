@@ -79,10 +79,7 @@ pub struct PyObservationSet {
 #[pymethods]
 impl PyObservationSet {
     fn __getitem__<'py>(&self, py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyAny>> {
-        self.values
-            .bind(py)
-            .get_item(path)?
-            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(path.to_owned()))
+        self.values.bind(py).get_item(path)?.ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(path.to_owned()))
     }
 
     fn __len__(&self) -> usize {
@@ -114,7 +111,12 @@ impl PyObservationSet {
 
     /// The value at `path`, or `default`.
     #[pyo3(signature = (path, default=None))]
-    fn get<'py>(&self, py: Python<'py>, path: &str, default: Option<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        path: &str,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         Ok(self.values.bind(py).get_item(path)?.or(default))
     }
 

@@ -1,8 +1,8 @@
 //! `ModelRuntime` for Python, with its bound `backend` and `session` views and step outputs.
 
+use std::path::Path;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayD, IxDyn};
@@ -11,15 +11,16 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
 use super::errors::{
-    backend_err, guard, load_err, runtime_err, text_err, InternalError, SessionError, TokenOutOfRangeError, TokenizerError,
+    backend_err, guard, load_err, runtime_err, text_err, InternalError, SessionError, TokenOutOfRangeError,
+    TokenizerError,
 };
 use super::generation::{options_from_kwargs, run_to_end, PyGenerationStream};
-use super::text::PyTokenizer;
-use crate::text::Tokenizer;
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
+use super::text::PyTokenizer;
 use crate::backend::session::CandleCompletion;
 use crate::backend::{parse_dtype, CandleBackend, DecodeInput, LoadOptions, PrefillInput, StepOutput};
 use crate::core::{BackendProvider, Completion, InspectedOutput, ModelRuntime, ObservationRequest};
+use crate::text::Tokenizer;
 
 /// The tokenizer that goes with an artifact: tokenizer.json beside a checkpoint, or the GGUF's vocabulary.
 fn load_tokenizer(path: &Path) -> Result<Arc<Tokenizer>, String> {
@@ -46,7 +47,9 @@ pub fn token_ids(ids: Vec<i64>) -> PyResult<Vec<u32>> {
     ids.iter()
         .enumerate()
         .map(|(i, &t)| {
-            u32::try_from(t).map_err(|_| TokenOutOfRangeError::new_err(format!("token id {t} at input index {i} is not a valid token id")))
+            u32::try_from(t).map_err(|_| {
+                TokenOutOfRangeError::new_err(format!("token id {t} at input index {i} is not a valid token id"))
+            })
         })
         .collect()
 }
@@ -79,7 +82,12 @@ impl PyModelRuntime {
         self.inner.lock().map_err(|_| InternalError::new_err("the runtime was poisoned by an earlier internal error"))
     }
 
-    fn wrap_output(&self, py: Python<'_>, out: StepOutput, completion: Option<CandleCompletion>) -> PyResult<PySubmission> {
+    fn wrap_output(
+        &self,
+        py: Python<'_>,
+        out: StepOutput,
+        completion: Option<CandleCompletion>,
+    ) -> PyResult<PySubmission> {
         let output = Py::new(py, PyStepOutput { inner: out, runtime_id: self.id })?;
         Ok(PySubmission { output, completion })
     }
@@ -100,7 +108,13 @@ impl PyModelRuntime {
     /// Loads a Hugging Face directory or GGUF file onto a device (GIL released while loading).
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, max_context=None))]
-    fn load(py: Python<'_>, path: PathBuf, device: &str, dtype: Option<&str>, max_context: Option<usize>) -> PyResult<Self> {
+    fn load(
+        py: Python<'_>,
+        path: PathBuf,
+        device: &str,
+        dtype: Option<&str>,
+        max_context: Option<usize>,
+    ) -> PyResult<Self> {
         let dtype = dtype.map(parse_dtype).transpose().map_err(backend_err)?;
         let device = device.to_owned();
         let options = LoadOptions { dtype, max_context };
@@ -177,9 +191,8 @@ impl PyModelRuntime {
     #[pyo3(signature = (tokens, all_logits=false))]
     fn prefill(&self, py: Python<'_>, tokens: Vec<i64>, all_logits: bool) -> PyResult<PySubmission> {
         let tokens = token_ids(tokens)?;
-        let sub = py.detach(|| {
-            guard(|| self.lock()?.prefill(PrefillInput { tokens, all_logits }).map_err(runtime_err))
-        })?;
+        let sub =
+            py.detach(|| guard(|| self.lock()?.prefill(PrefillInput { tokens, all_logits }).map_err(runtime_err)))?;
         self.wrap_output(py, sub.output, Some(sub.completion))
     }
 
@@ -227,7 +240,8 @@ impl PyModelRuntime {
     ) -> PyResult<PyInspectedOutput> {
         let tokens = token_ids(tokens)?;
         let req = request_of(request);
-        let r = py.detach(|| guard(|| self.lock()?.inspect_decode(DecodeInput { tokens }, &req).map_err(runtime_err)))?;
+        let r =
+            py.detach(|| guard(|| self.lock()?.inspect_decode(DecodeInput { tokens }, &req).map_err(runtime_err)))?;
         self.inspected(py, r)
     }
 
@@ -256,7 +270,11 @@ impl PyModelRuntime {
 
     /// Generates from a prompt, yielding text pieces as they become final.
     #[pyo3(signature = (prompt, **kwargs))]
-    fn stream(slf: &Bound<'_, Self>, prompt: &Bound<'_, PyAny>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<PyGenerationStream> {
+    fn stream(
+        slf: &Bound<'_, Self>,
+        prompt: &Bound<'_, PyAny>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyGenerationStream> {
         let py = slf.py();
         let opts = options_from_kwargs(kwargs)?;
         let ids = slf.get().prompt_ids(py, prompt)?;

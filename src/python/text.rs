@@ -115,6 +115,11 @@ impl PyTokenizer {
     }
 
     fn __repr__(&self) -> String {
-        format!("Tokenizer(vocab_size={}, bos_id={:?}, eos_ids={:?})", self.inner.vocab_size(), self.inner.bos_id(), self.inner.eos_ids())
+        format!(
+            "Tokenizer(vocab_size={}, bos_id={:?}, eos_ids={:?})",
+            self.inner.vocab_size(),
+            self.inner.bos_id(),
+            self.inner.eos_ids()
+        )
     }
 }

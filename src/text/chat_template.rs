@@ -28,17 +28,11 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with the given role and content.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
+        Self { role: role.into(), content: content.into() }
     }
 
     fn to_value(&self) -> Value {
-        Value::from_pairs([
-            ("role", Value::from(self.role.as_str())),
-            ("content", Value::from(self.content.as_str())),
-        ])
+        Value::from_pairs([("role", Value::from(self.role.as_str())), ("content", Value::from(self.content.as_str()))])
     }
 }
 
@@ -55,21 +49,15 @@ impl std::fmt::Display for RaisedException {
 impl std::error::Error for RaisedException {}
 
 fn raise_exception(message: String) -> Result<Value, Error> {
-    Err(Error::new(ErrorKind::InvalidOperation, message.clone())
-        .with_source(RaisedException(message)))
+    Err(Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(RaisedException(message)))
 }
 
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
 /// sort_keys=False)`, positional arguments in that order.
 fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
     let args = args.into_values();
-    let (ensure_ascii, indent, separators, sort_keys, kwargs) = from_args::<(
-        Option<Value>,
-        Option<Value>,
-        Option<Value>,
-        Option<Value>,
-        Kwargs,
-    )>(&args)?;
+    let (ensure_ascii, indent, separators, sort_keys, kwargs) =
+        from_args::<(Option<Value>, Option<Value>, Option<Value>, Option<Value>, Kwargs)>(&args)?;
     let pick = |positional: Option<Value>, name: &str| -> Result<Option<Value>, Error> {
         match kwargs.get::<Option<Value>>(name)? {
             Some(v) => Ok(Some(v)),
@@ -99,22 +87,12 @@ fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
                 },
                 _ => None,
             }
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::InvalidOperation,
-                    "separators must be two strings",
-                )
-            })
+            .ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "separators must be two strings"))
             .map(Some)?
         }
     };
     kwargs.assert_all_used()?;
-    let opts = DumpOptions {
-        ensure_ascii,
-        indent,
-        separators,
-        sort_keys,
-    };
+    let opts = DumpOptions { ensure_ascii, indent, separators, sort_keys };
     Ok(Value::from_safe_string(dumps(value, &opts)?))
 }
 
@@ -132,15 +110,7 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     (year, month, day)
 }
 
-const WEEKDAYS: [&str; 7] = [
-    "Sunday",
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-];
+const WEEKDAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
 const MONTHS: [&str; 12] = [
     "January",
     "February",
@@ -237,12 +207,7 @@ fn strftime_utc(format: &str, unix_seconds: i64) -> String {
 fn strftime_now(format: String) -> Result<String, Error> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_err(|e| {
-            Error::new(
-                ErrorKind::InvalidOperation,
-                format!("system clock before 1970: {e}"),
-            )
-        })?;
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("system clock before 1970: {e}")))?;
     Ok(strftime_utc(&format, now.as_secs() as i64))
 }
 
@@ -274,8 +239,7 @@ fn neutralize_generation_tags(source: &str) -> String {
         };
         match replacement {
             Some(r) => {
-                let _ =
-                    std::fmt::Write::write_fmt(&mut out, format_args!("{{%{left} {r} {right}%}}"));
+                let _ = std::fmt::Write::write_fmt(&mut out, format_args!("{{%{left} {r} {right}%}}"));
             }
             None => out.push_str(&tag[..end + 2]),
         }
@@ -306,57 +270,31 @@ fn template_error(err: Error) -> TextError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
     while let Some(e) = source {
         if let Some(raised) = e.downcast_ref::<RaisedException>() {
-            return TextError::Template {
-                message: raised.0.clone(),
-            };
+            return TextError::Template { message: raised.0.clone() };
         }
         source = e.source();
     }
-    TextError::Template {
-        message: format!("{err:#}"),
-    }
+    TextError::Template { message: format!("{err:#}") }
 }
 
 impl ChatTemplate {
     /// Compiles `source`; `bos_token`/`eos_token` become the template variables of that name.
-    pub fn new(
-        source: &str,
-        bos_token: Option<String>,
-        eos_token: Option<String>,
-    ) -> Result<Self, TextError> {
+    pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, TextError> {
         let mut env = Environment::new();
-        let syntax = SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-            .map_err(template_error)?;
+        let syntax = SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(template_error)?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, neutralize_generation_tags(source))
-            .map_err(template_error)?;
-        Ok(Self {
-            env: Arc::new(env),
-            bos_token,
-            eos_token,
-        })
+        env.add_template_owned(TEMPLATE_NAME, neutralize_generation_tags(source)).map_err(template_error)?;
+        Ok(Self { env: Arc::new(env), bos_token, eos_token })
     }
 
     /// Renders a plain conversation.
-    pub fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, TextError> {
-        let messages = Value::from(
-            messages
-                .iter()
-                .map(ChatMessage::to_value)
-                .collect::<Vec<_>>(),
-        );
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TextError> {
+        let messages = Value::from(messages.iter().map(ChatMessage::to_value).collect::<Vec<_>>());
         self.render_value(messages, add_generation_prompt, Vec::new())
     }
 
@@ -374,15 +312,9 @@ impl ChatTemplate {
         let to_value = |v: &serde_json::Value| {
             OrderedValue::deserialize(v)
                 .map(|o| o.0)
-                .map_err(|e| TextError::Template {
-                    message: format!("cannot convert JSON to a template value: {e}"),
-                })
+                .map_err(|e| TextError::Template { message: format!("cannot convert JSON to a template value: {e}") })
         };
-        self.render_value(
-            to_value(messages)?,
-            add_generation_prompt,
-            extra_pairs(to_value(extra)?)?,
-        )
+        self.render_value(to_value(messages)?, add_generation_prompt, extra_pairs(to_value(extra)?)?)
     }
 
     /// Like [`ChatTemplate::render_with`], from JSON text, keeping every object's key order as
@@ -396,9 +328,7 @@ impl ChatTemplate {
         let parse = |s: &str, what: &str| {
             serde_json::from_str::<OrderedValue>(s)
                 .map(|o| o.0)
-                .map_err(|e| TextError::Template {
-                    message: format!("cannot parse {what} JSON: {e}"),
-                })
+                .map_err(|e| TextError::Template { message: format!("cannot parse {what} JSON: {e}") })
         };
         let messages = parse(messages_json, "messages")?;
         let extra = match extra_json {
@@ -417,10 +347,7 @@ impl ChatTemplate {
         // What transformers' apply_chat_template passes: tools/documents default to None.
         let mut ctx: Vec<(String, Value)> = vec![
             ("messages".into(), messages),
-            (
-                "add_generation_prompt".into(),
-                Value::from(add_generation_prompt),
-            ),
+            ("add_generation_prompt".into(), Value::from(add_generation_prompt)),
             ("tools".into(), Value::from(())),
             ("documents".into(), Value::from(())),
         ];
@@ -436,13 +363,8 @@ impl ChatTemplate {
                 None => ctx.push((key, value)),
             }
         }
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(template_error)?;
-        template
-            .render(Value::from_pairs(ctx))
-            .map_err(template_error)
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
+        template.render(Value::from_pairs(ctx)).map_err(template_error)
     }
 }
 
@@ -451,9 +373,7 @@ fn extra_pairs(extra: Value) -> Result<Vec<(String, Value)>, TextError> {
     if extra.is_none() || extra.is_undefined() {
         return Ok(Vec::new());
     }
-    let not_object = || TextError::Template {
-        message: "extra template variables must be a JSON object".into(),
-    };
+    let not_object = || TextError::Template { message: "extra template variables must be a JSON object".into() };
     if extra.kind() != minijinja::value::ValueKind::Map {
         return Err(not_object());
     }
@@ -532,8 +452,7 @@ mod tests {
 
     #[test]
     fn gemma_template() {
-        let t =
-            ChatTemplate::new(GEMMA_TEMPLATE, Some("<bos>".into()), Some("<eos>".into())).unwrap();
+        let t = ChatTemplate::new(GEMMA_TEMPLATE, Some("<bos>".into()), Some("<eos>".into())).unwrap();
         let out = t.render(&conversation(), true).unwrap();
         assert_eq!(
             out,
@@ -549,10 +468,7 @@ mod tests {
         let bad = vec![ChatMessage::new("assistant", "x")];
         match t.render(&bad, false) {
             Err(TextError::Template { message }) => {
-                assert_eq!(
-                    message,
-                    "Conversation roles must alternate user/assistant/user/assistant/..."
-                )
+                assert_eq!(message, "Conversation roles must alternate user/assistant/user/assistant/...")
             }
             other => panic!("expected a template error, got {other:?}"),
         }
@@ -585,10 +501,7 @@ mod tests {
 n={{ ns.count }}"#;
         let t = ChatTemplate::new(source, None, None).unwrap();
         let out = t.render(&conversation(), false).unwrap();
-        assert_eq!(
-            out,
-            "[You are helpful.]\n  USER:Hi,  ASSISTANT:Hello!,  USER:How_are_you?n=3"
-        );
+        assert_eq!(out, "[You are helpful.]\n  USER:Hi,  ASSISTANT:Hello!,  USER:How_are_you?n=3");
     }
 
     #[test]
@@ -615,12 +528,7 @@ n={{ ns.count }}"#;
             )
             .unwrap_err();
         assert!(err.to_string().contains("not JSON serializable"), "{err}");
-        let t = ChatTemplate::new(
-            "{{ tools | tojson }}|{{ flag }}|{{ messages[0].content }}",
-            None,
-            None,
-        )
-        .unwrap();
+        let t = ChatTemplate::new("{{ tools | tojson }}|{{ flag }}|{{ messages[0].content }}", None, None).unwrap();
         let out = t
             .render_with(
                 &serde_json::json!([{"role": "user", "content": "x"}]),
@@ -648,9 +556,6 @@ n={{ ns.count }}"#;
     fn undefined_variables_are_lenient_and_syntax_errors_are_typed() {
         let t = ChatTemplate::new("{% if foo %}x{% endif %}{{ bar }}ok", None, None).unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "ok");
-        assert!(matches!(
-            ChatTemplate::new("{% if %}", None, None),
-            Err(TextError::Template { .. })
-        ));
+        assert!(matches!(ChatTemplate::new("{% if %}", None, None), Err(TextError::Template { .. })));
     }
 }

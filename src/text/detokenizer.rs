@@ -33,32 +33,16 @@ const CONTEXT_TOKENS: usize = 5;
 impl IncrementalDecoder {
     /// A decoder for a sequence starting from nothing.
     pub fn new(tokenizer: Arc<Tokenizer>, skip_special_tokens: bool) -> Self {
-        Self {
-            tokenizer,
-            skip_special_tokens,
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-        }
+        Self { tokenizer, skip_special_tokens, ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
     }
 
     /// A decoder whose output continues `context` (e.g. the prompt), which is not emitted.
     ///
     /// Without context, a decoder that strips the first leading space (Llama-2 style) would
     /// drop the space of the first generated word.
-    pub fn with_context(
-        tokenizer: Arc<Tokenizer>,
-        context: &[u32],
-        skip_special_tokens: bool,
-    ) -> Self {
+    pub fn with_context(tokenizer: Arc<Tokenizer>, context: &[u32], skip_special_tokens: bool) -> Self {
         let tail = &context[context.len().saturating_sub(CONTEXT_TOKENS)..];
-        Self {
-            tokenizer,
-            skip_special_tokens,
-            ids: tail.to_vec(),
-            prefix_offset: 0,
-            read_offset: tail.len(),
-        }
+        Self { tokenizer, skip_special_tokens, ids: tail.to_vec(), prefix_offset: 0, read_offset: tail.len() }
     }
 
     /// Adds one token; returns the text it completes, if any.

@@ -34,9 +34,7 @@ pub enum TextError {
     },
 
     /// `tokenizer.ggml.pre` names a pre-tokenizer whose split rules we do not know for certain.
-    #[error(
-        "GGUF pre-tokenizer `{pre}` (tokenizer.ggml.pre) is not supported; refusing to guess its split rules"
-    )]
+    #[error("GGUF pre-tokenizer `{pre}` (tokenizer.ggml.pre) is not supported; refusing to guess its split rules")]
     UnsupportedPreTokenizer {
         /// The value of `tokenizer.ggml.pre`.
         pre: String,
@@ -101,9 +99,6 @@ pub enum TextError {
 impl TextError {
     /// Wraps an error of the `tokenizers` crate with what we were doing at the time.
     pub(crate) fn tokenizer(context: impl Into<String>, err: impl std::fmt::Display) -> Self {
-        TextError::Tokenizer {
-            context: context.into(),
-            message: err.to_string(),
-        }
+        TextError::Tokenizer { context: context.into(), message: err.to_string() }
     }
 }

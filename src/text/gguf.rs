@@ -55,7 +55,8 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
 // Split regexes, verbatim from transformers' `GGUF_PRE_TOKENIZER_SPLITS` (the originals recorded
 // in each model's tokenizer.json, not llama.cpp's rewrites of them).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -77,16 +78,12 @@ fn byte_level_split(pre: &str) -> Option<ByteLevelSplit> {
         // llama.cpp writes these for vocabularies cut by GPT-2's regex; transformers leaves
         // GPT2Tokenizer's `ByteLevel` in place for them.
         "default" | "gpt-2" | "phi-2" | "mpt" | "olmo" => ByteLevelSplit::Gpt2,
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
-        | "lfm2" | "jina-v5-nano" | "dbrx" | "smaug-bpe" => ByteLevelSplit::Regex(LLAMA3_SPLIT),
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
+        | "jina-v5-nano" | "dbrx" | "smaug-bpe" => ByteLevelSplit::Regex(LLAMA3_SPLIT),
         "tekken" => ByteLevelSplit::Regex(TEKKEN_SPLIT),
-        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => {
-            ByteLevelSplit::Regex(QWEN2_SPLIT)
-        }
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => ByteLevelSplit::Regex(QWEN2_SPLIT),
         "qwen35" => ByteLevelSplit::Regex(QWEN35_SPLIT),
-        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => {
-            ByteLevelSplit::Regex(GPT4O_SPLIT)
-        }
+        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => ByteLevelSplit::Regex(GPT4O_SPLIT),
         // transformers does not list these and would keep plain GPT-2, which joins digit runs;
         // llama.cpp (and the models' own tokenizer.json) isolate every digit first.
         "smollm" | "starcoder" | "refact" => ByteLevelSplit::DigitsThenGpt2,
@@ -123,10 +120,7 @@ pub(crate) struct GgufTokenizer {
 struct Metadata<'a>(&'a HashMap<String, Value>);
 
 fn invalid(key: &str, message: impl Into<String>) -> TextError {
-    TextError::InvalidMetadata {
-        key: key.to_string(),
-        message: message.into(),
-    }
+    TextError::InvalidMetadata { key: key.to_string(), message: message.into() }
 }
 
 fn value_as_i64(v: &Value) -> Option<i64> {
@@ -181,10 +175,7 @@ impl<'a> Metadata<'a> {
             return Ok(None);
         }
         if id as u64 >= n_tokens as u64 {
-            return Err(invalid(
-                key,
-                format!("token id {id} is outside the vocabulary of {n_tokens} tokens"),
-            ));
+            return Err(invalid(key, format!("token id {id} is outside the vocabulary of {n_tokens} tokens")));
         }
         Ok(Some(id as u32))
     }
@@ -257,20 +248,13 @@ struct Vocabulary {
 impl Vocabulary {
     fn read(md: &Metadata<'_>) -> Result<Self, TextError> {
         const TOKENS: &str = "tokenizer.ggml.tokens";
-        let tokens = md
-            .strings(TOKENS)?
-            .ok_or_else(|| TextError::MissingMetadata {
-                key: TOKENS.to_string(),
-            })?;
+        let tokens = md.strings(TOKENS)?.ok_or_else(|| TextError::MissingMetadata { key: TOKENS.to_string() })?;
         let n = tokens.len();
         let scores = md.floats("tokenizer.ggml.scores")?;
         let token_types = md.integers("tokenizer.ggml.token_type")?;
         for (key, len) in [
             ("tokenizer.ggml.scores", scores.as_ref().map(Vec::len)),
-            (
-                "tokenizer.ggml.token_type",
-                token_types.as_ref().map(Vec::len),
-            ),
+            ("tokenizer.ggml.token_type", token_types.as_ref().map(Vec::len)),
         ] {
             if let Some(len) = len {
                 if len != n {
@@ -287,15 +271,9 @@ impl Vocabulary {
             unk_id: md.token_id("tokenizer.ggml.unknown_token_id", n)?,
             // Only hints for stopping and special-token marking: a bad value is dropped rather
             // than failing the load.
-            eot_id: md
-                .token_id("tokenizer.ggml.eot_token_id", n)
-                .unwrap_or(None),
-            eom_id: md
-                .token_id("tokenizer.ggml.eom_token_id", n)
-                .unwrap_or(None),
-            pad_id: md
-                .token_id("tokenizer.ggml.padding_token_id", n)
-                .unwrap_or(None),
+            eot_id: md.token_id("tokenizer.ggml.eot_token_id", n).unwrap_or(None),
+            eom_id: md.token_id("tokenizer.ggml.eom_token_id", n).unwrap_or(None),
+            pad_id: md.token_id("tokenizer.ggml.padding_token_id", n).unwrap_or(None),
             add_bos: md.boolean("tokenizer.ggml.add_bos_token")?,
             add_eos: md.boolean("tokenizer.ggml.add_eos_token")?,
             add_space_prefix: md.boolean("tokenizer.ggml.add_space_prefix")?,
@@ -317,10 +295,7 @@ impl Vocabulary {
                 ids.push(id);
             }
         };
-        for id in [self.eos_id, self.eot_id, self.eom_id]
-            .into_iter()
-            .flatten()
-        {
+        for id in [self.eos_id, self.eot_id, self.eom_id].into_iter().flatten() {
             push(id);
         }
         for (id, token) in self.tokens.iter().enumerate() {
@@ -381,24 +356,12 @@ fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
             .filter(|(l, r)| last.contains_key(l) && last.contains_key(r))
             .collect();
         local.sort_by_key(|(l, r)| (last[l].0, last[r].0));
-        merges.extend(
-            local
-                .into_iter()
-                .map(|(l, r)| (score, l.chars().count(), r.chars().count(), l, r)),
-        );
+        merges.extend(local.into_iter().map(|(l, r)| (score, l.chars().count(), r.chars().count(), l, r)));
     }
     // Python compares floats numerically (-0.0 == 0.0), which `partial_cmp` matches; the sort is
     // stable like `sorted(..., reverse=True)`.
-    merges.sort_by(|a, b| {
-        b.0.partial_cmp(&a.0)
-            .unwrap_or(Ordering::Equal)
-            .then(b.1.cmp(&a.1))
-            .then(b.2.cmp(&a.2))
-    });
-    merges
-        .into_iter()
-        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
-        .collect()
+    merges.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+    merges.into_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
 }
 
 /// Merges stated by the file, as `"left right"` strings.
@@ -406,15 +369,9 @@ fn parse_merges(merges: &[String]) -> Result<Vec<(String, String)>, TextError> {
     merges
         .iter()
         .map(|m| {
-            m.split_once(' ')
-                .filter(|(_, r)| !r.contains(' '))
-                .map(|(l, r)| (l.to_string(), r.to_string()))
-                .ok_or_else(|| {
-                    invalid(
-                        "tokenizer.ggml.merges",
-                        format!("merge {m:?} is not two tokens separated by one space"),
-                    )
-                })
+            m.split_once(' ').filter(|(_, r)| !r.contains(' ')).map(|(l, r)| (l.to_string(), r.to_string())).ok_or_else(
+                || invalid("tokenizer.ggml.merges", format!("merge {m:?} is not two tokens separated by one space")),
+            )
         })
         .collect()
 }
@@ -430,9 +387,7 @@ fn merges_or_generated(
     }
     let scores = scores
         .or_else(|| v.scores.clone())
-        .ok_or_else(|| TextError::MissingMetadata {
-            key: "tokenizer.ggml.scores".to_string(),
-        })?;
+        .ok_or_else(|| TextError::MissingMetadata { key: "tokenizer.ggml.scores".to_string() })?;
     Ok(generate_merges(tokens, &scores))
 }
 
@@ -447,10 +402,8 @@ fn bpe(
     byte_fallback: bool,
 ) -> Result<BPE, TextError> {
     let vocab_ahash: Vocab = vocab.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    let mut builder = BPE::builder()
-        .vocab_and_merges(vocab_ahash, merges)
-        .fuse_unk(byte_fallback)
-        .byte_fallback(byte_fallback);
+    let mut builder =
+        BPE::builder().vocab_and_merges(vocab_ahash, merges).fuse_unk(byte_fallback).byte_fallback(byte_fallback);
     if let Some(unk) = unk {
         builder = builder.unk_token(unk.to_string());
     }
@@ -458,18 +411,14 @@ fn bpe(
 }
 
 /// The sentencepiece family (`tokenizer.ggml.model` = `llama` or `gemma4`).
-fn build_sentencepiece(
-    v: &Vocabulary,
-    kind: Sentencepiece,
-) -> Result<tokenizers::Tokenizer, TextError> {
+fn build_sentencepiece(v: &Vocabulary, kind: Sentencepiece) -> Result<tokenizers::Tokenizer, TextError> {
     let tokens: Vec<String> = match kind {
         Sentencepiece::Gemma => v.tokens.iter().map(|t| gemma_spelled(t)).collect(),
         _ => v.tokens.clone(),
     };
     // Gemma's scores are ranks punched through with -1000 placeholders; its merge order is the
     // order tokens appear in the file.
-    let positions =
-        (kind == Sentencepiece::Gemma).then(|| (0..tokens.len()).map(|i| -(i as f64)).collect());
+    let positions = (kind == Sentencepiece::Gemma).then(|| (0..tokens.len()).map(|i| -(i as f64)).collect());
     let merges = merges_or_generated(v, &tokens, positions)?;
     let vocab = vocab_map(&tokens);
     let gemma = matches!(kind, Sentencepiece::Gemma | Sentencepiece::Gemma4);
@@ -478,18 +427,13 @@ fn build_sentencepiece(
     let mut tokenizer = tokenizers::Tokenizer::new(bpe(&vocab, merges, unk, true)?);
 
     let replace = |from: &str, to: &str| Replace::new(from, to).map_err(build_err("normalizer"));
-    let mut decoders: Vec<DecoderWrapper> = vec![
-        replace(SPIECE_UNDERLINE, " ")?.into(),
-        ByteFallback::new().into(),
-        Fuse::new().into(),
-    ];
+    let mut decoders: Vec<DecoderWrapper> =
+        vec![replace(SPIECE_UNDERLINE, " ")?.into(), ByteFallback::new().into(), Fuse::new().into()];
     match kind {
         Sentencepiece::Gemma | Sentencepiece::Gemma4 => {
             // Spaces become `▁` up front and nothing is prepended; the split on " " never fires
             // once the normalizer has run, but GemmaTokenizer installs it, so we do too.
-            tokenizer
-                .with_normalizer(Some(replace(" ", SPIECE_UNDERLINE)?))
-                .map_err(build_err("normalizer"))?;
+            tokenizer.with_normalizer(Some(replace(" ", SPIECE_UNDERLINE)?)).map_err(build_err("normalizer"))?;
             let split = Split::new(" ", SplitDelimiterBehavior::MergedWithPrevious, false)
                 .map_err(build_err("pre-tokenizer"))?;
             tokenizer.with_pre_tokenizer(Some(split));
@@ -499,11 +443,7 @@ fn build_sentencepiece(
             // says otherwise is honoured, as llama.cpp does, since the flag is the original
             // sentencepiece model's `add_dummy_prefix`.
             let prepend = v.add_space_prefix != Some(false);
-            let scheme = if prepend {
-                PrependScheme::First
-            } else {
-                PrependScheme::Never
-            };
+            let scheme = if prepend { PrependScheme::First } else { PrependScheme::Never };
             tokenizer.with_pre_tokenizer(Some(Metaspace::new('\u{2581}', scheme, false)));
             if prepend {
                 decoders.push(Strip::new(' ', 1, 0).into());
@@ -514,9 +454,7 @@ fn build_sentencepiece(
                 Prepend::new(SPIECE_UNDERLINE.to_string()).into(),
                 replace(" ", SPIECE_UNDERLINE)?.into(),
             ]);
-            tokenizer
-                .with_normalizer(Some(normalizer))
-                .map_err(build_err("normalizer"))?;
+            tokenizer.with_normalizer(Some(normalizer)).map_err(build_err("normalizer"))?;
             decoders.push(Strip::new(' ', 1, 0).into());
         }
     }
@@ -528,9 +466,7 @@ fn build_sentencepiece(
 /// GPT-2's byte-to-character table (`bytes_to_unicode`).
 pub(crate) fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
-    let printable = |b: u32| {
-        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
-    };
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
     let mut n = 0u32;
     for b in 0u32..256 {
         table[b as usize] = if printable(b) {
@@ -546,9 +482,7 @@ pub(crate) fn bytes_to_unicode() -> [char; 256] {
 /// The byte-level family (`tokenizer.ggml.model` = `gpt2`), as transformers' GPT2Tokenizer.
 fn build_byte_level(v: &Vocabulary) -> Result<tokenizers::Tokenizer, TextError> {
     let pre = v.pre.as_deref().unwrap_or("default");
-    let split = byte_level_split(pre).ok_or_else(|| TextError::UnsupportedPreTokenizer {
-        pre: pre.to_string(),
-    })?;
+    let split = byte_level_split(pre).ok_or_else(|| TextError::UnsupportedPreTokenizer { pre: pre.to_string() })?;
 
     // llama.cpp writes tokens in byte-level spelling, except ones whose bytes do not decode
     // (written raw); respell those so the merges naming them resolve.
@@ -557,13 +491,7 @@ fn build_byte_level(v: &Vocabulary) -> Result<tokenizers::Tokenizer, TextError> 
     let tokens: Vec<String> = v
         .tokens
         .iter()
-        .map(|t| {
-            if in_alphabet(t) {
-                t.clone()
-            } else {
-                t.bytes().map(|b| table[b as usize]).collect()
-            }
-        })
+        .map(|t| if in_alphabet(t) { t.clone() } else { t.bytes().map(|b| table[b as usize]).collect() })
         .collect();
     let merges = merges_or_generated(v, &tokens, None)?;
     let vocab = vocab_map(&tokens);
@@ -571,23 +499,13 @@ fn build_byte_level(v: &Vocabulary) -> Result<tokenizers::Tokenizer, TextError> 
 
     let pre_tokenizer: PreTokenizerWrapper = match split {
         ByteLevelSplit::Gpt2 => ByteLevel::new(false, true, true).into(),
-        ByteLevelSplit::DigitsThenGpt2 => PreTokenizerSequence::new(vec![
-            Digits::new(true).into(),
-            ByteLevel::new(false, true, true).into(),
-        ])
-        .into(),
+        ByteLevelSplit::DigitsThenGpt2 => {
+            PreTokenizerSequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into()
+        }
         ByteLevelSplit::Regex(regex) => {
-            let split = Split::new(
-                SplitPattern::Regex(regex.to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(build_err("pre-tokenizer split"))?;
-            PreTokenizerSequence::new(vec![
-                split.into(),
-                ByteLevel::new(false, true, false).into(),
-            ])
-            .into()
+            let split = Split::new(SplitPattern::Regex(regex.to_string()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(build_err("pre-tokenizer split"))?;
+            PreTokenizerSequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
         }
     };
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
@@ -624,28 +542,18 @@ fn add_gguf_tokens(
             }
         }
     }
-    for id in [v.bos_id, v.eos_id, v.unk_id, v.pad_id]
-        .into_iter()
-        .flatten()
-    {
+    for id in [v.bos_id, v.eos_id, v.unk_id, v.pad_id].into_iter().flatten() {
         let token = &v.tokens[id as usize];
-        let known = special
-            .iter()
-            .chain(&user_defined)
-            .any(|t| &t.content == token);
+        let known = special.iter().chain(&user_defined).any(|t| &t.content == token);
         if !known && vocab.contains_key(token) {
             special.push(AddedToken::from(token.clone(), true).normalized(false));
         }
     }
     if !special.is_empty() {
-        tokenizer
-            .add_special_tokens(special)
-            .map_err(build_err("special tokens"))?;
+        tokenizer.add_special_tokens(special).map_err(build_err("special tokens"))?;
     }
     if !user_defined.is_empty() {
-        tokenizer
-            .add_tokens(user_defined)
-            .map_err(build_err("user-defined tokens"))?;
+        tokenizer.add_tokens(user_defined).map_err(build_err("user-defined tokens"))?;
     }
     Ok(())
 }
@@ -668,10 +576,7 @@ fn special_token_processor(
     for (name, id) in [("BOS", bos), ("EOS", eos)] {
         if let Some(id) = id {
             let text = v.tokens[id as usize].clone();
-            specials.push(
-                SpecialToken::new(name.into(), vec![id], vec![text])
-                    .map_err(|e| err(e.to_string()))?,
-            );
+            specials.push(SpecialToken::new(name.into(), vec![id], vec![text]).map_err(|e| err(e.to_string()))?);
         }
     }
     // transformers' shape: `BOS $A EOS` and `BOS $A EOS BOS $B EOS` (type ids 0, then 1).
@@ -703,11 +608,7 @@ fn special_token_processor(
 pub(crate) fn tokenizer_from_gguf(md: &HashMap<String, Value>) -> Result<GgufTokenizer, TextError> {
     let md = Metadata(md);
     const MODEL: &str = "tokenizer.ggml.model";
-    let model = md
-        .string(MODEL)?
-        .ok_or_else(|| TextError::MissingMetadata {
-            key: MODEL.to_string(),
-        })?;
+    let model = md.string(MODEL)?.ok_or_else(|| TextError::MissingMetadata { key: MODEL.to_string() })?;
     let architecture = md.string("general.architecture")?.unwrap_or("");
     let v = Vocabulary::read(&md)?;
     // transformers: sentencepiece files add BOS unless they say otherwise; gemma4 files never
@@ -723,11 +624,7 @@ pub(crate) fn tokenizer_from_gguf(md: &HashMap<String, Value>) -> Result<GgufTok
         }
         "gemma4" => (build_sentencepiece(&v, Sentencepiece::Gemma4)?, false),
         "gpt2" => (build_byte_level(&v)?, v.add_bos.unwrap_or(false)),
-        other => {
-            return Err(TextError::UnsupportedTokenizerModel {
-                model: other.to_string(),
-            })
-        }
+        other => return Err(TextError::UnsupportedTokenizerModel { model: other.to_string() }),
     };
     let add_bos = add_bos && v.bos_id.is_some();
     let add_eos = v.add_eos.unwrap_or(false) && v.eos_id.is_some();
@@ -752,30 +649,18 @@ mod tests {
     use super::*;
 
     fn pairs(merges: &[(String, String)]) -> Vec<(&str, &str)> {
-        merges
-            .iter()
-            .map(|(l, r)| (l.as_str(), r.as_str()))
-            .collect()
+        merges.iter().map(|(l, r)| (l.as_str(), r.as_str())).collect()
     }
 
     #[test]
     fn generated_merges_follow_transformers_ordering() {
-        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"].iter().map(|s| s.to_string()).collect();
         // By score: "ab" (-1), "abc" (-2), "bc" (-3); within "abc" the longer left piece first.
         let scores = [-0.1, -0.2, -0.5, -1.0, -3.0, -2.0];
-        assert_eq!(
-            pairs(&generate_merges(&tokens, &scores)),
-            [("a", "b"), ("ab", "c"), ("a", "bc"), ("b", "c")]
-        );
+        assert_eq!(pairs(&generate_merges(&tokens, &scores)), [("a", "b"), ("ab", "c"), ("a", "bc"), ("b", "c")]);
         // By position (Gemma): "ab" (3), "bc" (4), "abc" (5).
         let positions: Vec<f64> = (0..6).map(|i| -(i as f64)).collect();
-        assert_eq!(
-            pairs(&generate_merges(&tokens, &positions)),
-            [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
-        );
+        assert_eq!(pairs(&generate_merges(&tokens, &positions)), [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]);
     }
 
     #[test]

@@ -32,18 +32,10 @@ pub(crate) fn py_float_repr(x: f64) -> String {
         return "NaN".into();
     }
     if x.is_infinite() {
-        return if x > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
+        return if x > 0.0 { "Infinity".into() } else { "-Infinity".into() };
     }
     if x == 0.0 {
-        return if x.is_sign_negative() {
-            "-0.0".into()
-        } else {
-            "0.0".into()
-        };
+        return if x.is_sign_negative() { "-0.0".into() } else { "0.0".into() };
     }
     // Rust's `{:e}` gives the shortest round-trip digits: "-1.2345e6", "5e-7".
     let sci = format!("{x:e}");
@@ -68,11 +60,7 @@ pub(crate) fn py_float_repr(x: f64) -> String {
         format!("{sign}{body}")
     } else {
         let (first, rest) = digits.split_at(1);
-        let frac = if rest.is_empty() {
-            String::new()
-        } else {
-            format!(".{rest}")
-        };
+        let frac = if rest.is_empty() { String::new() } else { format!(".{rest}") };
         let exp_sign = if exp < 0 { '-' } else { '+' };
         format!("{sign}{first}{frac}e{exp_sign}{:02}", exp.abs())
     }
@@ -112,9 +100,7 @@ fn key_string(key: &Value) -> Result<String, Error> {
         ValueKind::None => Ok("null".into()),
         ValueKind::Number if key.is_integer() => Ok(key.to_string()),
         ValueKind::Number => Ok(py_float_repr(f64::try_from(key.clone())?)),
-        other => Err(serialization_error(format!(
-            "keys must be str, int, float, bool or None, not {other}"
-        ))),
+        other => Err(serialization_error(format!("keys must be str, int, float, bool or None, not {other}"))),
     }
 }
 
@@ -138,25 +124,17 @@ impl Dumper<'_> {
     fn write(&mut self, value: &Value, level: usize) -> Result<(), Error> {
         match value.kind() {
             ValueKind::Undefined => {
-                return Err(serialization_error(
-                    "Object of type Undefined is not JSON serializable",
-                ))
+                return Err(serialization_error("Object of type Undefined is not JSON serializable"))
             }
             ValueKind::None => self.out.push_str("null"),
-            ValueKind::Bool => self
-                .out
-                .push_str(if value.is_true() { "true" } else { "false" }),
+            ValueKind::Bool => self.out.push_str(if value.is_true() { "true" } else { "false" }),
             ValueKind::Number if value.is_integer() => {
                 let _ = write!(self.out, "{value}");
             }
-            ValueKind::Number => self
-                .out
-                .push_str(&py_float_repr(f64::try_from(value.clone())?)),
-            ValueKind::String => write_string(
-                &mut self.out,
-                value.as_str().unwrap_or_default(),
-                self.opts.ensure_ascii,
-            ),
+            ValueKind::Number => self.out.push_str(&py_float_repr(f64::try_from(value.clone())?)),
+            ValueKind::String => {
+                write_string(&mut self.out, value.as_str().unwrap_or_default(), self.opts.ensure_ascii)
+            }
             ValueKind::Map => {
                 let mut entries = Vec::new();
                 for key in value.try_iter()? {
@@ -203,11 +181,7 @@ impl Dumper<'_> {
                 self.newline(level);
                 self.out.push(']');
             }
-            other => {
-                return Err(serialization_error(format!(
-                    "Object of type {other} is not JSON serializable"
-                )))
-            }
+            other => return Err(serialization_error(format!("Object of type {other} is not JSON serializable"))),
         }
         Ok(())
     }
@@ -220,12 +194,7 @@ pub(crate) fn dumps(value: &Value, opts: &DumpOptions) -> Result<String, Error> 
         None if opts.indent.is_some() => (",".into(), ": ".into()),
         None => (", ".into(), ": ".into()),
     };
-    let mut dumper = Dumper {
-        opts,
-        item_sep,
-        key_sep,
-        out: String::new(),
-    };
+    let mut dumper = Dumper { opts, item_sep, key_sep, out: String::new() };
     dumper.write(value, 0)?;
     Ok(dumper.out)
 }
@@ -235,9 +204,7 @@ pub(crate) struct OrderedValue(pub Value);
 
 impl<'de> Deserialize<'de> for OrderedValue {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer
-            .deserialize_any(OrderedVisitor)
-            .map(OrderedValue)
+        deserializer.deserialize_any(OrderedVisitor).map(OrderedValue)
     }
 }
 
@@ -326,10 +293,7 @@ mod tests {
             r#"{"b": [1, 2.5, "é\n\"x\""], "a": null, "c": {}, "d": [], "t": true}"#
         );
         // json.dumps(v, ensure_ascii=False, indent=2)
-        let opts = DumpOptions {
-            indent: Some("  ".into()),
-            ..Default::default()
-        };
+        let opts = DumpOptions { indent: Some("  ".into()), ..Default::default() };
         assert_eq!(
             dumps(&v, &opts).unwrap(),
             "{\n  \"b\": [\n    1,\n    2.5,\n    \"é\\n\\\"x\\\"\"\n  ],\n  \"a\": null,\n  \"c\": {},\n  \"d\": [],\n  \"t\": true\n}"
@@ -341,9 +305,6 @@ mod tests {
             separators: Some((",".into(), ":".into())),
             ..Default::default()
         };
-        assert_eq!(
-            dumps(&parse(r#"{"z": "😀é", "a": 1}"#), &opts).unwrap(),
-            r#"{"a":1,"z":"\ud83d\ude00\u00e9"}"#
-        );
+        assert_eq!(dumps(&parse(r#"{"z": "😀é", "a": 1}"#), &opts).unwrap(), r#"{"a":1,"z":"\ud83d\ude00\u00e9"}"#);
     }
 }

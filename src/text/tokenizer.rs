@@ -64,29 +64,18 @@ fn read_json_opt(path: &Path) -> Result<Option<Json>, TextError> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => {
-            return Err(TextError::Io {
-                path: path.to_path_buf(),
-                source,
-            })
-        }
+        Err(source) => return Err(TextError::Io { path: path.to_path_buf(), source }),
     };
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|e| TextError::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })
+        .map_err(|e| TextError::Json { path: path.to_path_buf(), message: e.to_string() })
 }
 
 fn read_text_opt(path: &Path) -> Result<Option<String>, TextError> {
     match std::fs::read_to_string(path) {
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(TextError::Io {
-            path: path.to_path_buf(),
-            source,
-        }),
+        Err(source) => Err(TextError::Io { path: path.to_path_buf(), source }),
     }
 }
 
@@ -102,15 +91,10 @@ fn token_text(v: Option<&Json>) -> Option<String> {
 /// An id field that may be one integer or a list of them (generation_config.json, config.json).
 fn id_list(v: Option<&Json>) -> Vec<u32> {
     match v {
-        Some(Json::Number(n)) => n
-            .as_u64()
-            .and_then(|x| u32::try_from(x).ok())
-            .into_iter()
-            .collect(),
-        Some(Json::Array(items)) => items
-            .iter()
-            .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
-            .collect(),
+        Some(Json::Number(n)) => n.as_u64().and_then(|x| u32::try_from(x).ok()).into_iter().collect(),
+        Some(Json::Array(items)) => {
+            items.iter().filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect()
+        }
         _ => Vec::new(),
     }
 }
@@ -143,16 +127,12 @@ impl Tokenizer {
     pub fn from_hf_dir(dir: &Path) -> Result<Self, TextError> {
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
-            return Err(TextError::TokenizerFileNotFound {
-                dir: dir.to_path_buf(),
-            });
+            return Err(TextError::TokenizerFileNotFound { dir: dir.to_path_buf() });
         }
         let mut inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| TextError::tokenizer(format!("loading {}", path.display()), e))?;
         // transformers ignores the truncation/padding a tokenizer.json may carry unless asked.
-        inner
-            .with_truncation(None)
-            .map_err(|e| TextError::tokenizer("disabling truncation", e))?;
+        inner.with_truncation(None).map_err(|e| TextError::tokenizer("disabling truncation", e))?;
         inner.with_padding(None);
 
         let config = read_json_opt(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
@@ -163,8 +143,7 @@ impl Tokenizer {
             Some(t) => Some(t),
             None => {
                 let json_path = dir.join("chat_template.json");
-                let from_json = read_json_opt(&json_path)?
-                    .and_then(|j| config_chat_template(j.get("chat_template")));
+                let from_json = read_json_opt(&json_path)?.and_then(|j| config_chat_template(j.get("chat_template")));
                 from_json.or_else(|| config_chat_template(config.get("chat_template")))
             }
         };
@@ -177,8 +156,7 @@ impl Tokenizer {
                 .map_err(|e| TextError::tokenizer("probing the post-processor", e))
         };
         let (with, without) = (probe(true)?, probe(false)?);
-        let prepended =
-            (with.len() > without.len() && with[1..].starts_with(&without)).then(|| with[0]);
+        let prepended = (with.len() > without.len() && with[1..].starts_with(&without)).then(|| with[0]);
 
         let bos_text = token_text(config.get("bos_token"));
         let bos_id = bos_text
@@ -194,10 +172,7 @@ impl Tokenizer {
         if let Some(id) = eos_text.as_deref().and_then(|t| inner.token_to_id(t)) {
             push_unique(&mut eos_ids, id);
         }
-        for id in id_list(generation.get("eos_token_id"))
-            .into_iter()
-            .chain(id_list(model_config.get("eos_token_id")))
-        {
+        for id in id_list(generation.get("eos_token_id")).into_iter().chain(id_list(model_config.get("eos_token_id"))) {
             push_unique(&mut eos_ids, id);
         }
         let eos_token = eos_text.or_else(|| eos_ids.first().and_then(|&id| inner.id_to_token(id)));
@@ -214,23 +189,8 @@ impl Tokenizer {
             BosFix::None => post_adds_bos,
         };
 
-        let vocab_size = inner
-            .get_vocab(true)
-            .values()
-            .map(|&id| id as usize + 1)
-            .max()
-            .unwrap_or(0);
-        Ok(Self {
-            inner,
-            bos_id,
-            eos_ids,
-            add_bos,
-            bos_fix,
-            chat_template,
-            bos_token,
-            eos_token,
-            vocab_size,
-        })
+        let vocab_size = inner.get_vocab(true).values().map(|&id| id as usize + 1).max().unwrap_or(0);
+        Ok(Self { inner, bos_id, eos_ids, add_bos, bos_fix, chat_template, bos_token, eos_token, vocab_size })
     }
 
     /// Converts a GGUF vocabulary into a tokenizer, as transformers' GGUF loader does.
@@ -255,24 +215,17 @@ impl Tokenizer {
 
     /// Reads only the metadata of a GGUF file and converts its vocabulary.
     pub fn from_gguf_file(path: &Path) -> Result<Self, TextError> {
-        let io_err = |source| TextError::Io {
-            path: PathBuf::from(path),
-            source,
-        };
+        let io_err = |source| TextError::Io { path: PathBuf::from(path), source };
         let mut file = std::fs::File::open(path).map_err(io_err)?;
-        let content = gguf_file::Content::read(&mut file).map_err(|e| TextError::Gguf {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| TextError::Gguf { path: path.to_path_buf(), message: e.to_string() })?;
         Self::from_gguf(&content.metadata)
     }
 
     /// Token ids of `text`; with `add_special_tokens`, BOS (and EOS where configured) are added.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
-        let encoding = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| TextError::tokenizer("encoding text", e))?;
+        let encoding =
+            self.inner.encode(text, add_special_tokens).map_err(|e| TextError::tokenizer("encoding text", e))?;
         let mut ids = encoding.get_ids().to_vec();
         if add_special_tokens {
             match (self.bos_fix, self.bos_id) {
@@ -288,9 +241,7 @@ impl Tokenizer {
 
     /// Text of `ids`. Like transformers' `decode`, ids outside the vocabulary are dropped.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| TextError::tokenizer("decoding ids", e))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| TextError::tokenizer("decoding ids", e))
     }
 
     /// Number of token ids (highest id + 1, added tokens included).
@@ -330,10 +281,7 @@ impl Tokenizer {
 
     /// The chat template compiled with this tokenizer's BOS/EOS texts.
     pub fn chat_template_engine(&self) -> Result<ChatTemplate, TextError> {
-        let source = self
-            .chat_template
-            .as_deref()
-            .ok_or(TextError::NoChatTemplate)?;
+        let source = self.chat_template.as_deref().ok_or(TextError::NoChatTemplate)?;
         ChatTemplate::new(source, self.bos_token.clone(), self.eos_token.clone())
     }
 

@@ -41,14 +41,9 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
 /// Reads one rope description: `rope_theta` plus a `rope_type`/`type` and its factors.
 fn parse_rope(params: &Json, default_theta: f64) -> Result<RopeConfig> {
     let theta = opt_f64(params, "rope_theta").unwrap_or(default_theta);
-    let kind = params
-        .get("rope_type")
-        .or_else(|| params.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let factor = || {
-        opt_f64(params, "factor").ok_or_else(|| unsupported(format!("rope scaling `{kind}` without a `factor`")))
-    };
+    let kind = params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let factor =
+        || opt_f64(params, "factor").ok_or_else(|| unsupported(format!("rope scaling `{kind}` without a `factor`")));
     let scaling = match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },

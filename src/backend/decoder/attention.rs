@@ -62,7 +62,14 @@ pub struct StepTables {
 
 impl StepTables {
     /// Tables for queries `pos..pos + t` of a layer kind with an optional sliding window.
-    pub fn new(cos: Tensor, sin: Tensor, pos: usize, t: usize, window: Option<usize>, device: &Device) -> candle_core::Result<Self> {
+    pub fn new(
+        cos: Tensor,
+        sin: Tensor,
+        pos: usize,
+        t: usize,
+        window: Option<usize>,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
         // Transformers' convention: a window of w keeps the query and the w - 1 keys before it,
         // so keys before the first query's window are never attended and are not even read.
         let key_start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -127,7 +134,8 @@ impl Attention {
         let total = pos + t;
         let start = tables.key_start;
         let keys = total - start;
-        let (k_all, v_all) = if start > 0 { (k_all.narrow(2, start, keys)?, v_all.narrow(2, start, keys)?) } else { (k_all, v_all) };
+        let (k_all, v_all) =
+            if start > 0 { (k_all.narrow(2, start, keys)?, v_all.narrow(2, start, keys)?) } else { (k_all, v_all) };
         // Grouped-query attention without copying keys: fold each group's query heads into rows.
         let group = nh / nkv;
         let q = q.contiguous()?.reshape((1, nkv, group * t, d))?;

@@ -14,9 +14,8 @@ pub struct Rope {
 impl Rope {
     /// Frequencies for `rotary_dim` rotated dimensions, as transformers computes them (in float32).
     pub fn new(cfg: &RopeConfig, rotary_dim: usize) -> Self {
-        let mut inv_freq: Vec<f32> = (0..rotary_dim / 2)
-            .map(|i| (1.0 / cfg.theta.powf((2 * i) as f64 / rotary_dim as f64)) as f32)
-            .collect();
+        let mut inv_freq: Vec<f32> =
+            (0..rotary_dim / 2).map(|i| (1.0 / cfg.theta.powf((2 * i) as f64 / rotary_dim as f64)) as f32).collect();
         let mut position_scale = 1.0;
         match cfg.scaling {
             RopeScaling::None => {}

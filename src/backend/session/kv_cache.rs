@@ -109,4 +109,3 @@ fn grow(old: Option<Tensor>, like: &Tensor, keep: usize, capacity: usize) -> can
     }
     Ok(fresh)
 }
-

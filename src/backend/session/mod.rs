@@ -258,4 +258,3 @@ impl InspectableBackendSession<CandleBackend> for CandleSession {
         self.inspect("inspect_decode", &input.tokens, LogitsRows::All, request)
     }
 }
-

@@ -17,10 +17,46 @@ use crate::backend::error::{CandleContext, CandleError, Result};
 /// The ggml type names, by id, of every type a GGUF file may hold (for error messages).
 fn ggml_type_name(id: u32) -> String {
     const NAMES: [&str; 40] = [
-        "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-        "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16",
-        "I32", "I64", "F64", "IQ1_M", "BF16", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4",
-        "IQ4_NL_4_8", "IQ4_NL_8_8", "MXFP4",
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2",
+        "Q4_3",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "Q4_0_4_4",
+        "Q4_0_4_8",
+        "Q4_0_8_8",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ4_NL_4_4",
+        "IQ4_NL_4_8",
+        "IQ4_NL_8_8",
+        "MXFP4",
     ];
     NAMES.get(id as usize).map(|s| s.to_string()).unwrap_or_else(|| format!("unknown type {id}"))
 }
@@ -47,7 +83,13 @@ fn scan_tensor_types<R: Read + Seek>(r: &mut R, file_size: u64) -> std::io::Resu
     let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
     let _magic = u32_(r)?;
     let version = u32_(r)?;
-    let len = |r: &mut R| -> std::io::Result<u64> { if version == 1 { u32_(r).map(u64::from) } else { u64_(r) } };
+    let len = |r: &mut R| -> std::io::Result<u64> {
+        if version == 1 {
+            u32_(r).map(u64::from)
+        } else {
+            u64_(r)
+        }
+    };
     let skip = |r: &mut R, n: u64| -> std::io::Result<()> {
         let pos = r.stream_position()?;
         if n > file_size.saturating_sub(pos) {
@@ -133,11 +175,8 @@ fn reason_of(e: &candle_core::Error) -> String {
 
 /// Reads a GGUF file's header, refusing bad magic, truncation, absurd counts and tensor types candle cannot run.
 pub fn read_content(path: &Path) -> Result<Content> {
-    let malformed = |reason: String| CandleError::Malformed {
-        what: "GGUF file",
-        path: path.display().to_string(),
-        reason,
-    };
+    let malformed =
+        |reason: String| CandleError::Malformed { what: "GGUF file", path: path.display().to_string(), reason };
     let file = File::open(path).map_err(|source| CandleError::Io { path: path.display().to_string(), source })?;
     let file_size = file.metadata().map(|m| m.len()).unwrap_or(0);
     let mut r = BufReader::new(file);
@@ -206,7 +245,8 @@ impl GgufWeights {
         if !self.content.tensor_infos.contains_key(name) {
             return Err(CandleError::MissingTensor { name: name.to_owned() });
         }
-        let file = File::open(&self.path).map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
+        let file = File::open(&self.path)
+            .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
         let mut r = BufReader::new(file);
         self.content.tensor(&mut r, name, device).map_err(|e| CandleError::Malformed {
             what: "GGUF file",
@@ -289,7 +329,11 @@ impl<'a> Metadata<'a> {
 
     /// An optional unsigned integer.
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
-        if self.has(key) { self.usize(key).map(Some) } else { Ok(None) }
+        if self.has(key) {
+            self.usize(key).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     /// A float value (f32 or f64).
@@ -305,6 +349,8 @@ impl<'a> Metadata<'a> {
     }
 
     fn wrong(&self, key: &str, v: &Value) -> CandleError {
-        CandleError::UnsupportedConfig { what: format!("GGUF metadata `{key}` has unexpected type {:?}", v.value_type()) }
+        CandleError::UnsupportedConfig {
+            what: format!("GGUF metadata `{key}` has unexpected type {:?}", v.value_type()),
+        }
     }
 }

@@ -78,17 +78,16 @@ fn float_dtype(stored: &str) -> Option<DType> {
 }
 
 fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index).map_err(|source| CandleError::Io { path: index.display().to_string(), source })?;
+    let text = std::fs::read_to_string(index)
+        .map_err(|source| CandleError::Io { path: index.display().to_string(), source })?;
     let malformed = |reason: String| CandleError::Malformed {
         what: "safetensors index",
         path: index.display().to_string(),
         reason,
     };
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| malformed(e.to_string()))?;
-    let map = json
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| malformed("no `weight_map` object".into()))?;
+    let map =
+        json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| malformed("no `weight_map` object".into()))?;
     let dir = index.parent().unwrap_or(Path::new("."));
     let mut files: Vec<PathBuf> = Vec::new();
     for v in map.values() {
