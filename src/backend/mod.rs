@@ -4,6 +4,7 @@ pub mod config;
 pub mod decoder;
 pub mod device;
 pub mod error;
+pub mod kernels;
 pub mod session;
 pub mod weights;
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor, D};
 
 use crate::backend::config::Activation;
@@ -27,6 +27,16 @@ impl Linear {
             // float32 residual stream, which keeps long residual sums accurate.
             QMatMul::Tensor(w) | QMatMul::TensorF16(w) if w.dtype() != x.dtype() => {
                 self.weight.forward(&x.to_dtype(w.dtype())?)?.to_dtype(DType::F32)?
+            }
+            QMatMul::QTensor(q)
+                if x.dim(0)? > 1
+                    && q.dtype() == GgmlDType::Q8_0
+                    && x.device().is_cpu()
+                    && crate::backend::kernels::q8_0::available() =>
+            {
+                let (n, k) = q.shape().dims2()?;
+                let data = q.data()?;
+                x.contiguous()?.apply_op1_no_bwd(&crate::backend::kernels::q8_0::Q8_0MatMul { weight: &data, n, k })?
             }
             QMatMul::QTensor(q) if x.dim(0)? >= DEQUANTIZED_GEMM_ROWS && x.device().is_cpu() => {
                 dequantized_matmul(x, q)?
