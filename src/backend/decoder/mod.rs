@@ -59,6 +59,8 @@ pub struct Decoder {
     norm: RmsNorm,
     lm_head: Linear,
     kinds: Vec<(LayerConfig, Rope)>,
+    /// The embedding multiplier, rounded to the weights' dtype as transformers does.
+    embed_scale: Option<f64>,
     dtype: DType,
     device: Device,
 }
@@ -149,6 +151,7 @@ impl Decoder {
             blocks,
             lm_head,
             kinds,
+            embed_scale: c.embed_scale.map(|s| round_to(s, w.dtype())),
             dtype: w.dtype(),
             device: w.device().clone(),
             config,
@@ -197,10 +200,8 @@ impl Decoder {
         let max_context = cache.max_context();
         let ids_t = Tensor::new(ids, &self.device)?;
         let mut x = self.embed.forward(&ids_t)?;
-        if let Some(s) = self.config.embed_scale {
-            // transformers rounds the scale to the weights' dtype before multiplying.
-            let s = Tensor::new(s as f32, &self.device)?.to_dtype(self.dtype)?.to_dtype(DType::F32)?;
-            x = x.broadcast_mul(&s)?;
+        if let Some(s) = self.embed_scale {
+            x = (x * s)?;
         }
         obs.observe(|| "model.embed_tokens".into(), &x);
         let tables = self
@@ -258,5 +259,14 @@ impl Decoder {
             logits = logits.narrow(0, t - 1, 1)?;
         }
         Ok(logits)
+    }
+}
+
+/// `x` as the nearest value of `dtype` (transformers casts the Gemma embedding scale to it).
+fn round_to(x: f64, dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => half::f16::from_f64(x).to_f64(),
+        DType::BF16 => half::bf16::from_f64(x).to_f64(),
+        _ => x as f32 as f64,
     }
 }

@@ -5,6 +5,11 @@ use candle_core::{DType, Tensor};
 use crate::backend::error::{CandleContext, Result};
 use crate::core::{ObservationRequest, ObservationSet, ObservationValue};
 
+/// A tensor's shape and its values as row-major float32 on the host.
+pub fn to_host_f32(t: &Tensor) -> candle_core::Result<(Vec<usize>, Vec<f32>)> {
+    Ok((t.dims().to_vec(), t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?))
+}
+
 /// Holds the tensors a request selected, on the device, until the pass ends.
 pub struct Recorder<'r> {
     request: &'r ObservationRequest,
@@ -28,12 +33,7 @@ impl<'r> Recorder<'r> {
     pub fn finish(self) -> Result<ObservationSet> {
         let mut set = ObservationSet::new();
         for (path, t) in self.kept {
-            let shape = t.dims().to_vec();
-            let data = t
-                .to_dtype(DType::F32)
-                .and_then(|t| t.flatten_all())
-                .and_then(|t| t.to_vec1::<f32>())
-                .ctx(|| format!("copying observation `{path}` to the host"))?;
+            let (shape, data) = to_host_f32(&t).ctx(|| format!("copying observation `{path}` to the host"))?;
             set.insert(path, ObservationValue::Tensor { shape, data })?;
         }
         Ok(set)

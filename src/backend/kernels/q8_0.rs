@@ -19,8 +19,8 @@ struct QuantizedRows {
     values: Vec<i8>,
 }
 
-/// Quantizes `[m, k]` float32 rows as candle's `BlockQ8_0::from_float` does.
-fn quantize_rows(x: &[f32], k: usize) -> QuantizedRows {
+/// Quantizes float32 rows (a whole number of 32-value blocks each) as candle's `BlockQ8_0::from_float` does.
+fn quantize_rows(x: &[f32]) -> QuantizedRows {
     let blocks = x.len() / QK;
     let mut scales = Vec::with_capacity(blocks);
     let mut values = vec![0i8; x.len()];
@@ -33,7 +33,6 @@ fn quantize_rows(x: &[f32], k: usize) -> QuantizedRows {
             *q = (v * id).round() as i8;
         }
     }
-    debug_assert_eq!(x.len() % k, 0);
     QuantizedRows { scales, values }
 }
 
@@ -69,7 +68,7 @@ mod avx2 {
     }
 
     /// The products of `R` rows from `row0` with `C` weight rows from `col0`, into `out`.
-    /// `DOT` is the int8 dot product of 32 unsigned by 32 signed bytes, as 8 int32 lanes.
+    /// `dot` is the int8 dot product of 32 unsigned by 32 signed bytes, as 8 int32 lanes.
     #[inline(always)]
     unsafe fn tile_with<const R: usize, const C: usize>(
         xq: &QuantizedRows,
@@ -181,7 +180,7 @@ fn matmul_with(x: &[f32], m: usize, k: usize, w: &[u8], n: usize, vnni: bool) ->
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * (k / QK) * BLOCK_BYTES);
     let nb = k / QK;
-    let xq = quantize_rows(x, k);
+    let xq = quantize_rows(x);
     let weights = Weights { bytes: w };
     let mut out = vec![0f32; m * n];
     let ptr = OutPtr(out.as_mut_ptr());

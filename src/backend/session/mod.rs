@@ -2,9 +2,9 @@
 
 pub mod kv_cache;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
-use crate::backend::decoder::observer::{NoObserver, Observer, Recorder};
+use crate::backend::decoder::observer::{to_host_f32, NoObserver, Observer, Recorder};
 use crate::backend::decoder::{Decoder, LogitsRows};
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::CandleBackend;
@@ -51,14 +51,7 @@ pub struct StepOutput {
 impl StepOutput {
     /// Copies the logits to the host as float32 `[rows, vocab]` in row-major order.
     pub fn logits_f32(&self) -> Result<(Vec<usize>, Vec<f32>)> {
-        let shape = self.logits.dims().to_vec();
-        let data = self
-            .logits
-            .to_dtype(DType::F32)
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f32>())
-            .ctx(|| "copying logits to the host".into())?;
-        Ok((shape, data))
+        to_host_f32(&self.logits).ctx(|| "copying logits to the host".into())
     }
 }
 
