@@ -103,9 +103,10 @@ def test_usage_reports_counts_and_speeds(rt):
 
 
 def test_invalid_options_are_typed_errors(rt):
-    with pytest.raises(cw.SessionError, match="top_p"):
+    # A bad sampling option is not a session error (issue 9): it has its own class.
+    with pytest.raises(cw.GenerationOptionError, match="top_p"):
         rt.generate(PROMPT, top_p=0.0)
-    with pytest.raises(cw.SessionError, match="temperature"):
+    with pytest.raises(cw.GenerationOptionError, match="temperature"):
         rt.generate(PROMPT, temperature=-1.0)
     with pytest.raises(TypeError, match="nonsense"):
         rt.generate(PROMPT, nonsense=1)

@@ -18,9 +18,15 @@ def points(ref):
     return sorted(k for k in ref if k.startswith("model."))
 
 
+# The two points that interventions added (docs/interventions.md); their reference values are in
+# interventions.safetensors and are checked in test_interventions.py.
+EDIT_POINTS = ("attention.heads", "mlp.hidden")
+
+
 def test_every_observation_point_matches(runtime, ref, case):
     got = runtime.inspect_prefill(ref["input_ids"].tolist(), cw.ObservationRequest.all()).observations
-    assert sorted(got.keys()) == points(ref)
+    assert sorted(k for k in got.keys() if not k.endswith(EDIT_POINTS)) == points(ref)
+    assert sum(k.endswith(EDIT_POINTS) for k in got.keys()) == 2 * runtime.model_info["num_layers"]
     for path in points(ref):
         assert got[path].shape == ref[path].shape, path
         assert rel_l2(got[path], ref[path]) <= TOL, path
@@ -118,7 +124,11 @@ def test_observation_set_is_a_read_only_mapping(runtime, ref):
 
 def test_observation_points_lists_every_path(runtime, ref):
     listed = runtime.observation_points()
-    assert sorted(listed) == points(ref)
+    assert sorted(k for k in listed if not k.endswith(EDIT_POINTS)) == points(ref)
+    layers = runtime.model_info["num_layers"]
+    assert sorted(k for k in listed if k.endswith(EDIT_POINTS)) == sorted(
+        f"model.layers.{i}.{p}" for i in range(layers) for p in EDIT_POINTS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +157,8 @@ def test_prefix_matches_whole_segments(deep_llama):
     rt = cw.ModelRuntime.load(deep_llama, device="cpu")
     obs = rt.inspect_prefill([3, 4, 5], cw.ObservationRequest.select(["model.layers.1"])).observations
     assert sorted(obs.keys()) == sorted(
-        f"model.layers.1.{p}" for p in ["input", "attention.output", "attention.pattern", "mlp.output", "output"]
+        f"model.layers.1.{p}"
+        for p in ["input", "attention.output", "attention.pattern", "mlp.output", "output", *EDIT_POINTS]
     )
     obs = rt.inspect_prefill([6], cw.ObservationRequest.select(["model.layers.11.output", "model.logits"])).observations
     assert sorted(obs.keys()) == ["model.layers.11.output", "model.logits"]

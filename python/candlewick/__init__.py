@@ -13,11 +13,15 @@ from ._native import (
     CandlewickError,
     ContextFullError,
     DeviceError,
+    GenerationOptionError,
     GenerationResult,
     GenerationStream,
     InspectedOutput,
     InternalError,
+    Intervention,
+    InvalidInterventionError,
     ModelRuntime,
+    NonFiniteLogitsError,
     ObservationError,
     ObservationRequest,
     ObservationSet,
@@ -34,6 +38,7 @@ from ._native import (
     UnsupportedTensorTypeError,
     __version__,
 )
+from . import interventions
 
 # ObservationSet implements the mapping protocol natively; registering it makes
 # isinstance(obs, Mapping) true so it works wherever a read-only mapping is expected.
@@ -45,11 +50,15 @@ __all__ = [
     "CandlewickError",
     "ContextFullError",
     "DeviceError",
+    "GenerationOptionError",
     "GenerationResult",
     "GenerationStream",
     "InspectedOutput",
     "InternalError",
+    "Intervention",
+    "InvalidInterventionError",
     "ModelRuntime",
+    "NonFiniteLogitsError",
     "ObservationError",
     "ObservationRequest",
     "ObservationSet",
@@ -65,4 +74,5 @@ __all__ = [
     "UnsupportedError",
     "UnsupportedTensorTypeError",
     "__version__",
+    "interventions",
 ]

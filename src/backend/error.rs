@@ -1,6 +1,6 @@
 //! The candle backend's error: every failure named with its context.
 
-use crate::core::ObservationError;
+use crate::core::{InterventionError, ObservationError};
 
 /// Everything the candle backend can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +104,9 @@ pub enum CandleError {
     /// An observation request that the model cannot serve.
     #[error(transparent)]
     Observation(#[from] ObservationError),
+    /// An intervention the model cannot apply; none of its list was applied.
+    #[error(transparent)]
+    Intervention(#[from] InterventionError),
     /// A tensor operation failed inside candle.
     #[error("{context}: {source}")]
     Candle {

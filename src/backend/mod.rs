@@ -4,11 +4,14 @@ pub mod config;
 pub mod decoder;
 pub mod device;
 pub mod error;
+pub mod host;
 pub mod kernels;
+pub mod kv_cache;
 pub mod session;
 pub mod weights;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
@@ -21,7 +24,7 @@ use decoder::names::Naming;
 use decoder::Decoder;
 pub use error::CandleError;
 use error::Result;
-pub use session::{CandleSession, DecodeInput, PrefillInput, StepOutput};
+pub use session::{CandleSession, StepOutput};
 use weights::gguf::{GgufWeights, Metadata};
 use weights::safetensors::SafetensorsWeights;
 use weights::{WeightLoader, WeightSource};
@@ -77,6 +80,27 @@ pub enum ArtifactFormat {
     Gguf,
 }
 
+impl ArtifactFormat {
+    /// The format of the artifact at `path`: a directory is a Hugging Face checkpoint, a file GGUF.
+    pub fn detect(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            Ok(Self::HuggingFace)
+        } else if path.exists() {
+            Ok(Self::Gguf)
+        } else {
+            Err(CandleError::MissingFile { what: "model artifact", path: path.display().to_string() })
+        }
+    }
+
+    /// The format's name: `huggingface` or `gguf`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::HuggingFace => "huggingface",
+            Self::Gguf => "gguf",
+        }
+    }
+}
+
 /// Everything needed to prepare a model: its architecture, its weights and how to run them.
 pub struct CandleModelConfig {
     /// The architecture.
@@ -93,10 +117,10 @@ pub struct CandleModelConfig {
     pub format: ArtifactFormat,
 }
 
-/// A decoder ready to run, with the context its session will get.
-#[derive(Debug)]
+/// A decoder ready to run, with the context its session will get; sessions share its weights.
+#[derive(Debug, Clone)]
 pub struct CandleModel {
-    decoder: Decoder,
+    decoder: Arc<Decoder>,
     max_context: usize,
 }
 
@@ -118,7 +142,10 @@ impl BackendProvider for CandleBackend {
         let loader = WeightLoader::new(config.weights.as_ref(), config.dtype, &self.device);
         let decoder = Decoder::load(config.arch, &loader, config.naming)?;
         // Every capability below is implemented by CandleSession for every decoder.
-        Ok(PreparedModel::new(CandleModel { decoder, max_context: config.max_context }, SessionCapabilities::ALL))
+        Ok(PreparedModel::new(
+            CandleModel { decoder: Arc::new(decoder), max_context: config.max_context },
+            SessionCapabilities::ALL,
+        ))
     }
 
     fn create_session(&self, model: PreparedModel<CandleModel>) -> Result<CandleSession> {
@@ -131,13 +158,10 @@ impl ModelLoadingBackend for CandleBackend {
     type LoadOptions = LoadOptions;
 
     fn load_config(&self, artifact: &Path, options: &LoadOptions) -> Result<CandleModelConfig> {
-        if artifact.is_dir() {
-            return self.load_hf_dir(artifact, options);
+        match ArtifactFormat::detect(artifact)? {
+            ArtifactFormat::HuggingFace => self.load_hf_dir(artifact, options),
+            ArtifactFormat::Gguf => self.load_gguf(artifact, options),
         }
-        if !artifact.exists() {
-            return Err(CandleError::MissingFile { what: "model artifact", path: artifact.display().to_string() });
-        }
-        self.load_gguf(artifact, options)
     }
 }
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use candle_core::{Device, Tensor};
 
 use super::*;
-use crate::core::{ModelRuntime, ObservationRequest, ObservationValue};
+use crate::core::{DecodeInput, ModelRuntime, ObservationRequest, ObservationValue, PrefillInput};
 
 const CASES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"];
 
@@ -40,11 +40,14 @@ fn load(case: &str, options: LoadOptions) -> ModelRuntime<CandleBackend> {
 #[test]
 fn prompt_logits_and_every_observation_match_transformers() {
     for case in CASES {
-        let r = reference(case);
+        let mut r = reference(case);
+        // The points interventions added are in the interventions reference, of the same prompt.
+        let edits = fixtures().join("tiny").join(case).join("interventions.safetensors");
+        let extra = candle_core::safetensors::load(edits, &Device::Cpu).unwrap();
+        r.extend(extra.into_iter().filter(|(k, _)| k.ends_with("attention.heads") || k.ends_with("mlp.hidden")));
         let mut rt = load(case, LoadOptions::default());
         let prompt = ids(&r["input_ids"]);
-        let out =
-            rt.inspect_prefill(PrefillInput { tokens: prompt, all_logits: true }, &ObservationRequest::all()).unwrap();
+        let out = rt.inspect_prefill(PrefillInput::new(prompt).all_logits(true), &ObservationRequest::all()).unwrap();
         for (path, value) in out.observations.iter() {
             let ObservationValue::Tensor { shape, data } = value else { panic!("{path} not a tensor") };
             let want = &r[path];
@@ -70,7 +73,7 @@ fn prefill_then_decode_reproduces_the_greedy_sequence() {
         let out = rt.prefill(PrefillInput::new(prompt)).unwrap().wait().unwrap();
         let mut logits = vec![out.logits_f32().unwrap().1];
         for &g in &greedy[..greedy.len() - 1] {
-            let out = rt.decode(DecodeInput { tokens: vec![g] }).unwrap().wait().unwrap();
+            let out = rt.decode(DecodeInput::new(vec![g])).unwrap().wait().unwrap();
             logits.push(out.logits_f32().unwrap().1);
         }
         for (k, row) in logits.iter().enumerate() {

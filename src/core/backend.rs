@@ -4,7 +4,9 @@ use std::path::Path;
 
 use crate::core::capabilities::SessionCapabilities;
 use crate::core::completion::{Completion, Submission};
+use crate::core::intervention::{Intervention, InterventionError};
 use crate::core::observation::{ObservationRequest, ObservationSet};
+use crate::core::step::HostLogits;
 
 /// Names a backend and the device it runs a model on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,11 +96,15 @@ pub trait BackendProvider: Sized {
 }
 
 /// An execution session: a model and its cache, stepped by submissions.
+///
+/// Everything a generic caller needs (generation, the engine) is here, so that none of them
+/// names a backend type: plain token-id inputs, position and cached tokens, rewinding, the
+/// model's own stop ids, and logits on the host.
 pub trait BackendSession<B: BackendProvider> {
-    /// What a prefill takes.
-    type PrefillInput;
-    /// What a decode takes.
-    type DecodeInput;
+    /// What a prefill takes; plain token ids convert into it.
+    type PrefillInput: From<Vec<u32>>;
+    /// What a decode takes; plain token ids convert into it.
+    type DecodeInput: From<Vec<u32>>;
     /// What a step yields, still on the device.
     type Output;
     /// The completion handle of one submission.
@@ -120,6 +126,33 @@ pub trait BackendSession<B: BackendProvider> {
     ) -> Result<Submission<Self::Output, Self::Completion>, B::Error>;
     /// Synchronises and copies an output's values to the host; ordinary inference never calls it.
     fn observe_output(&self, backend: &B, output: &Self::Output) -> Result<ObservationSet, B::Error>;
+    /// Synchronises and copies an output's logits to the host (what a sampler reads).
+    fn logits_to_host(&self, output: &Self::Output) -> Result<HostLogits, B::Error>;
+
+    /// Tokens held in the cache.
+    fn position(&self) -> usize;
+    /// The most tokens the session may hold.
+    fn max_context(&self) -> usize;
+    /// The token ids the cache holds, oldest first.
+    fn tokens(&self) -> &[u32];
+    /// Checks, without changing anything, that `tokens` could be appended at position `at`
+    /// (ids in the vocabulary, the context not exceeded): a caller that must rewind first
+    /// validates before it touches the session.
+    fn check_append(&self, at: usize, tokens: &[u32]) -> Result<(), B::Error>;
+    /// Rewinds the cache to its first `n` tokens.
+    fn truncate(&mut self, n: usize) -> Result<(), B::Error>;
+    /// Empties the cache (and clears any earlier internal failure).
+    fn reset(&mut self);
+    /// The ids the model itself declares as ending a sequence.
+    fn stop_token_ids(&self) -> Vec<u32>;
+}
+
+/// A session that applies edits to named points (docs/interventions.md) while it steps.
+pub trait InterventionSession<B: BackendProvider>: BackendSession<B> {
+    /// Validates and keeps `edits` for every later step; on error nothing changes.
+    fn set_interventions(&mut self, edits: Vec<Intervention>) -> Result<(), InterventionError>;
+    /// The edits kept on the session.
+    fn interventions(&self) -> Vec<Intervention>;
 }
 
 /// An output together with the named activations that were asked for.
@@ -147,6 +180,14 @@ pub trait InspectableBackendSession<B: BackendProvider>: BackendSession<B> {
         &mut self,
         backend: &B,
         input: Self::DecodeInput,
+        request: &ObservationRequest,
+    ) -> Result<InspectedOutput<Self::Output>, B::Error>;
+    /// Runs `input` on a fresh context of its own (every row's logits, the requested points)
+    /// without touching this session's cache, position or tokens.
+    fn trace(
+        &self,
+        backend: &B,
+        input: Self::PrefillInput,
         request: &ObservationRequest,
     ) -> Result<InspectedOutput<Self::Output>, B::Error>;
 }

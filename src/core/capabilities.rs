@@ -11,22 +11,34 @@ pub struct SessionCapabilities {
     pub output_observation: bool,
     /// `inspect_prefill` / `inspect_decode` can materialise named activations.
     pub activation_inspection: bool,
+    /// Steps can apply edits to named points (docs/interventions.md).
+    pub activation_intervention: bool,
 }
 
 impl SessionCapabilities {
     /// No capability at all: the safe default.
-    pub const NONE: Self = Self { persistent_cache: false, output_observation: false, activation_inspection: false };
+    pub const NONE: Self = Self {
+        persistent_cache: false,
+        output_observation: false,
+        activation_inspection: false,
+        activation_intervention: false,
+    };
 
     /// Every capability this contract knows.
-    pub const ALL: Self = Self { persistent_cache: true, output_observation: true, activation_inspection: true };
+    pub const ALL: Self = Self {
+        persistent_cache: true,
+        output_observation: true,
+        activation_inspection: true,
+        activation_intervention: true,
+    };
 }
 
 impl fmt::Display for SessionCapabilities {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "persistent_cache={}, output_observation={}, activation_inspection={}",
-            self.persistent_cache, self.output_observation, self.activation_inspection
+            "persistent_cache={}, output_observation={}, activation_inspection={}, activation_intervention={}",
+            self.persistent_cache, self.output_observation, self.activation_inspection, self.activation_intervention
         )
     }
 }

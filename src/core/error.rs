@@ -1,6 +1,7 @@
 //! Errors of the contract layer.
 
 use crate::core::capabilities::SessionCapabilities;
+use crate::core::intervention::InterventionError;
 use crate::core::observation::ObservationError;
 
 /// Why `ModelRuntime::load` failed: the artifact, the backend, or a capability mismatch.
@@ -54,4 +55,7 @@ pub enum RuntimeError<E: std::error::Error + 'static> {
     /// An observation request or set was invalid.
     #[error(transparent)]
     Observation(#[from] ObservationError),
+    /// An intervention was invalid; none of its list was applied.
+    #[error(transparent)]
+    Intervention(#[from] InterventionError),
 }

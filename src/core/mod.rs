@@ -7,18 +7,24 @@ pub mod backend;
 pub mod capabilities;
 pub mod completion;
 pub mod error;
+pub mod intervention;
 pub mod observation;
+pub mod points;
 pub mod runtime;
+pub mod step;
 
 pub use backend::{
     BackendDescriptor, BackendProvider, BackendSession, DeviceCapabilities, DeviceDescriptor,
-    InspectableBackendSession, InspectedOutput, ModelLoadingBackend, PreparedModel,
+    InspectableBackendSession, InspectedOutput, InterventionSession, ModelLoadingBackend, PreparedModel,
 };
 pub use capabilities::SessionCapabilities;
 pub use completion::{Completion, ReadyCompletion, Submission};
 pub use error::{ModelLoadError, RuntimeError};
+pub use intervention::{EditOp, Intervention, InterventionError, InterventionSet, PointShape};
 pub use observation::{ObservationError, ObservationRequest, ObservationSelector, ObservationSet, ObservationValue};
+pub use points::{LayerPoint, Point};
 pub use runtime::ModelRuntime;
+pub use step::{DecodeInput, HostLogits, PrefillInput};
 
 #[cfg(test)]
 mod tests;

@@ -119,6 +119,11 @@ impl ObservationRequest {
         self.select_all || self.selectors.iter().any(|s| s.matches(path))
     }
 
+    /// Whether a named point is selected (its name is only formatted when a selector must look at it).
+    pub fn matches_point(&self, point: crate::core::points::Point) -> bool {
+        self.select_all || (!self.selectors.is_empty() && self.matches(&point.to_string()))
+    }
+
     /// Checks every selector against the points a model offers; an unmatched one is an error.
     pub fn validate<'a>(&self, available: impl IntoIterator<Item = &'a str> + Clone) -> Result<(), ObservationError> {
         for sel in &self.selectors {

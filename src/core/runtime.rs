@@ -3,11 +3,13 @@
 use std::path::Path;
 
 use crate::core::backend::{
-    BackendProvider, BackendSession, InspectableBackendSession, InspectedOutput, ModelLoadingBackend, PreparedModel,
+    BackendProvider, BackendSession, InspectableBackendSession, InspectedOutput, InterventionSession,
+    ModelLoadingBackend, PreparedModel,
 };
 use crate::core::capabilities::SessionCapabilities;
 use crate::core::completion::Submission;
 use crate::core::error::{ModelLoadError, RuntimeError};
+use crate::core::intervention::Intervention;
 use crate::core::observation::{ObservationRequest, ObservationSet};
 
 type SessionOf<B> = <B as BackendProvider>::Session;
@@ -150,9 +152,51 @@ where
         self.session.inspect_decode(&self.backend, input, request).map_err(RuntimeError::Backend)
     }
 
+    /// Runs `input` on a fresh, empty context and returns every row's logits with the requested
+    /// points, leaving the session exactly as it was (TransformerLens' `run_with_cache`).
+    pub fn trace(
+        &self,
+        input: <B::Session as BackendSession<B>>::PrefillInput,
+        request: &ObservationRequest,
+    ) -> Result<InspectedOutput<<B::Session as BackendSession<B>>::Output>, RuntimeError<B::Error>> {
+        self.require_inspection("trace")?;
+        self.validate(request)?;
+        self.session.trace(&self.backend, input, request).map_err(RuntimeError::Backend)
+    }
+
     fn validate(&self, request: &ObservationRequest) -> Result<(), RuntimeError<B::Error>> {
         let points = self.session.observation_points();
         request.validate(points.iter().map(String::as_str))?;
         Ok(())
+    }
+}
+
+impl<B> ModelRuntime<B>
+where
+    B: BackendProvider,
+    B::Session: InterventionSession<B>,
+{
+    fn require_intervention(&self, operation: &'static str) -> Result<(), RuntimeError<B::Error>> {
+        if self.capabilities.activation_intervention {
+            Ok(())
+        } else {
+            Err(RuntimeError::MissingCapability { operation, capability: "activation_intervention" })
+        }
+    }
+
+    /// Keeps `edits` on for every later step (generation included); `[]` turns them off.
+    /// A bad edit is an error and leaves the kept edits as they were.
+    pub fn set_interventions(&mut self, edits: Vec<Intervention>) -> Result<(), RuntimeError<B::Error>> {
+        if edits.is_empty() {
+            // Turning edits off needs no capability.
+            return self.session.set_interventions(edits).map_err(RuntimeError::from);
+        }
+        self.require_intervention("set_interventions")?;
+        self.session.set_interventions(edits).map_err(RuntimeError::from)
+    }
+
+    /// The edits kept on.
+    pub fn interventions(&self) -> Vec<Intervention> {
+        self.session.interventions()
     }
 }

@@ -1,4 +1,7 @@
 //! The token loop: prefill what the session does not already hold, then sample and decode.
+//!
+//! Written over the contract only (`core`): any backend whose session takes plain token ids
+//! runs it, and nothing here knows which one it is.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -6,22 +9,31 @@ use std::time::Instant;
 
 use super::sampling::{Sampler, SamplingParams};
 use super::stopping::{StopScan, StopStrings};
-use crate::backend::{CandleBackend, CandleError, DecodeInput, PrefillInput, StepOutput};
-use crate::core::{ModelRuntime, RuntimeError};
+use crate::core::{BackendProvider, BackendSession, ModelRuntime, RuntimeError};
 use crate::text::{IncrementalDecoder, TextError, Tokenizer};
 
-/// Why generation failed.
+/// Why generation failed; `E` is the backend's error.
 #[derive(Debug, thiserror::Error)]
-pub enum GenerationError {
+pub enum GenerationError<E: std::error::Error + 'static> {
     /// The runtime refused or failed a step.
     #[error(transparent)]
-    Runtime(#[from] RuntimeError<CandleError>),
+    Runtime(#[from] RuntimeError<E>),
     /// Detokenization failed.
     #[error(transparent)]
     Text(#[from] TextError),
     /// A generation option is out of range.
     #[error("invalid generation option: {0}")]
     InvalidOptions(String),
+    /// The session was moved by someone else (a step, truncate or reset, another generation)
+    /// between two steps of this generation, so its context is no longer this generation's.
+    #[error("the session changed under this generation (another call stepped, rewound or reset it); start a new one")]
+    SessionChanged,
+    /// The model produced logits that are not finite (NaN or infinite), so no token can be chosen.
+    #[error("the model produced non-finite logits at position {position}; the weights or an intervention are broken")]
+    NonFiniteLogits {
+        /// The position whose next token was being chosen.
+        position: usize,
+    },
 }
 
 /// Why generation ended.
@@ -61,12 +73,19 @@ pub struct GenerateOptions {
     pub ignore_eos: bool,
 }
 
+/// The one table of generation defaults (llama-cpp-python's): every API and the CLI use it.
 impl Default for GenerateOptions {
     fn default() -> Self {
         Self {
             max_tokens: 256,
             stop: Vec::new(),
-            sampling: SamplingParams::default(),
+            sampling: SamplingParams {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+                ..SamplingParams::default()
+            },
             eos_ids: Vec::new(),
             ignore_eos: false,
         }
@@ -141,20 +160,30 @@ pub struct Generation {
     started: Instant,
 }
 
-fn last_row(out: &StepOutput) -> Result<Vec<f32>, GenerationError> {
-    let (shape, data) = out.logits_f32().map_err(RuntimeError::Backend)?;
-    let vocab = shape.last().copied().unwrap_or(0);
-    Ok(data[data.len() - vocab..].to_vec())
+/// The last row of a step's logits on the host, refusing NaN or infinite values.
+fn last_row<B: BackendProvider>(
+    rt: &ModelRuntime<B>,
+    out: &<B::Session as BackendSession<B>>::Output,
+) -> Result<Vec<f32>, GenerationError<B::Error>> {
+    let host = rt.session().logits_to_host(out).map_err(RuntimeError::Backend)?;
+    let row = host.last_row().to_vec();
+    if row.iter().any(|l| !l.is_finite()) {
+        return Err(GenerationError::NonFiniteLogits { position: rt.session().position() });
+    }
+    Ok(row)
 }
 
 impl Generation {
     /// Prefills the part of `prompt` the session does not already hold and readies the first token.
-    pub fn start(
-        rt: &mut ModelRuntime<CandleBackend>,
+    ///
+    /// Everything is validated before the session is touched, so a refused start leaves the
+    /// session's position, tokens and cache as they were.
+    pub fn start<B: BackendProvider>(
+        rt: &mut ModelRuntime<B>,
         tokenizer: Arc<Tokenizer>,
         prompt: &[u32],
         options: GenerateOptions,
-    ) -> Result<Self, GenerationError> {
+    ) -> Result<Self, GenerationError<B::Error>> {
         options.sampling.validate().map_err(GenerationError::InvalidOptions)?;
         if prompt.is_empty() {
             return Err(GenerationError::InvalidOptions("the prompt has no tokens".into()));
@@ -163,11 +192,18 @@ impl Generation {
         // Reuse the longest prefix the session holds; at least one token is run to get logits.
         let held = rt.session().tokens();
         let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
+        rt.session().check_append(common, &prompt[common..]).map_err(RuntimeError::Backend)?;
         rt.session_mut().truncate(common).map_err(RuntimeError::Backend)?;
-        let out = rt.prefill(PrefillInput::new(prompt[common..].to_vec()))?.wait().map_err(RuntimeError::Backend)?;
-        let logits = last_row(&out)?;
+        let out = rt.prefill(prompt[common..].to_vec().into())?.wait().map_err(RuntimeError::Backend)?;
+        let logits = last_row(rt, &out)?;
+        if let Some(&(id, _)) = options.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= logits.len()) {
+            return Err(GenerationError::InvalidOptions(format!(
+                "logit_bias names token {id}, outside the vocabulary of {}",
+                logits.len()
+            )));
+        }
         let mut eos: HashSet<u32> = tokenizer.eos_ids().iter().copied().collect();
-        eos.extend(rt.session().decoder().config().eos_token_ids.iter().copied());
+        eos.extend(rt.session().stop_token_ids());
         eos.extend(options.eos_ids.iter().copied());
         if options.ignore_eos {
             eos.clear();
@@ -196,6 +232,12 @@ impl Generation {
         })
     }
 
+    /// The token ids the session holds while this generation runs on it (prompt and generated),
+    /// so a caller can tell whether someone else moved the session underneath.
+    pub fn context(&self) -> &[u32] {
+        &self.context
+    }
+
     /// Why generation ended, once it has.
     pub fn finish_reason(&self) -> Option<FinishReason> {
         self.finish
@@ -203,9 +245,12 @@ impl Generation {
 
     /// Samples one token, feeds it to the session unless generation ends, and returns the
     /// newly final text (possibly empty).
-    pub fn step(&mut self, rt: &mut ModelRuntime<CandleBackend>) -> Result<String, GenerationError> {
+    pub fn step<B: BackendProvider>(&mut self, rt: &mut ModelRuntime<B>) -> Result<String, GenerationError<B::Error>> {
         if self.finish.is_some() {
             return Ok(String::new());
+        }
+        if rt.session().tokens() != self.context.as_slice() {
+            return Err(GenerationError::SessionChanged);
         }
         let mut logits = std::mem::take(&mut self.logits);
         self.sampler.adjust(&mut logits, &self.context);
@@ -234,8 +279,8 @@ impl Generation {
             return self.end(FinishReason::Length);
         }
         let t = Instant::now();
-        let out = rt.decode(DecodeInput { tokens: vec![token] })?.wait().map_err(RuntimeError::Backend)?;
-        self.logits = last_row(&out)?;
+        let out = rt.decode(vec![token].into())?.wait().map_err(RuntimeError::Backend)?;
+        self.logits = last_row(rt, &out)?;
         self.usage.decode_seconds += t.elapsed().as_secs_f64();
         Ok(self.take_safe())
     }
@@ -252,7 +297,7 @@ impl Generation {
         out
     }
 
-    fn end(&mut self, reason: FinishReason) -> Result<String, GenerationError> {
+    fn end<E: std::error::Error + 'static>(&mut self, reason: FinishReason) -> Result<String, GenerationError<E>> {
         self.finish = Some(reason);
         if reason != FinishReason::Stop {
             if let Some(rest) = self.detok.flush()? {
@@ -280,12 +325,12 @@ impl Generation {
 
     /// Runs to the end, passing each piece of final text to `on_text`; `interrupted` is asked
     /// between steps and stops the loop (leaving the session consistent) when it answers true.
-    pub fn run(
+    pub fn run<B: BackendProvider>(
         mut self,
-        rt: &mut ModelRuntime<CandleBackend>,
+        rt: &mut ModelRuntime<B>,
         mut on_text: impl FnMut(&str),
         mut interrupted: impl FnMut() -> bool,
-    ) -> Result<(GenerationResult, bool), GenerationError> {
+    ) -> Result<(GenerationResult, bool), GenerationError<B::Error>> {
         while self.finish.is_none() {
             if interrupted() {
                 return Ok((self.result(), true));

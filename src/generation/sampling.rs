@@ -68,6 +68,15 @@ impl SamplingParams {
         if !(self.repetition_penalty > 0.0) || !self.repetition_penalty.is_finite() {
             return bad("repetition_penalty must be a finite number > 0");
         }
+        if !self.presence_penalty.is_finite() {
+            return bad("presence_penalty must be a finite number");
+        }
+        if !self.frequency_penalty.is_finite() {
+            return bad("frequency_penalty must be a finite number");
+        }
+        if let Some((id, _)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return Err(format!("logit_bias for token {id} must be a finite number"));
+        }
         Ok(())
     }
 }

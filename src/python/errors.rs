@@ -4,7 +4,9 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 use crate::backend::CandleError;
-use crate::core::{ModelLoadError, ObservationError, RuntimeError};
+use crate::core::{InterventionError, ModelLoadError, ObservationError, RuntimeError};
+use crate::generation::GenerationError;
+use crate::model::ModelError;
 
 pyo3::create_exception!(candlewick, CandlewickError, PyException, "Base class of every candlewick error.");
 pyo3::create_exception!(
@@ -52,6 +54,24 @@ mod observation_exc {
 pub use observation_exc::ObservationError as PyObservationError;
 pyo3::create_exception!(
     candlewick,
+    InvalidInterventionError,
+    CandlewickError,
+    "An intervention names no point of the model, has the wrong size, or is out of range; nothing was applied."
+);
+pyo3::create_exception!(
+    candlewick,
+    GenerationOptionError,
+    CandlewickError,
+    "A generation option is out of range or of the wrong kind."
+);
+pyo3::create_exception!(
+    candlewick,
+    NonFiniteLogitsError,
+    SessionError,
+    "The model produced NaN or infinite logits, so no token can be chosen."
+);
+pyo3::create_exception!(
+    candlewick,
     TokenizerError,
     CandlewickError,
     "Tokenization, detokenization or a chat template failed."
@@ -77,6 +97,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ContextFullError", py.get_type::<ContextFullError>())?;
     m.add("ObservationError", py.get_type::<PyObservationError>())?;
     m.add("TokenizerError", py.get_type::<TokenizerError>())?;
+    m.add("InvalidInterventionError", py.get_type::<InvalidInterventionError>())?;
+    m.add("GenerationOptionError", py.get_type::<GenerationOptionError>())?;
+    m.add("NonFiniteLogitsError", py.get_type::<NonFiniteLogitsError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
     Ok(())
 }
@@ -99,7 +122,38 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::ContextFull { .. } => ContextFullError::new_err(msg),
         CandleError::InvalidInput { .. } => SessionError::new_err(msg),
         CandleError::Observation(_) => PyObservationError::new_err(msg),
+        CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),
         CandleError::Candle { .. } => InternalError::new_err(msg),
+        #[allow(unreachable_patterns)]
+        _ => CandlewickError::new_err(msg),
+    }
+}
+
+/// The Python exception for an invalid intervention.
+pub fn intervention_err(e: InterventionError) -> PyErr {
+    InvalidInterventionError::new_err(e.to_string())
+}
+
+/// The Python exception for a generation error.
+pub fn generation_err(e: GenerationError<CandleError>) -> PyErr {
+    match e {
+        GenerationError::Runtime(e) => runtime_err(e),
+        GenerationError::Text(e) => text_err(e),
+        GenerationError::InvalidOptions(m) => GenerationOptionError::new_err(m),
+        e @ GenerationError::NonFiniteLogits { .. } => NonFiniteLogitsError::new_err(e.to_string()),
+        e @ GenerationError::SessionChanged => SessionError::new_err(e.to_string()),
+    }
+}
+
+/// The Python exception for a model-layer error.
+pub fn model_err(e: ModelError) -> PyErr {
+    match e {
+        ModelError::Load(e) => load_err(e),
+        ModelError::Backend(e) => backend_err(e),
+        ModelError::Runtime(e) => runtime_err(e),
+        ModelError::Generation(e) => generation_err(e),
+        ModelError::Text(e) => text_err(e),
+        e @ (ModelError::NoTokenizer { .. } | ModelError::NoChatTemplate) => TokenizerError::new_err(e.to_string()),
     }
 }
 
@@ -108,6 +162,7 @@ pub fn runtime_err(e: RuntimeError<CandleError>) -> PyErr {
     match e {
         RuntimeError::Backend(e) => backend_err(e),
         RuntimeError::Observation(e) => observation_err(e),
+        RuntimeError::Intervention(e) => intervention_err(e),
         other => SessionError::new_err(other.to_string()),
     }
 }
@@ -142,8 +197,8 @@ pub fn text_err(e: crate::text::TextError) -> PyErr {
     TokenizerError::new_err(e.to_string())
 }
 
-/// Runs `f`, turning a Rust panic into `InternalError` instead of unwinding into Python.
-pub fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+/// Runs `f` under `catch_unwind`, turning a Rust panic into `InternalError` instead of unwinding into Python.
+pub fn catch_panic<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(payload) => {

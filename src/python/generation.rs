@@ -6,53 +6,86 @@ use pyo3::exceptions::PyStopIteration;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::errors::{guard, runtime_err, text_err, InternalError, SessionError};
+use super::errors::{catch_panic, generation_err, model_err, GenerationOptionError, InternalError};
 use super::runtime::PyModelRuntime;
-use crate::generation::{GenerateOptions, Generation, GenerationError, GenerationResult, SamplingParams};
+use crate::generation::{GenerateOptions, Generation, GenerationResult};
 
-/// Maps a generation error onto the exception hierarchy.
-pub fn generation_err(e: GenerationError) -> PyErr {
-    match e {
-        GenerationError::Runtime(e) => runtime_err(e),
-        GenerationError::Text(e) => text_err(e),
-        GenerationError::InvalidOptions(m) => SessionError::new_err(m),
-    }
+fn value_err(arg: &str, why: &str) -> PyErr {
+    pyo3::exceptions::PyValueError::new_err(format!("{arg}: {why}"))
 }
 
-/// Builds the options from the keyword arguments of `generate` / `stream` / `chat`,
-/// with llama-cpp-python's defaults; an unknown keyword is a TypeError.
-pub fn options_from_kwargs(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<GenerateOptions> {
-    let mut o = GenerateOptions {
-        max_tokens: 256,
-        sampling: SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, ..SamplingParams::default() },
-        ..GenerateOptions::default()
-    };
+fn type_err(arg: &str, want: &str, v: &Bound<'_, PyAny>) -> PyErr {
+    let got = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+    pyo3::exceptions::PyTypeError::new_err(format!("{arg} must be {want}, not {got}"))
+}
+
+fn count(arg: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let n: i64 = v.extract().map_err(|_| type_err(arg, "an int", v))?;
+    usize::try_from(n).map_err(|_| value_err(arg, &format!("must be >= 0, got {n}")))
+}
+
+fn number(arg: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
+    v.extract::<f64>().map(|x| x as f32).map_err(|_| type_err(arg, "a number", v))
+}
+
+/// Builds the options of `generate` / `stream` / `chat` from keyword arguments over the model's
+/// defaults; an unknown keyword is a TypeError, a value of the wrong kind or range names its argument.
+pub fn options_from_kwargs(
+    defaults: &GenerateOptions,
+    kwargs: Option<&Bound<'_, PyDict>>,
+) -> PyResult<GenerateOptions> {
+    let mut o = defaults.clone();
     if let Some(kw) = kwargs {
         for (k, v) in kw.iter() {
             let key: String = k.extract()?;
             let s = &mut o.sampling;
             match key.as_str() {
-                "max_tokens" => o.max_tokens = v.extract()?,
-                "temperature" => s.temperature = v.extract()?,
-                "top_k" => s.top_k = v.extract()?,
-                "top_p" => s.top_p = v.extract()?,
-                "min_p" => s.min_p = v.extract()?,
-                "repetition_penalty" => s.repetition_penalty = v.extract()?,
-                "presence_penalty" => s.presence_penalty = v.extract()?,
-                "frequency_penalty" => s.frequency_penalty = v.extract()?,
-                "seed" => s.seed = v.extract()?,
-                "logit_bias" => {
-                    let m: Option<std::collections::HashMap<u32, f32>> = v.extract()?;
-                    s.logit_bias = m.map(|m| m.into_iter().collect()).unwrap_or_default();
-                }
-                "stop" => {
-                    o.stop = if let Ok(one) = v.extract::<String>() {
-                        vec![one]
+                // None: until the context is full (as llama-cpp-python).
+                "max_tokens" => o.max_tokens = if v.is_none() { usize::MAX } else { count("max_tokens", &v)? },
+                "temperature" => s.temperature = number("temperature", &v)?,
+                "top_k" => s.top_k = count("top_k", &v)?,
+                "top_p" => s.top_p = number("top_p", &v)?,
+                "min_p" => s.min_p = number("min_p", &v)?,
+                "repetition_penalty" => s.repetition_penalty = number("repetition_penalty", &v)?,
+                "presence_penalty" => s.presence_penalty = number("presence_penalty", &v)?,
+                "frequency_penalty" => s.frequency_penalty = number("frequency_penalty", &v)?,
+                // None or -1: a random seed.
+                "seed" => {
+                    s.seed = if v.is_none() {
+                        None
                     } else {
-                        v.extract::<Option<Vec<String>>>()?.unwrap_or_default()
+                        let n: i64 = v.extract().map_err(|_| type_err("seed", "an int", &v))?;
+                        match n {
+                            -1 => None,
+                            n if n >= 0 => Some(n as u64),
+                            n => return Err(value_err("seed", &format!("must be >= 0 or -1 (random), got {n}"))),
+                        }
                     }
                 }
-                "ignore_eos" => o.ignore_eos = v.extract()?,
+                "logit_bias" => {
+                    s.logit_bias = Vec::new();
+                    if !v.is_none() {
+                        let d =
+                            v.cast::<PyDict>().map_err(|_| type_err("logit_bias", "a dict {token_id: bias}", &v))?;
+                        for (id, bias) in d.iter() {
+                            let id: i64 =
+                                id.extract().map_err(|_| type_err("logit_bias key", "an int token id", &id))?;
+                            let id = u32::try_from(id)
+                                .map_err(|_| value_err("logit_bias", &format!("{id} is not a token id")))?;
+                            s.logit_bias.push((id, number("logit_bias value", &bias)?));
+                        }
+                    }
+                }
+                "stop" => {
+                    o.stop = if v.is_none() {
+                        Vec::new()
+                    } else if let Ok(one) = v.extract::<String>() {
+                        vec![one]
+                    } else {
+                        v.extract::<Vec<String>>().map_err(|_| type_err("stop", "a string or a list of strings", &v))?
+                    }
+                }
+                "ignore_eos" => o.ignore_eos = v.extract().map_err(|_| type_err("ignore_eos", "a bool", &v))?,
                 other => {
                     return Err(pyo3::exceptions::PyTypeError::new_err(format!(
                         "unexpected keyword argument `{other}`"
@@ -61,7 +94,7 @@ pub fn options_from_kwargs(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Gener
             }
         }
     }
-    o.sampling.validate().map_err(SessionError::new_err)?;
+    o.sampling.validate().map_err(GenerationOptionError::new_err)?;
     Ok(o)
 }
 
@@ -118,15 +151,14 @@ pub fn run_to_end(
     prompt: Vec<u32>,
     opts: GenerateOptions,
 ) -> PyResult<PyGenerationResult> {
-    let tokenizer = rt.tokenizer_arc()?;
     let mut pending: Option<PyErr> = None;
     let result = py.detach(|| {
-        guard(|| {
-            let mut inner = rt.lock()?;
-            let generation = Generation::start(&mut inner, tokenizer, &prompt, opts).map_err(generation_err)?;
+        catch_panic(|| {
+            let mut model = rt.lock()?;
+            let generation = model.start_generation(&prompt, opts).map_err(model_err)?;
             let (result, _) = generation
                 .run(
-                    &mut inner,
+                    model.runtime_mut(),
                     |_| {},
                     || {
                         // Signals are only delivered with the GIL held: take it briefly between steps.
@@ -166,13 +198,7 @@ impl PyGenerationStream {
         opts: GenerateOptions,
     ) -> PyResult<Self> {
         let rt = runtime.get();
-        let tokenizer = rt.tokenizer_arc()?;
-        let generation = py.detach(|| {
-            guard(|| {
-                let mut inner = rt.lock()?;
-                Generation::start(&mut inner, tokenizer, &prompt, opts).map_err(generation_err)
-            })
-        })?;
+        let generation = py.detach(|| catch_panic(|| rt.lock()?.start_generation(&prompt, opts).map_err(model_err)))?;
         Ok(Self { runtime: runtime.clone().unbind(), state: Mutex::new(Some(generation)), result: Mutex::new(None) })
     }
 }
@@ -197,7 +223,8 @@ impl PyGenerationStream {
                 *state = None;
                 return Err(PyStopIteration::new_err(()));
             }
-            let piece = py.detach(|| guard(|| generation.step(&mut *rt.lock()?).map_err(generation_err)))?;
+            let piece =
+                py.detach(|| catch_panic(|| generation.step(rt.lock()?.runtime_mut()).map_err(generation_err)))?;
             if !piece.is_empty() {
                 return Ok(piece);
             }

@@ -2,6 +2,7 @@
 
 mod errors;
 mod generation;
+mod intervention;
 mod observation;
 mod runtime;
 mod text;
@@ -24,6 +25,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<text::PyTokenizer>()?;
     m.add_class::<generation::PyGenerationResult>()?;
     m.add_class::<generation::PyGenerationStream>()?;
+    m.add_class::<intervention::PyIntervention>()?;
+    m.add_class::<runtime::PyInterventionScope>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,45 +1,37 @@
-//! `ModelRuntime` for Python, with its bound `backend` and `session` views and step outputs.
+//! `ModelRuntime` for Python: a wrapper of the Rust model layer (`crate::model::Model`) with
+//! bound `backend` and `session` views and step outputs. Arguments are converted here; every
+//! decision (formats, tokenizers, defaults) is the model layer's.
 
-use std::path::Path;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayD, IxDyn};
-use numpy::PyArray;
+use numpy::{PyArray, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
 use super::errors::{
-    backend_err, guard, load_err, runtime_err, text_err, InternalError, SessionError, TokenOutOfRangeError,
-    TokenizerError,
+    backend_err, catch_panic, model_err, runtime_err, InternalError, SessionError, TokenOutOfRangeError,
 };
 use super::generation::{options_from_kwargs, run_to_end, PyGenerationStream};
+use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
-use super::text::PyTokenizer;
+use super::text::{to_json, PyTokenizer};
 use crate::backend::session::CandleCompletion;
-use crate::backend::{parse_dtype, CandleBackend, DecodeInput, LoadOptions, PrefillInput, StepOutput};
-use crate::core::{BackendProvider, Completion, InspectedOutput, ModelRuntime, ObservationRequest};
-use crate::text::Tokenizer;
-
-/// The tokenizer that goes with an artifact: tokenizer.json beside a checkpoint, or the GGUF's vocabulary.
-fn load_tokenizer(path: &Path) -> Result<Arc<Tokenizer>, String> {
-    let loaded = if path.is_dir() { Tokenizer::from_hf_dir(path) } else { Tokenizer::from_gguf_file(path) };
-    crate::memory::release_freed_memory();
-    loaded.map(Arc::new).map_err(|e| format!("this model has no usable tokenizer: {e}"))
-}
+use crate::backend::StepOutput;
+use crate::core::{
+    BackendProvider, BackendSession, Completion, DecodeInput, InspectedOutput, ObservationRequest, PrefillInput,
+};
+use crate::model::{Model, ModelOptions, Prompt};
 
 static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A loaded model, the backend that prepared it and its one session.
 #[pyclass(name = "ModelRuntime", module = "candlewick._native", frozen)]
 pub struct PyModelRuntime {
-    pub(crate) inner: Mutex<ModelRuntime<CandleBackend>>,
-    /// The model's tokenizer, or why it could not be built (the model stays usable on ids).
-    pub(crate) tokenizer: Result<Arc<Tokenizer>, String>,
+    pub(crate) inner: Mutex<Model>,
     pub(crate) id: u64,
-    pub(crate) path: String,
-    pub(crate) format: &'static str,
 }
 
 /// Converts Python token ids, refusing negatives with the same error as ids past the vocabulary.
@@ -54,32 +46,79 @@ pub fn token_ids(ids: Vec<i64>) -> PyResult<Vec<u32>> {
         .collect()
 }
 
+/// Extracts token ids from any Python sequence of ints, naming the argument when it is not one
+/// (an int too large for 64 bits is reported like any other id out of range).
+pub fn extract_ids(arg: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let items: Vec<Bound<'_, PyAny>> = value
+        .try_iter()
+        .and_then(|it| it.collect::<PyResult<_>>())
+        .map_err(|_| pyo3::exceptions::PyTypeError::new_err(format!("{arg} must be a sequence of token ids")))?;
+    let mut ids = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let id: i64 = match item.extract::<i64>() {
+            Ok(v) => v,
+            Err(_) if item.is_instance_of::<pyo3::types::PyInt>() => {
+                return Err(TokenOutOfRangeError::new_err(format!(
+                    "token id {item} at input index {i} is not a valid token id"
+                )))
+            }
+            Err(_) => {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "{arg}[{i}] must be an int token id, not {}",
+                    item.get_type().name()?
+                )))
+            }
+        };
+        ids.push(id);
+    }
+    token_ids(ids)
+}
+
 impl PyModelRuntime {
-    /// The tokenizer, or a TokenizerError saying why there is none.
-    pub(crate) fn tokenizer_arc(&self) -> PyResult<Arc<Tokenizer>> {
-        self.tokenizer.clone().map_err(TokenizerError::new_err)
+    /// Locks the model. After an internal error (a Rust panic mid-step) the lock is poisoned:
+    /// the session may be half-updated, so every call but `session.reset()` says so.
+    pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, Model>> {
+        self.inner.lock().map_err(|_| {
+            InternalError::new_err(
+                "the runtime stopped after an internal error; call session.reset() to start over with an empty session",
+            )
+        })
+    }
+
+    /// Locks the model even after an internal error, clearing it by resetting the session.
+    fn lock_and_recover(&self) -> MutexGuard<'_, Model> {
+        match self.inner.lock() {
+            Ok(g) => g,
+            Err(poisoned) => {
+                let mut g = poisoned.into_inner();
+                g.runtime_mut().session_mut().reset();
+                self.inner.clear_poison();
+                g
+            }
+        }
     }
 
     /// Token ids of a prompt given as text (encoded with special tokens) or as ids.
-    fn prompt_ids(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        if let Ok(text) = prompt.extract::<String>() {
-            let tok = self.tokenizer_arc()?;
-            return py.detach(|| tok.encode(&text, true)).map_err(text_err);
+    pub(crate) fn prompt_ids(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let prompt = match prompt.extract::<String>() {
+            Ok(text) => Prompt::Text(text),
+            Err(_) => Prompt::Ids(extract_ids("prompt", prompt)?),
+        };
+        py.detach(|| catch_panic(|| self.lock()?.prompt_ids(&prompt).map_err(model_err)))
+    }
+
+    /// Token ids of a chat rendered through the model's template (or `template`).
+    pub(crate) fn chat_ids(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        template: Option<&str>,
+    ) -> PyResult<Vec<u32>> {
+        if messages.is_none() {
+            return Err(pyo3::exceptions::PyTypeError::new_err("messages must be a list of {role, content} dicts"));
         }
-        token_ids(prompt.extract()?)
-    }
-
-    /// Token ids of a chat rendered through the model's template.
-    fn chat_ids(&self, py: Python<'_>, messages: &Bound<'_, PyAny>, template: Option<&str>) -> PyResult<Vec<u32>> {
-        let tok = PyTokenizer { inner: self.tokenizer_arc()? };
-        let text = tok.render_chat(py, messages, true, None, template)?;
-        // The template writes the special tokens itself, as transformers' apply_chat_template does.
-        py.detach(|| tok.inner.encode(&text, false)).map_err(text_err)
-    }
-
-    /// Locks the runtime; a poisoned lock (a panic mid-step) is reported, not propagated.
-    pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, ModelRuntime<CandleBackend>>> {
-        self.inner.lock().map_err(|_| InternalError::new_err("the runtime was poisoned by an earlier internal error"))
+        let messages = to_json(py, messages)?;
+        py.detach(|| catch_panic(|| self.lock()?.chat_ids(&messages, template).map_err(model_err)))
     }
 
     fn wrap_output(
@@ -103,6 +142,13 @@ fn request_of(request: Option<PyRef<'_, PyObservationRequest>>) -> ObservationRe
     request.map(|r| r.inner.clone()).unwrap_or_else(ObservationRequest::all)
 }
 
+fn non_negative(arg: &str, v: Option<i64>) -> PyResult<Option<usize>> {
+    v.map(|v| {
+        usize::try_from(v).map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("{arg} must be >= 0, got {v}")))
+    })
+    .transpose()
+}
+
 #[pymethods]
 impl PyModelRuntime {
     /// Loads a Hugging Face directory or GGUF file onto a device (GIL released while loading).
@@ -112,30 +158,13 @@ impl PyModelRuntime {
         py: Python<'_>,
         path: PathBuf,
         device: &str,
-        dtype: Option<&str>,
-        max_context: Option<usize>,
+        dtype: Option<String>,
+        max_context: Option<i64>,
     ) -> PyResult<Self> {
-        let dtype = dtype.map(parse_dtype).transpose().map_err(backend_err)?;
-        let device = device.to_owned();
-        let options = LoadOptions { dtype, max_context };
-        let p = path.clone();
-        // The tokenizer first: its conversion's temporaries are freed (and handed back to the
-        // OS) before the weights arrive, so the two never add up in the peak resident size.
-        let tokenizer = py.detach(|| load_tokenizer(&path));
-        let rt = py.detach(move || {
-            guard(|| {
-                let backend = CandleBackend::new(&device).map_err(backend_err)?;
-                ModelRuntime::load(backend, &p, &options).map_err(load_err)
-            })
-        })?;
-        let format = if path.is_dir() { "huggingface" } else { "gguf" };
-        Ok(Self {
-            inner: Mutex::new(rt),
-            tokenizer,
-            id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
-            path: path.display().to_string(),
-            format,
-        })
+        let options =
+            ModelOptions { device: device.to_owned(), dtype, max_context: non_negative("max_context", max_context)? };
+        let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
+        Ok(Self { inner: Mutex::new(model), id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed) })
     }
 
     /// The backend this runtime's session runs through (a view bound to this runtime).
@@ -153,53 +182,68 @@ impl PyModelRuntime {
     /// The capabilities admitted at preparation and realised by the session.
     #[getter]
     fn capabilities(&self) -> PyResult<PySessionCapabilities> {
-        let c = self.lock()?.capabilities();
+        let c = self.lock()?.runtime().capabilities();
         Ok(PySessionCapabilities {
             persistent_cache: c.persistent_cache,
             output_observation: c.output_observation,
             activation_inspection: c.activation_inspection,
+            activation_intervention: c.activation_intervention,
         })
     }
 
-    /// Architecture, sizes, dtype and context of the loaded model.
+    /// Architecture, sizes, weight types, dtype and context of the loaded model.
     #[getter]
     fn model_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let rt = self.lock()?;
-        let dec = rt.session().decoder();
-        let c = dec.config();
+        let info = self.lock()?.info().clone();
         let d = PyDict::new(py);
-        d.set_item("architecture", c.architecture.name())?;
-        d.set_item("num_layers", c.num_layers())?;
-        d.set_item("hidden_size", c.hidden_size)?;
-        d.set_item("intermediate_size", c.intermediate_size)?;
-        d.set_item("num_heads", c.num_heads)?;
-        d.set_item("num_kv_heads", c.num_kv_heads)?;
-        d.set_item("head_dim", c.head_dim)?;
-        d.set_item("vocab_size", c.vocab_size)?;
-        d.set_item("dtype", format!("{:?}", dec.dtype()).to_lowercase())?;
-        d.set_item("context_length", c.max_position_embeddings)?;
-        d.set_item("max_context", rt.session().max_context())?;
-        d.set_item("sliding_window", c.layers.iter().find_map(|l| l.sliding_window))?;
-        d.set_item("tie_word_embeddings", c.tie_word_embeddings)?;
-        d.set_item("format", self.format)?;
-        d.set_item("path", &self.path)?;
-        d.set_item("device", rt.backend().descriptor().device.to_string())?;
+        d.set_item("architecture", info.architecture)?;
+        d.set_item("num_layers", info.num_layers)?;
+        d.set_item("hidden_size", info.hidden_size)?;
+        d.set_item("intermediate_size", info.intermediate_size)?;
+        d.set_item("num_heads", info.num_heads)?;
+        d.set_item("num_kv_heads", info.num_kv_heads)?;
+        d.set_item("head_dim", info.head_dim)?;
+        d.set_item("vocab_size", info.vocab_size)?;
+        d.set_item("dtype", &info.dtype)?;
+        d.set_item("context_length", info.context_length)?;
+        d.set_item("max_context", info.max_context)?;
+        d.set_item("sliding_window", info.sliding_window)?;
+        d.set_item("tie_word_embeddings", info.tie_word_embeddings)?;
+        d.set_item("weight_types", info.weight_types.clone())?;
+        d.set_item("parameters", info.parameters)?;
+        d.set_item("file_size", info.file_size)?;
+        d.set_item("format", info.format)?;
+        d.set_item("path", &info.path)?;
+        d.set_item("device", &info.device)?;
         Ok(d)
     }
 
     /// Appends tokens at the current position; logits of the last one (or of all, on request).
-    #[pyo3(signature = (tokens, all_logits=false))]
-    fn prefill(&self, py: Python<'_>, tokens: Vec<i64>, all_logits: bool) -> PyResult<PySubmission> {
-        let tokens = token_ids(tokens)?;
-        let sub =
-            py.detach(|| guard(|| self.lock()?.prefill(PrefillInput { tokens, all_logits }).map_err(runtime_err)))?;
+    #[pyo3(signature = (tokens, all_logits=false, interventions=None))]
+    fn prefill(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        all_logits: bool,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+    ) -> PyResult<PySubmission> {
+        let input = PrefillInput::new(extract_ids("tokens", tokens)?)
+            .all_logits(all_logits)
+            .with_interventions(edits_of(interventions));
+        let sub = py.detach(|| catch_panic(|| self.lock()?.runtime_mut().prefill(input).map_err(runtime_err)))?;
         self.wrap_output(py, sub.output, Some(sub.completion))
     }
 
     /// Appends tokens and returns logits for each of them.
-    fn decode(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<PySubmission> {
-        let tokens = token_ids(tokens)?;
-        let sub = py.detach(|| guard(|| self.lock()?.decode(DecodeInput { tokens }).map_err(runtime_err)))?;
+    #[pyo3(signature = (tokens, interventions=None))]
+    fn decode(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+    ) -> PyResult<PySubmission> {
+        let input = DecodeInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
+        let sub = py.detach(|| catch_panic(|| self.lock()?.runtime_mut().decode(input).map_err(runtime_err)))?;
         self.wrap_output(py, sub.output, Some(sub.completion))
     }
 
@@ -209,46 +253,105 @@ impl PyModelRuntime {
         if output.runtime_id != self.id {
             return Err(SessionError::new_err("this output was produced by another runtime"));
         }
-        let set = py.detach(|| guard(|| self.lock()?.observe_output(&output.inner).map_err(runtime_err)))?;
+        let set =
+            py.detach(|| catch_panic(|| self.lock()?.runtime().observe_output(&output.inner).map_err(runtime_err)))?;
         to_python(py, set)
     }
 
     /// A prefill that also returns the requested observation points (default: all).
-    #[pyo3(signature = (tokens, request=None, all_logits=false))]
+    #[pyo3(signature = (tokens, request=None, all_logits=false, interventions=None))]
     fn inspect_prefill(
         &self,
         py: Python<'_>,
-        tokens: Vec<i64>,
+        tokens: &Bound<'_, PyAny>,
         request: Option<PyRef<'_, PyObservationRequest>>,
         all_logits: bool,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
     ) -> PyResult<PyInspectedOutput> {
-        let tokens = token_ids(tokens)?;
+        let input = PrefillInput::new(extract_ids("tokens", tokens)?)
+            .all_logits(all_logits)
+            .with_interventions(edits_of(interventions));
         let req = request_of(request);
-        let r = py.detach(|| {
-            guard(|| self.lock()?.inspect_prefill(PrefillInput { tokens, all_logits }, &req).map_err(runtime_err))
-        })?;
+        let r =
+            py.detach(|| catch_panic(|| self.lock()?.runtime_mut().inspect_prefill(input, &req).map_err(runtime_err)))?;
         self.inspected(py, r)
     }
 
     /// A decode that also returns the requested observation points (default: all).
-    #[pyo3(signature = (tokens, request=None))]
+    #[pyo3(signature = (tokens, request=None, interventions=None))]
     fn inspect_decode(
         &self,
         py: Python<'_>,
-        tokens: Vec<i64>,
+        tokens: &Bound<'_, PyAny>,
         request: Option<PyRef<'_, PyObservationRequest>>,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
     ) -> PyResult<PyInspectedOutput> {
-        let tokens = token_ids(tokens)?;
+        let input = DecodeInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
         let req = request_of(request);
         let r =
-            py.detach(|| guard(|| self.lock()?.inspect_decode(DecodeInput { tokens }, &req).map_err(runtime_err)))?;
+            py.detach(|| catch_panic(|| self.lock()?.runtime_mut().inspect_decode(input, &req).map_err(runtime_err)))?;
         self.inspected(py, r)
+    }
+
+    /// Runs `tokens` on a fresh context (every row's logits and the requested points, default
+    /// all) with the kept interventions plus `interventions`, leaving the session as it was.
+    #[pyo3(signature = (tokens, request=None, interventions=None))]
+    fn trace(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        request: Option<PyRef<'_, PyObservationRequest>>,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+    ) -> PyResult<PyInspectedOutput> {
+        let input = PrefillInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
+        let req = request_of(request);
+        let r = py.detach(|| catch_panic(|| self.lock()?.runtime().trace(input, &req).map_err(runtime_err)))?;
+        self.inspected(py, r)
+    }
+
+    /// The logit lens: the final norm, the output projection and any soft-capping applied to
+    /// a float32 `[T, hidden]` array, on the model's own (quantized) weights.
+    fn unembed<'py>(
+        &self,
+        py: Python<'py>,
+        x: PyReadonlyArray2<'py, f32>,
+    ) -> PyResult<Bound<'py, PyArray<f32, IxDyn>>> {
+        let array = x.as_array();
+        let shape = array.shape().to_vec();
+        let data = array.iter().copied().collect::<Vec<f32>>();
+        let (shape, data) =
+            py.detach(|| catch_panic(|| self.lock()?.runtime().session().unembed(&shape, data).map_err(backend_err)))?;
+        let arr = ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(|e| InternalError::new_err(e.to_string()))?;
+        Ok(PyArray::from_owned_array(py, arr))
+    }
+
+    /// The interventions kept on for every later step, generation included.
+    #[getter]
+    fn get_interventions(&self) -> PyResult<Vec<PyIntervention>> {
+        Ok(self.lock()?.runtime().interventions().into_iter().map(|inner| PyIntervention { inner }).collect())
+    }
+
+    /// Keeps `interventions` on (validated first: a bad one changes nothing); `[]` turns them off.
+    #[setter]
+    fn set_interventions(&self, interventions: Option<Vec<PyRef<'_, PyIntervention>>>) -> PyResult<()> {
+        let edits = edits_of(interventions);
+        self.lock()?.runtime_mut().set_interventions(edits).map_err(runtime_err)
+    }
+
+    /// A context manager that keeps `interventions` on inside a `with` block, then puts back
+    /// what was kept before.
+    fn intervene(slf: &Bound<'_, Self>, interventions: Vec<PyRef<'_, PyIntervention>>) -> PyInterventionScope {
+        PyInterventionScope {
+            runtime: slf.clone().unbind(),
+            edits: edits_of(Some(interventions)),
+            saved: Mutex::new(None),
+        }
     }
 
     /// The model's tokenizer.
     #[getter]
     fn tokenizer(&self) -> PyResult<PyTokenizer> {
-        Ok(PyTokenizer { inner: self.tokenizer_arc()? })
+        Ok(PyTokenizer { inner: self.lock()?.tokenizer().map_err(model_err)?.clone() })
     }
 
     /// Generates from a prompt (text or ids); with `stream=True` returns an iterator of text pieces.
@@ -260,7 +363,7 @@ impl PyModelRuntime {
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let opts = options_from_kwargs(kwargs)?;
+        let opts = options_from_kwargs(&slf.get().lock()?.defaults().clone(), kwargs)?;
         let ids = slf.get().prompt_ids(py, prompt)?;
         if stream {
             return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
@@ -276,7 +379,7 @@ impl PyModelRuntime {
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyGenerationStream> {
         let py = slf.py();
-        let opts = options_from_kwargs(kwargs)?;
+        let opts = options_from_kwargs(&slf.get().lock()?.defaults().clone(), kwargs)?;
         let ids = slf.get().prompt_ids(py, prompt)?;
         PyGenerationStream::start(py, slf, ids, opts)
     }
@@ -292,7 +395,7 @@ impl PyModelRuntime {
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let opts = options_from_kwargs(kwargs)?;
+        let opts = options_from_kwargs(&slf.get().lock()?.defaults().clone(), kwargs)?;
         let ids = slf.get().chat_ids(py, messages, chat_template)?;
         if stream {
             return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
@@ -302,24 +405,24 @@ impl PyModelRuntime {
 
     /// The token ids the session holds, oldest first.
     fn cached_tokens(&self) -> PyResult<Vec<u32>> {
-        Ok(self.lock()?.session().tokens().to_vec())
+        Ok(self.lock()?.runtime().session().tokens().to_vec())
     }
 
     /// Every observation path the loaded model offers.
     fn observation_points(&self) -> PyResult<Vec<String>> {
-        Ok(self.lock()?.observation_points())
+        Ok(self.lock()?.runtime().observation_points())
     }
 
     fn __repr__(&self) -> PyResult<String> {
-        let rt = self.lock()?;
-        let c = rt.session().decoder().config();
+        let m = self.lock()?;
+        let (info, s) = (m.info(), m.runtime().session());
         Ok(format!(
             "ModelRuntime({} layers={} on {}, position {}/{})",
-            c.architecture.name(),
-            c.num_layers(),
-            rt.backend().descriptor().device,
-            rt.session().position(),
-            rt.session().max_context()
+            info.architecture,
+            info.num_layers,
+            info.device,
+            s.position(),
+            s.max_context()
         ))
     }
 }
@@ -335,18 +438,18 @@ impl PyBackend {
     /// The backend's name (`candle`).
     #[getter]
     fn name(&self) -> PyResult<String> {
-        Ok(self.runtime.get().lock()?.backend().descriptor().name)
+        Ok(self.runtime.get().lock()?.runtime().backend().descriptor().name)
     }
 
     /// The device the model runs on (`cpu`, `cuda:0`, ...).
     #[getter]
     fn device(&self) -> PyResult<String> {
-        Ok(self.runtime.get().lock()?.backend().descriptor().device.to_string())
+        Ok(self.runtime.get().lock()?.runtime().backend().descriptor().device.to_string())
     }
 
     /// Every device this build can run on, with the dtypes each computes in.
     fn devices(&self) -> PyResult<Vec<(String, Vec<String>)>> {
-        let devs = self.runtime.get().lock()?.backend().devices().map_err(backend_err)?;
+        let devs = self.runtime.get().lock()?.runtime().backend().devices().map_err(backend_err)?;
         Ok(devs.into_iter().map(|(d, c)| (d.to_string(), c.dtypes)).collect())
     }
 
@@ -366,29 +469,30 @@ impl PySession {
     /// Tokens held in the KV cache.
     #[getter]
     fn position(&self) -> PyResult<usize> {
-        Ok(self.runtime.get().lock()?.session().position())
+        Ok(self.runtime.get().lock()?.runtime().session().position())
     }
 
     /// The most tokens the session may hold.
     #[getter]
     fn max_context(&self) -> PyResult<usize> {
-        Ok(self.runtime.get().lock()?.session().max_context())
+        Ok(self.runtime.get().lock()?.runtime().session().max_context())
     }
 
     /// Bytes held by the KV cache.
     #[getter]
     fn cache_bytes(&self) -> PyResult<usize> {
-        Ok(self.runtime.get().lock()?.session().cache_bytes())
+        Ok(self.runtime.get().lock()?.runtime().session().cache_bytes())
     }
 
     /// Rewinds the cache to its first `n` tokens.
-    fn truncate(&self, n: usize) -> PyResult<()> {
-        self.runtime.get().lock()?.session_mut().truncate(n).map_err(backend_err)
+    fn truncate(&self, n: i64) -> PyResult<()> {
+        let n = non_negative("n", Some(n))?.unwrap_or(0);
+        self.runtime.get().lock()?.runtime_mut().session_mut().truncate(n).map_err(backend_err)
     }
 
-    /// Empties the cache.
+    /// Empties the cache; after an internal error this also gives back a working session.
     fn reset(&self) -> PyResult<()> {
-        self.runtime.get().lock()?.session_mut().reset();
+        self.runtime.get().lock_and_recover().runtime_mut().session_mut().reset();
         Ok(())
     }
 
@@ -404,14 +508,16 @@ pub struct PySessionCapabilities {
     persistent_cache: bool,
     output_observation: bool,
     activation_inspection: bool,
+    activation_intervention: bool,
 }
 
 #[pymethods]
 impl PySessionCapabilities {
     fn __repr__(&self) -> String {
         format!(
-            "SessionCapabilities(persistent_cache={}, output_observation={}, activation_inspection={})",
-            self.persistent_cache, self.output_observation, self.activation_inspection
+            "SessionCapabilities(persistent_cache={}, output_observation={}, activation_inspection={}, \
+             activation_intervention={})",
+            self.persistent_cache, self.output_observation, self.activation_inspection, self.activation_intervention
         )
     }
 }
@@ -442,14 +548,14 @@ impl PyStepOutput {
     /// Number of tokens the step appended.
     #[getter]
     fn num_tokens(&self) -> usize {
-        self.inner.tokens
+        self.inner.num_tokens
     }
 
     fn __repr__(&self) -> String {
         format!(
             "StepOutput(start_position={}, num_tokens={}, logits={:?})",
             self.inner.start_position,
-            self.inner.tokens,
+            self.inner.num_tokens,
             self.inner.logits.dims()
         )
     }
@@ -506,5 +612,39 @@ impl PyInspectedOutput {
     #[getter]
     fn observations(&self, py: Python<'_>) -> Py<PyObservationSet> {
         self.observations.clone_ref(py)
+    }
+}
+
+/// `with rt.intervene([...]):` — the edits are on inside the block, the earlier ones after it.
+#[pyclass(name = "InterventionScope", module = "candlewick._native", frozen)]
+pub struct PyInterventionScope {
+    runtime: Py<PyModelRuntime>,
+    edits: Vec<crate::core::Intervention>,
+    saved: Mutex<Option<Vec<crate::core::Intervention>>>,
+}
+
+#[pymethods]
+impl PyInterventionScope {
+    fn __enter__(slf: PyRef<'_, Self>) -> PyResult<PyRef<'_, Self>> {
+        {
+            let mut model = slf.runtime.get().lock()?;
+            let before = model.runtime().interventions();
+            model.runtime_mut().set_interventions(slf.edits.clone()).map_err(runtime_err)?;
+            *slf.saved.lock().map_err(|_| InternalError::new_err("intervention scope poisoned"))? = Some(before);
+        }
+        Ok(slf)
+    }
+
+    fn __exit__(
+        &self,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let saved = self.saved.lock().map_err(|_| InternalError::new_err("intervention scope poisoned"))?.take();
+        if let Some(before) = saved {
+            self.runtime.get().lock()?.runtime_mut().set_interventions(before).map_err(runtime_err)?;
+        }
+        Ok(false)
     }
 }

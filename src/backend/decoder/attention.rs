@@ -2,10 +2,11 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::hooks::Hooks;
 use super::layers::{Linear, RmsNorm};
-use super::observer::Observer;
 use super::rope;
-use crate::backend::session::kv_cache::LayerKv;
+use crate::backend::kv_cache::LayerKv;
+use crate::core::{LayerPoint, Point};
 
 /// The attention's input projections.
 #[derive(Debug, Clone)]
@@ -48,7 +49,7 @@ pub struct Attention {
     pub cache_dtype: DType,
 }
 
-/// What one forward step shares between the layers of one kind.
+/// What one forward step shares between the layers of one variant.
 pub struct StepTables {
     /// RoPE cos table `[t, rot/2]`.
     pub cos: Tensor,
@@ -61,7 +62,7 @@ pub struct StepTables {
 }
 
 impl StepTables {
-    /// Tables for queries `pos..pos + t` of a layer kind with an optional sliding window.
+    /// Tables for queries `pos..pos + t` of a layer variant with an optional sliding window.
     pub fn new(
         cos: Tensor,
         sin: Tensor,
@@ -104,7 +105,7 @@ impl Attention {
         max_context: usize,
         tables: &StepTables,
         layer: usize,
-        obs: &mut impl Observer,
+        hooks: &mut impl Hooks,
     ) -> candle_core::Result<Tensor> {
         let t = x.dim(0)?;
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -148,7 +149,7 @@ impl Attention {
             scores = scores.broadcast_add(mask)?;
         }
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        if obs.active() {
+        if hooks.wants(Point::Layer(layer, LayerPoint::AttentionPattern)) {
             // The pattern spans the whole cache: keys outside the window get probability 0.
             let pattern = probs.squeeze(0)?;
             let pattern = if start > 0 {
@@ -156,11 +157,12 @@ impl Attention {
             } else {
                 pattern
             };
-            obs.observe(|| format!("model.layers.{layer}.attention.pattern"), &pattern);
+            hooks.at(Point::Layer(layer, LayerPoint::AttentionPattern), pattern)?;
         }
         let probs = probs.to_dtype(v_all.dtype())?.reshape((1, nkv, group * t, keys))?;
         let out = probs.matmul(&v_all)?; // [1, nkv, group * t, d]
-        let out = out.reshape((nh, t, d))?.transpose(0, 1)?.reshape((t, nh * d))?.to_dtype(DType::F32)?;
-        self.o.forward(&out)
+        let heads = out.reshape((nh, t, d))?.transpose(0, 1)?.to_dtype(DType::F32)?; // [t, nh, d]
+        let heads = hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads)?;
+        self.o.forward(&heads.reshape((t, nh * d))?)
     }
 }

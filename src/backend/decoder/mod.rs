@@ -6,23 +6,24 @@
 
 pub mod activation;
 pub mod attention;
+pub mod hooks;
 pub mod layers;
 pub mod names;
-pub mod observer;
 pub mod rope;
 
 use candle_core::{DType, Device, Tensor};
 
 use attention::{Attention, QkvProj, StepTables};
+use hooks::Hooks;
 use layers::{Embedding, GateUp, Linear, Mlp, RmsNorm};
 use names::{Naming, Slot};
-use observer::Observer;
 use rope::Rope;
 
 use crate::backend::config::{ArchConfig, LayerConfig};
 use crate::backend::error::{CandleContext, Result};
-use crate::backend::session::kv_cache::KvCache;
+use crate::backend::kv_cache::KvCache;
 use crate::backend::weights::WeightLoader;
+use crate::core::{LayerPoint, Point};
 
 /// One decoder layer.
 #[derive(Debug, Clone)]
@@ -33,8 +34,8 @@ struct Block {
     mlp_in_norm: RmsNorm,
     mlp: Mlp,
     mlp_out_norm: Option<RmsNorm>,
-    /// Index into the decoder's distinct layer kinds (rope + window).
-    kind: usize,
+    /// Index into the decoder's distinct layer variants (rope + window).
+    variant: usize,
 }
 
 /// Which rows of logits a step computes.
@@ -58,7 +59,8 @@ pub struct Decoder {
     blocks: Vec<Block>,
     norm: RmsNorm,
     lm_head: Linear,
-    kinds: Vec<(LayerConfig, Rope)>,
+    /// The distinct layer variants (rope + sliding window) and their rotary tables.
+    variants: Vec<(LayerConfig, Rope)>,
     /// The embedding multiplier, rounded to the weights' dtype as transformers does.
     embed_scale: Option<f64>,
     dtype: DType,
@@ -85,14 +87,14 @@ impl Decoder {
         let embed_name = name(Slot::Embed, 0, "weight");
         let embed = w.embedding(&embed_name, c.vocab_size, h)?;
 
-        let mut kinds: Vec<(LayerConfig, Rope)> = Vec::new();
+        let mut variants: Vec<(LayerConfig, Rope)> = Vec::new();
         let mut blocks = Vec::with_capacity(c.num_layers());
         for (i, lc) in c.layers.iter().enumerate() {
-            let kind = match kinds.iter().position(|(k, _)| k == lc) {
+            let variant = match variants.iter().position(|(k, _)| k == lc) {
                 Some(k) => k,
                 None => {
-                    kinds.push((*lc, Rope::new(&lc.rope, c.rotary_dim())));
-                    kinds.len() - 1
+                    variants.push((*lc, Rope::new(&lc.rope, c.rotary_dim())));
+                    variants.len() - 1
                 }
             };
             let fused_qkv = w.contains(&name(Slot::Qkv, i, "weight"));
@@ -136,7 +138,7 @@ impl Decoder {
                 mlp_in_norm: norm(Slot::MlpInNorm, i, h)?,
                 mlp,
                 mlp_out_norm: if c.sandwich_norms { Some(norm(Slot::MlpOutNorm, i, h)?) } else { None },
-                kind,
+                variant,
             });
         }
         let head_name = name(Slot::LmHead, 0, "weight");
@@ -150,7 +152,7 @@ impl Decoder {
             embed,
             blocks,
             lm_head,
-            kinds,
+            variants,
             embed_scale: c.embed_scale.map(|s| round_to(s, w.dtype())),
             dtype: w.dtype(),
             device: w.device().clone(),
@@ -163,6 +165,36 @@ impl Decoder {
         &self.config
     }
 
+    /// Parameters by storage type (`q4_k`, `q8_0`, `f32`, ...), counting a tied table once.
+    pub fn weight_summary(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut parts = vec![self.embed.summary(), self.norm.summary()];
+        for b in &self.blocks {
+            for n in [Some(&b.attn_in_norm), b.attn_out_norm.as_ref(), Some(&b.mlp_in_norm), b.mlp_out_norm.as_ref()] {
+                parts.extend(n.map(RmsNorm::summary));
+            }
+            if let Some((q, k)) = &b.attn.qk_norm {
+                parts.extend([q.summary(), k.summary()]);
+            }
+            let linears: Vec<&Linear> = match (&b.attn.qkv, &b.mlp.gate_up) {
+                (QkvProj::Separate { q, k, v }, GateUp::Separate { gate, up }) => vec![q, k, v, gate, up],
+                (QkvProj::Separate { q, k, v }, GateUp::Fused(gu)) => vec![q, k, v, gu],
+                (QkvProj::Fused(qkv), GateUp::Separate { gate, up }) => vec![qkv, gate, up],
+                (QkvProj::Fused(qkv), GateUp::Fused(gu)) => vec![qkv, gu],
+            };
+            for l in linears.into_iter().chain([&b.attn.o, &b.mlp.down]) {
+                parts.extend(l.summary());
+            }
+        }
+        if !self.config.tie_word_embeddings {
+            parts.extend(self.lm_head.summary());
+        }
+        let mut by_type = std::collections::BTreeMap::new();
+        for (ty, n) in parts {
+            *by_type.entry(ty).or_insert(0) += n;
+        }
+        by_type
+    }
+
     /// The dtype activations run in.
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -173,27 +205,38 @@ impl Decoder {
         &self.device
     }
 
+    /// Every named point this decoder offers, in forward order.
+    pub fn points(&self) -> Vec<Point> {
+        Point::all(self.blocks.len())
+    }
+
     /// Every observation path this decoder offers, in forward order.
     pub fn observation_points(&self) -> Vec<String> {
-        let mut v = vec!["model.embed_tokens".to_owned()];
-        for i in 0..self.blocks.len() {
-            for p in ["input", "attention.pattern", "attention.output", "mlp.output", "output"] {
-                v.push(format!("model.layers.{i}.{p}"));
-            }
+        self.points().iter().map(Point::to_string).collect()
+    }
+
+    /// The per-position shape of a point this decoder has (`None` for any other point).
+    pub fn point_shape(&self, point: Point) -> Option<Vec<usize>> {
+        let c = &self.config;
+        match point {
+            Point::Embed | Point::Norm => Some(vec![c.hidden_size]),
+            Point::Logits => Some(vec![c.vocab_size]),
+            Point::Layer(i, _) if i >= self.blocks.len() => None,
+            Point::Layer(_, LayerPoint::AttentionPattern) => None,
+            Point::Layer(_, LayerPoint::AttentionHeads) => Some(vec![c.num_heads, c.head_dim]),
+            Point::Layer(_, LayerPoint::MlpHidden) => Some(vec![c.intermediate_size]),
+            Point::Layer(_, _) => Some(vec![c.hidden_size]),
         }
-        v.push("model.norm".into());
-        v.push("model.logits".into());
-        v
     }
 
     /// Runs `ids` at the cache's current position, appends them to the cache and returns
-    /// logits `[rows, vocab]`; records selected activations when `rec` is given.
+    /// logits `[rows, vocab]`; `hooks` sees (and may edit) every named point.
     pub fn forward(
         &self,
         ids: &[u32],
         cache: &mut KvCache,
         rows: LogitsRows,
-        obs: &mut impl Observer,
+        hooks: &mut impl Hooks,
     ) -> candle_core::Result<Tensor> {
         let t = ids.len();
         let pos = cache.len();
@@ -203,9 +246,9 @@ impl Decoder {
         if let Some(s) = self.embed_scale {
             x = (x * s)?;
         }
-        obs.observe(|| "model.embed_tokens".into(), &x);
+        x = hooks.at(Point::Embed, x)?;
         let tables = self
-            .kinds
+            .variants
             .iter()
             .map(|(lc, rope)| {
                 let (cos, sin) = rope.tables(pos, t, &self.device)?;
@@ -213,52 +256,55 @@ impl Decoder {
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         for (i, b) in self.blocks.iter().enumerate() {
-            obs.observe(|| format!("model.layers.{i}.input"), &x);
-            let a = b.attn.forward(
-                &b.attn_in_norm.forward(&x)?,
-                pos,
-                cache.layer(i),
-                max_context,
-                &tables[b.kind],
-                i,
-                obs,
-            )?;
+            x = hooks.at(Point::Layer(i, LayerPoint::Input), x)?;
+            let h = b.attn_in_norm.forward(&x)?;
+            let a = b.attn.forward(&h, pos, cache.layer(i), max_context, &tables[b.variant], i, hooks)?;
             let a = match &b.attn_out_norm {
                 Some(n) => n.forward(&a)?,
                 None => a,
             };
-            obs.observe(|| format!("model.layers.{i}.attention.output"), &a);
+            let a = hooks.at(Point::Layer(i, LayerPoint::AttentionOutput), a)?;
             x = (x + a)?;
-            let m = b.mlp.forward(&b.mlp_in_norm.forward(&x)?)?;
+            let m = b.mlp.forward(&b.mlp_in_norm.forward(&x)?, i, hooks)?;
             let m = match &b.mlp_out_norm {
                 Some(n) => n.forward(&m)?,
                 None => m,
             };
-            obs.observe(|| format!("model.layers.{i}.mlp.output"), &m);
+            let m = hooks.at(Point::Layer(i, LayerPoint::MlpOutput), m)?;
             x = (x + m)?;
-            obs.observe(|| format!("model.layers.{i}.output"), &x);
+            x = hooks.at(Point::Layer(i, LayerPoint::Output), x)?;
         }
         cache.advance(t);
-        // The final norm covers every row only when it is observed; the vocabulary matmul
-        // (the most expensive one) every row only when all logits are returned or observed.
-        let all_logits = rows == LogitsRows::All || obs.wants("model.logits");
-        if !all_logits && !obs.wants("model.norm") {
+        // The final norm covers every row only when it is observed or edited; the vocabulary
+        // matmul (the most expensive one) every row only when all logits are returned or observed.
+        let all_logits = rows == LogitsRows::All || hooks.wants(Point::Logits);
+        if !all_logits && !hooks.wants(Point::Norm) {
             x = x.narrow(0, t - 1, 1)?;
         }
-        let mut h = self.norm.forward(&x)?;
-        obs.observe(|| "model.norm".into(), &h);
+        let mut h = hooks.at(Point::Norm, self.norm.forward(&x)?)?;
         if !all_logits && h.dim(0)? > 1 {
             h = h.narrow(0, t - 1, 1)?;
         }
-        let mut logits = self.lm_head.forward(&h)?;
-        if let Some(cap) = self.config.final_softcap {
-            logits = ((logits / cap)?.tanh()? * cap)?;
-        }
-        obs.observe(|| "model.logits".into(), &logits);
+        let logits = hooks.at(Point::Logits, self.project(&h)?)?;
         if rows == LogitsRows::Last && logits.dim(0)? > 1 {
-            logits = logits.narrow(0, t - 1, 1)?;
+            return logits.narrow(0, logits.dim(0)? - 1, 1);
         }
         Ok(logits)
+    }
+
+    /// The output projection of normed states, with any final soft-capping.
+    fn project(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.lm_head.forward(h)?;
+        match self.config.final_softcap {
+            Some(cap) => (logits / cap)?.tanh()? * cap,
+            None => Ok(logits),
+        }
+    }
+
+    /// The logit lens: the final norm, the output projection (the model's own weights,
+    /// quantized where they are) and any soft-capping, applied to float32 `[T, H]`.
+    pub fn unembed(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.project(&self.norm.forward(&x.to_dtype(DType::F32)?)?)
     }
 }
 

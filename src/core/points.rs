@@ -1,0 +1,128 @@
+//! The registry of named points (docs/observations.md): one list that both names the points a
+//! model offers and tells the decoder which one it is at, so the two can never disagree.
+
+use std::fmt;
+
+/// A point inside one decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LayerPoint {
+    /// The residual stream entering the layer, `[T, H]`.
+    Input,
+    /// Softmax attention probabilities, `[heads, T, T_total]` (observable, not editable).
+    AttentionPattern,
+    /// Each head's output before the output projection, `[T, heads, head_dim]`.
+    AttentionHeads,
+    /// What attention adds to the residual, `[T, H]`.
+    AttentionOutput,
+    /// The MLP's hidden activation, the input of the down projection, `[T, intermediate]`.
+    MlpHidden,
+    /// What the MLP adds to the residual, `[T, H]`.
+    MlpOutput,
+    /// The residual stream leaving the layer, `[T, H]`.
+    Output,
+}
+
+impl LayerPoint {
+    /// Every layer point, in forward order.
+    pub const ALL: [LayerPoint; 7] = [
+        Self::Input,
+        Self::AttentionPattern,
+        Self::AttentionHeads,
+        Self::AttentionOutput,
+        Self::MlpHidden,
+        Self::MlpOutput,
+        Self::Output,
+    ];
+
+    /// The name's suffix after `model.layers.{i}.`.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::Input => "input",
+            Self::AttentionPattern => "attention.pattern",
+            Self::AttentionHeads => "attention.heads",
+            Self::AttentionOutput => "attention.output",
+            Self::MlpHidden => "mlp.hidden",
+            Self::MlpOutput => "mlp.output",
+            Self::Output => "output",
+        }
+    }
+}
+
+/// One named point of the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Point {
+    /// `model.embed_tokens`: token embeddings after any scaling, `[T, H]`.
+    Embed,
+    /// `model.layers.{i}.…`.
+    Layer(usize, LayerPoint),
+    /// `model.norm`: the final norm's output, `[T, H]`.
+    Norm,
+    /// `model.logits`, `[T, V]`.
+    Logits,
+}
+
+impl Point {
+    /// Every point of a model with `num_layers` layers, in forward order.
+    pub fn all(num_layers: usize) -> Vec<Point> {
+        let mut v = vec![Point::Embed];
+        for i in 0..num_layers {
+            v.extend(LayerPoint::ALL.iter().map(|&p| Point::Layer(i, p)));
+        }
+        v.push(Point::Norm);
+        v.push(Point::Logits);
+        v
+    }
+
+    /// Reads a dotted path; `None` when it names no point of any model.
+    pub fn parse(path: &str) -> Option<Point> {
+        match path {
+            "model.embed_tokens" => return Some(Point::Embed),
+            "model.norm" => return Some(Point::Norm),
+            "model.logits" => return Some(Point::Logits),
+            _ => {}
+        }
+        let rest = path.strip_prefix("model.layers.")?;
+        let (index, suffix) = rest.split_once('.')?;
+        // Only canonical decimal indices name a layer ("01" or "+1" would alias another path).
+        if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) || (index.len() > 1 && index.starts_with('0'))
+        {
+            return None;
+        }
+        let layer = index.parse().ok()?;
+        LayerPoint::ALL.iter().find(|p| p.suffix() == suffix).map(|&p| Point::Layer(layer, p))
+    }
+
+    /// The layer this point belongs to, if any.
+    pub fn layer(self) -> Option<usize> {
+        match self {
+            Point::Layer(i, _) => Some(i),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Point {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Point::Embed => f.write_str("model.embed_tokens"),
+            Point::Layer(i, p) => write!(f, "model.layers.{i}.{}", p.suffix()),
+            Point::Norm => f.write_str("model.norm"),
+            Point::Logits => f.write_str("model.logits"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_point_reads_back_from_its_name() {
+        for p in Point::all(12) {
+            assert_eq!(Point::parse(&p.to_string()), Some(p));
+        }
+        for bad in ["model.layers.01.output", "model.layers..output", "model.layers.1", "model.layers.1.foo", "x"] {
+            assert_eq!(Point::parse(bad), None, "{bad}");
+        }
+    }
+}

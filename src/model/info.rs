@@ -1,0 +1,102 @@
+//! What a loaded model is: architecture, sizes, weight types, where it came from.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::backend::ArtifactFormat;
+use crate::core::{BackendProvider, BackendSession};
+use crate::model::Runtime;
+
+/// A typed description of a loaded model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    /// The architecture's name (`llama`, `gemma3`, ...).
+    pub architecture: String,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP's hidden activation.
+    pub intermediate_size: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Tokens in the model's vocabulary (rows of the embedding).
+    pub vocab_size: usize,
+    /// The element type activations run in (`f32`, `f16`, `bf16`).
+    pub dtype: String,
+    /// The context the model was trained for.
+    pub context_length: usize,
+    /// The context this session was given.
+    pub max_context: usize,
+    /// The sliding window of the layers that have one.
+    pub sliding_window: Option<usize>,
+    /// Whether the output projection is the embedding table.
+    pub tie_word_embeddings: bool,
+    /// Parameters by storage type (`q4_k`, `q6_k`, `f32`, ...).
+    pub weight_types: BTreeMap<String, usize>,
+    /// All parameters.
+    pub parameters: usize,
+    /// Bytes of the artifact on disk (all files of a directory).
+    pub file_size: u64,
+    /// `gguf` or `huggingface`.
+    pub format: &'static str,
+    /// The artifact's path as given.
+    pub path: String,
+    /// The device the model runs on (`cpu`, `cuda:0`, ...).
+    pub device: String,
+}
+
+impl ModelInfo {
+    /// Describes the model `rt` runs, loaded from `path` in `format`.
+    pub(crate) fn describe(rt: &Runtime, path: &Path, format: ArtifactFormat) -> Self {
+        let session = rt.session();
+        let decoder = session.decoder();
+        let c = decoder.config();
+        let weight_types = decoder.weight_summary();
+        Self {
+            architecture: c.architecture.name().to_owned(),
+            num_layers: c.num_layers(),
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            vocab_size: c.vocab_size,
+            dtype: crate::backend::decoder::layers::dtype_name(decoder.dtype()),
+            context_length: c.max_position_embeddings,
+            max_context: session.max_context(),
+            sliding_window: c.layers.iter().find_map(|l| l.sliding_window),
+            tie_word_embeddings: c.tie_word_embeddings,
+            parameters: weight_types.values().sum(),
+            weight_types,
+            file_size: size_on_disk(path),
+            format: format.name(),
+            path: path.display().to_string(),
+            device: rt.backend().descriptor().device.to_string(),
+        }
+    }
+
+    /// Each weight type's share of the parameters, largest first.
+    pub fn weight_shares(&self) -> Vec<(String, f64)> {
+        let total = self.parameters.max(1) as f64;
+        let mut v: Vec<_> = self.weight_types.iter().map(|(k, &n)| (k.clone(), n as f64 / total)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v
+    }
+}
+
+fn size_on_disk(path: &Path) -> u64 {
+    if path.is_dir() {
+        std::fs::read_dir(path)
+            .map(|entries| {
+                entries.flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
+            })
+            .unwrap_or(0)
+    } else {
+        std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+    }
+}

@@ -1,0 +1,199 @@
+//! The model layer: a loaded model with its tokenizer, chat template, generation defaults and
+//! description — the thing a Rust user holds (the Python `ModelRuntime` wraps exactly this).
+
+mod info;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use info::ModelInfo;
+
+use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, LoadOptions};
+use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
+use crate::generation::{GenerateOptions, Generation, GenerationError, GenerationResult};
+use crate::text::{ChatTemplate, TextError, Tokenizer};
+
+/// The runtime a model layer drives: the candle backend and its session.
+pub type Runtime = ModelRuntime<CandleBackend>;
+
+/// Why a model-layer operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The artifact could not be loaded or prepared.
+    #[error(transparent)]
+    Load(#[from] ModelLoadError<CandleError>),
+    /// A backend operation failed (a device that is not there, a bad option).
+    #[error(transparent)]
+    Backend(#[from] CandleError),
+    /// A step was refused or failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError<CandleError>),
+    /// Generation failed.
+    #[error(transparent)]
+    Generation(#[from] GenerationError<CandleError>),
+    /// Tokenization or a chat template failed.
+    #[error(transparent)]
+    Text(#[from] TextError),
+    /// The model has no usable tokenizer, so text cannot be used (token ids still can).
+    #[error("this model has no usable tokenizer: {reason}")]
+    NoTokenizer {
+        /// Why it could not be built.
+        reason: String,
+    },
+    /// The model ships no chat template and none was given.
+    #[error("this model has no chat template; pass one (chat_template=...) or use a chat model")]
+    NoChatTemplate,
+}
+
+/// How to load a model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelOptions {
+    /// `cpu`, `cuda[:N]`, `metal[:N]` or `auto`.
+    pub device: String,
+    /// `f32`, `f16` or `bf16`; `None` keeps a GGUF quantized and runs a checkpoint in float32 on the CPU.
+    pub dtype: Option<String>,
+    /// Context size of the session; `None` uses the model's trained context.
+    pub max_context: Option<usize>,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        Self { device: "auto".into(), dtype: None, max_context: None }
+    }
+}
+
+/// A prompt: text (encoded with the model's special tokens) or token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Text to encode.
+    Text(String),
+    /// Token ids, used as they are.
+    Ids(Vec<u32>),
+}
+
+/// A loaded model: runtime, tokenizer, chat template, defaults and description, owned together.
+#[derive(Debug)]
+pub struct Model {
+    runtime: Runtime,
+    tokenizer: Result<Arc<Tokenizer>, String>,
+    chat_template: Option<ChatTemplate>,
+    defaults: GenerateOptions,
+    info: ModelInfo,
+}
+
+impl Model {
+    /// Loads a GGUF file or a Hugging Face directory with its tokenizer.
+    pub fn load(path: &Path, options: &ModelOptions) -> Result<Self, ModelError> {
+        let format = ArtifactFormat::detect(path)?;
+        let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
+        let backend = CandleBackend::new(&options.device)?;
+        // The tokenizer first: its conversion's temporaries are freed (and handed back to the
+        // OS) before the weights arrive, so the two never add up in the peak resident size.
+        let tokenizer = load_tokenizer(path, format);
+        let load = LoadOptions { dtype, max_context: options.max_context };
+        let runtime = ModelRuntime::load(backend, path, &load)?;
+        let info = ModelInfo::describe(&runtime, path, format);
+        // A template that does not compile is reported when chat is used, not at load.
+        let chat_template = tokenizer.as_ref().ok().and_then(|t| t.chat_template_engine().ok());
+        Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info })
+    }
+
+    /// The runtime (backend and session).
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// The runtime, for stepping.
+    pub fn runtime_mut(&mut self) -> &mut Runtime {
+        &mut self.runtime
+    }
+
+    /// The tokenizer, or why there is none.
+    pub fn tokenizer(&self) -> Result<&Arc<Tokenizer>, ModelError> {
+        self.tokenizer.as_ref().map_err(|reason| ModelError::NoTokenizer { reason: reason.clone() })
+    }
+
+    /// The model's description.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// The generation options used where a caller sets none (llama-cpp-python's defaults).
+    pub fn defaults(&self) -> &GenerateOptions {
+        &self.defaults
+    }
+
+    /// The token ids of a prompt.
+    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, ModelError> {
+        match prompt {
+            Prompt::Text(text) => Ok(self.tokenizer()?.encode(text, true)?),
+            Prompt::Ids(ids) => Ok(ids.clone()),
+        }
+    }
+
+    /// Renders a conversation (JSON messages, plus extra template variables) through `template`
+    /// (a Jinja source) or else the model's own chat template.
+    pub fn render_chat(
+        &self,
+        messages_json: &str,
+        add_generation_prompt: bool,
+        extra_json: Option<&str>,
+        template: Option<&str>,
+    ) -> Result<String, ModelError> {
+        let tokenizer = self.tokenizer()?;
+        let own;
+        let engine = match template {
+            Some(src) => {
+                own = ChatTemplate::new(
+                    src,
+                    tokenizer.bos_token().map(str::to_owned),
+                    tokenizer.eos_token().map(str::to_owned),
+                )?;
+                &own
+            }
+            None => match &self.chat_template {
+                Some(t) => t,
+                // Compiling again gives the template's own error, or says there is none.
+                None => {
+                    own = tokenizer.chat_template_engine().map_err(|e| match tokenizer.chat_template() {
+                        None => ModelError::NoChatTemplate,
+                        Some(_) => ModelError::Text(e),
+                    })?;
+                    &own
+                }
+            },
+        };
+        Ok(engine.render_json(messages_json, add_generation_prompt, extra_json)?)
+    }
+
+    /// The token ids of a conversation: the template writes the special tokens itself, as
+    /// transformers' `apply_chat_template` does.
+    pub fn chat_ids(&self, messages_json: &str, template: Option<&str>) -> Result<Vec<u32>, ModelError> {
+        let text = self.render_chat(messages_json, true, None, template)?;
+        Ok(self.tokenizer()?.encode(&text, false)?)
+    }
+
+    /// Starts a generation from `prompt` on this model's session.
+    pub fn start_generation(&mut self, prompt: &[u32], options: GenerateOptions) -> Result<Generation, ModelError> {
+        let tokenizer = Arc::clone(self.tokenizer()?);
+        Ok(Generation::start(&mut self.runtime, tokenizer, prompt, options)?)
+    }
+
+    /// Generates from `prompt` to the end.
+    pub fn generate(&mut self, prompt: &Prompt, options: GenerateOptions) -> Result<GenerationResult, ModelError> {
+        let ids = self.prompt_ids(prompt)?;
+        let generation = self.start_generation(&ids, options)?;
+        let (result, _) = generation.run(&mut self.runtime, |_| {}, || false)?;
+        Ok(result)
+    }
+}
+
+/// The tokenizer that goes with an artifact: tokenizer.json beside a checkpoint, or the GGUF's vocabulary.
+fn load_tokenizer(path: &Path, format: ArtifactFormat) -> Result<Arc<Tokenizer>, String> {
+    let loaded = match format {
+        ArtifactFormat::HuggingFace => Tokenizer::from_hf_dir(path),
+        ArtifactFormat::Gguf => Tokenizer::from_gguf_file(path),
+    };
+    crate::memory::release_freed_memory();
+    loaded.map(Arc::new).map_err(|e| e.to_string())
+}

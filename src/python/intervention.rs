@@ -1,0 +1,135 @@
+//! Interventions for Python: `Intervention` values built by `candlewick.interventions`.
+
+use pyo3::prelude::*;
+
+use crate::core::{EditOp, Intervention};
+
+/// One edit of a named point (build it with `candlewick.interventions.add/set/scale/project_out`).
+#[pyclass(name = "Intervention", module = "candlewick._native", frozen)]
+#[derive(Clone)]
+pub struct PyIntervention {
+    pub(crate) inner: Intervention,
+}
+
+fn positions_of(positions: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
+    positions
+        .map(|ps| {
+            ps.into_iter()
+                .map(|p| {
+                    usize::try_from(p).map_err(|_| {
+                        pyo3::exceptions::PyValueError::new_err(format!("positions: {p} is not a valid position"))
+                    })
+                })
+                .collect()
+        })
+        .transpose()
+}
+
+#[pymethods]
+impl PyIntervention {
+    /// Steering: `x + scale · vector` (vector: the point's last dimension or its per-position shape, flattened).
+    #[staticmethod]
+    #[pyo3(signature = (point, vector, scale=1.0, positions=None))]
+    fn add(point: String, vector: Vec<f32>, scale: f32, positions: Option<Vec<i64>>) -> PyResult<Self> {
+        let op = EditOp::Add { vector, scale };
+        Ok(Self { inner: Intervention { point, op, positions: positions_of(positions)? } })
+    }
+
+    /// Patching: `x[positions] = values` (values: one flattened row per position).
+    #[staticmethod]
+    #[pyo3(signature = (point, values, positions))]
+    fn set(point: String, values: Vec<f32>, positions: Vec<i64>) -> PyResult<Self> {
+        let op = EditOp::Set { values };
+        Ok(Self { inner: Intervention { point, op, positions: positions_of(Some(positions))? } })
+    }
+
+    /// Scales units (heads, neurons, channels) by `factor`; 0 ablates.
+    #[staticmethod]
+    #[pyo3(signature = (point, index, factor, positions=None))]
+    fn scale(point: String, index: Vec<i64>, factor: f32, positions: Option<Vec<i64>>) -> PyResult<Self> {
+        let index = positions_of(Some(index))
+            .map_err(|_| pyo3::exceptions::PyValueError::new_err("index: unit indices must be >= 0"))?
+            .unwrap_or_default();
+        let op = EditOp::Scale { index, factor };
+        Ok(Self { inner: Intervention { point, op, positions: positions_of(positions)? } })
+    }
+
+    /// Directional ablation: `x − (x · d̂) d̂`.
+    #[staticmethod]
+    #[pyo3(signature = (point, direction, positions=None))]
+    fn project_out(point: String, direction: Vec<f32>, positions: Option<Vec<i64>>) -> PyResult<Self> {
+        let op = EditOp::ProjectOut { direction };
+        Ok(Self { inner: Intervention { point, op, positions: positions_of(positions)? } })
+    }
+
+    /// The point's dotted name.
+    #[getter]
+    fn point(&self) -> &str {
+        &self.inner.point
+    }
+
+    /// `add`, `set`, `scale` or `project_out`.
+    #[getter]
+    fn op(&self) -> &'static str {
+        self.inner.op.name()
+    }
+
+    /// Absolute positions, or None for every position.
+    #[getter]
+    fn positions(&self) -> Option<Vec<usize>> {
+        self.inner.positions.clone()
+    }
+
+    /// The vector (add), values (set) or direction (project_out); None for scale.
+    #[getter]
+    fn values(&self) -> Option<Vec<f32>> {
+        match &self.inner.op {
+            EditOp::Add { vector, .. } => Some(vector.clone()),
+            EditOp::Set { values } => Some(values.clone()),
+            EditOp::ProjectOut { direction } => Some(direction.clone()),
+            EditOp::Scale { .. } => None,
+        }
+    }
+
+    /// The multiplier of `add` or the factor of `scale`; None otherwise.
+    #[getter]
+    fn scale_factor(&self) -> Option<f32> {
+        match &self.inner.op {
+            EditOp::Add { scale, .. } => Some(*scale),
+            EditOp::Scale { factor, .. } => Some(*factor),
+            _ => None,
+        }
+    }
+
+    /// The unit indices of `scale`; None otherwise.
+    #[getter]
+    fn index(&self) -> Option<Vec<usize>> {
+        match &self.inner.op {
+            EditOp::Scale { index, .. } => Some(index.clone()),
+            _ => None,
+        }
+    }
+
+    fn __eq__(&self, other: &Self) -> bool {
+        self.inner == other.inner
+    }
+
+    fn __repr__(&self) -> String {
+        let pos = match &self.inner.positions {
+            Some(p) => format!(", positions={p:?}"),
+            None => String::new(),
+        };
+        let detail = match &self.inner.op {
+            EditOp::Add { vector, scale } => format!("vector=<{} values>, scale={scale}", vector.len()),
+            EditOp::Set { values } => format!("values=<{} values>", values.len()),
+            EditOp::Scale { index, factor } => format!("index={index:?}, factor={factor}"),
+            EditOp::ProjectOut { direction } => format!("direction=<{} values>", direction.len()),
+        };
+        format!("Intervention.{}({:?}, {detail}{pos})", self.inner.op.name(), self.inner.point)
+    }
+}
+
+/// The Rust edits of an optional Python list.
+pub fn edits_of(list: Option<Vec<PyRef<'_, PyIntervention>>>) -> Vec<Intervention> {
+    list.map(|l| l.iter().map(|i| i.inner.clone()).collect()).unwrap_or_default()
+}
