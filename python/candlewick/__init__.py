@@ -38,7 +38,17 @@ from ._native import (
     UnsupportedTensorTypeError,
     __version__,
 )
-from . import interventions
+from . import _native, interventions
+
+
+def save_control_vector(path, directions, model_hint: str = "") -> None:
+    """Writes ``{layer: vector}`` (layers counting from 1, as llama.cpp's) as a control-vector GGUF
+    that llama.cpp (``--control-vector``) and ``ModelRuntime.load_control_vector`` load."""
+    import numpy as np
+
+    flat = {int(k): np.asarray(v, dtype=np.float32).ravel().tolist() for k, v in directions.items()}
+    _native.save_control_vector(path, flat, model_hint)
+
 
 # ObservationSet implements the mapping protocol natively; registering it makes
 # isinstance(obs, Mapping) true so it works wherever a read-only mapping is expected.
@@ -75,4 +85,5 @@ __all__ = [
     "UnsupportedTensorTypeError",
     "__version__",
     "interventions",
+    "save_control_vector",
 ]

@@ -41,6 +41,7 @@ __all__ = [
     "UnsupportedError",
     "UnsupportedTensorTypeError",
     "__version__",
+    "save_control_vector",
 ]
 
 class _GenerateOptions(TypedDict, total=False):
@@ -106,6 +107,10 @@ class Intervention:
     @property
     def index(self) -> list[int] | None: ...
     def __eq__(self, other: object, /) -> bool: ...
+
+def save_control_vector(
+    path: str | PathLike[str], directions: Mapping[int, Sequence[float]], model_hint: str = ""
+) -> None: ...
 
 @final
 class InterventionScope:
@@ -304,6 +309,9 @@ class ModelRuntime:
     @interventions.setter
     def interventions(self, interventions: Sequence[Intervention] | None) -> None: ...
     def intervene(self, interventions: Sequence[Intervention]) -> InterventionScope: ...
+    def load_control_vector(
+        self, path: str | PathLike[str], scale: float = 1.0, layer_range: tuple[int, int] | None = None
+    ) -> list[Intervention]: ...
     def observation_points(self) -> list[str]: ...
     @property
     def tokenizer(self) -> Tokenizer: ...

@@ -68,7 +68,23 @@ def load(args: argparse.Namespace) -> ModelRuntime:
         rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context)
     if args.verbose:
         print(f"loaded {path} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
+    for spec in getattr(args, "control_vector", None) or []:
+        file, scale = parse_control_vector(spec)
+        edits = rt.load_control_vector(file, scale=scale)
+        if args.verbose:
+            print(f"control vector {file} x {scale}: {len(edits)} layers", file=sys.stderr)
     return rt
+
+
+def parse_control_vector(spec: str) -> tuple[str, float]:
+    """``FILE[:SCALE]`` as llama.cpp's ``--control-vector-scaled FILE SCALE`` (scale 1 when absent)."""
+    file, sep, scale = spec.rpartition(":")
+    if sep and file:
+        try:
+            return file, float(scale)
+        except ValueError:
+            pass
+    return spec, 1.0
 
 
 def sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -210,6 +226,12 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--repetition-penalty", type=float, default=1.0)
     sample.add_argument("--seed", type=int, default=None)
     sample.add_argument("--stop", action="append", help="stop string (repeatable)")
+    sample.add_argument(
+        "--control-vector",
+        action="append",
+        metavar="FILE[:SCALE]",
+        help="llama.cpp control vector (GGUF) added to the layers' outputs, times SCALE (repeatable)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", parents=[common, sample], help="continue a prompt")
     g.add_argument("prompt")

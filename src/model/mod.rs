@@ -1,6 +1,7 @@
 //! The model layer: a loaded model with its tokenizer, chat template, generation defaults and
 //! description — the thing a Rust user holds (the Python `ModelRuntime` wraps exactly this).
 
+pub mod control_vector;
 mod info;
 
 use std::path::Path;
@@ -40,6 +41,9 @@ pub enum ModelError {
         /// Why it could not be built.
         reason: String,
     },
+    /// A control vector could not be read or does not fit this model.
+    #[error(transparent)]
+    ControlVector(#[from] control_vector::ControlVectorError),
     /// The model ships no chat template and none was given.
     #[error("this model has no chat template; pass one (chat_template=...) or use a chat model")]
     NoChatTemplate,
@@ -171,6 +175,20 @@ impl Model {
     pub fn chat_ids(&self, messages_json: &str, template: Option<&str>) -> Result<Vec<u32>, ModelError> {
         let text = self.render_chat(messages_json, true, None, template)?;
         Ok(self.tokenizer()?.encode(&text, false)?)
+    }
+
+    /// Reads a llama.cpp control vector and adds its edits to the kept interventions (returned).
+    pub fn load_control_vector(
+        &mut self,
+        path: &Path,
+        scale: f32,
+        layer_range: Option<(usize, usize)>,
+    ) -> Result<Vec<crate::core::Intervention>, ModelError> {
+        let edits = control_vector::load(path, scale, layer_range, self.info.hidden_size, self.info.num_layers)?;
+        let mut kept = self.runtime.interventions();
+        kept.extend(edits.iter().cloned());
+        self.runtime.set_interventions(kept)?;
+        Ok(edits)
     }
 
     /// Starts a generation from `prompt` on this model's session.

@@ -154,6 +154,12 @@ pub fn model_err(e: ModelError) -> PyErr {
         ModelError::Generation(e) => generation_err(e),
         ModelError::Text(e) => text_err(e),
         e @ (ModelError::NoTokenizer { .. } | ModelError::NoChatTemplate) => TokenizerError::new_err(e.to_string()),
+        ModelError::ControlVector(e) => match e {
+            crate::model::control_vector::ControlVectorError::WrongModel { .. } => {
+                InvalidInterventionError::new_err(e.to_string())
+            }
+            _ => ArtifactError::new_err(e.to_string()),
+        },
     }
 }
 

@@ -133,3 +133,16 @@ impl PyIntervention {
 pub fn edits_of(list: Option<Vec<PyRef<'_, PyIntervention>>>) -> Vec<Intervention> {
     list.map(|l| l.iter().map(|i| i.inner.clone()).collect()).unwrap_or_default()
 }
+
+/// Writes `{layer: vector}` (layers counting from 1, as llama.cpp's) as a control vector GGUF
+/// that llama.cpp and `ModelRuntime.load_control_vector` load.
+#[pyfunction]
+#[pyo3(signature = (path, directions, model_hint=""))]
+pub fn save_control_vector(
+    path: std::path::PathBuf,
+    directions: std::collections::BTreeMap<usize, Vec<f32>>,
+    model_hint: &str,
+) -> PyResult<()> {
+    crate::model::control_vector::save(&path, &directions, model_hint)
+        .map_err(|e| super::errors::ArtifactError::new_err(e.to_string()))
+}

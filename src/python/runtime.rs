@@ -338,6 +338,29 @@ impl PyModelRuntime {
         self.lock()?.runtime_mut().set_interventions(edits).map_err(runtime_err)
     }
 
+    /// Reads a llama.cpp control vector (GGUF) and adds its edits to `interventions`, with
+    /// llama.cpp's `--control-vector-scaled FILE SCALE` and `--control-vector-layer-range` meaning.
+    #[pyo3(signature = (path, scale=1.0, layer_range=None))]
+    fn load_control_vector(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        scale: f32,
+        layer_range: Option<(i64, i64)>,
+    ) -> PyResult<Vec<PyIntervention>> {
+        let range = layer_range
+            .map(|(a, b)| {
+                Ok::<_, PyErr>((
+                    non_negative("layer_range", Some(a))?.unwrap_or(0),
+                    non_negative("layer_range", Some(b))?.unwrap_or(0),
+                ))
+            })
+            .transpose()?;
+        let edits =
+            py.detach(|| catch_panic(|| self.lock()?.load_control_vector(&path, scale, range).map_err(model_err)))?;
+        Ok(edits.into_iter().map(|inner| PyIntervention { inner }).collect())
+    }
+
     /// A context manager that keeps `interventions` on inside a `with` block, then puts back
     /// what was kept before.
     fn intervene(slf: &Bound<'_, Self>, interventions: Vec<PyRef<'_, PyIntervention>>) -> PyInterventionScope {
