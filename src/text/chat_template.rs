@@ -16,6 +16,18 @@ use super::pyjson::{dumps, DumpOptions, OrderedValue};
 /// The name the template is registered under; no extension, so no auto-escaping.
 const TEMPLATE_NAME: &str = "chat_template";
 
+/// The work one render may do (minijinja fuel: about one unit per instruction or 64 bytes
+/// produced). Real templates over long conversations use well under 1%; a template that loops
+/// without end stops in about a second with a typed error instead of hanging the caller.
+pub const TEMPLATE_FUEL: u64 = 10_000_000;
+/// The largest prompt a template may render.
+pub const MAX_TEMPLATE_OUTPUT: usize = 64 << 20;
+/// The widest `tojson` indent accepted (the allocation is `indent × depth` per line).
+pub const MAX_TOJSON_INDENT: usize = 256;
+/// The largest width or precision accepted in `str.format` specs, which minijinja allocates
+/// before any fuel is charged.
+pub const MAX_FORMAT_WIDTH: u64 = 4096;
+
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
@@ -69,9 +81,21 @@ fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
     let indent = match pick(indent, "indent")? {
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) if v.as_str().is_some_and(|s| s.len() > MAX_TOJSON_INDENT) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson indent string is longer than the {MAX_TOJSON_INDENT} bytes allowed"),
+            ))
+        }
         Some(v) if v.as_str().is_some() => Some(v.as_str().unwrap_or_default().to_string()),
         Some(v) => {
             let n = i64::try_from(v)?;
+            if n > MAX_TOJSON_INDENT as i64 {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson indent {n} is larger than the {MAX_TOJSON_INDENT} allowed"),
+                ));
+            }
             Some(" ".repeat(n.max(0) as usize))
         }
     };
@@ -211,6 +235,73 @@ fn strftime_now(format: String) -> Result<String, Error> {
     Ok(strftime_utc(&format, now.as_secs() as i64))
 }
 
+/// The largest width or precision a Python format string asks for (`{:>99}`, `{:.5}`), or an
+/// error for a nested field (`{:{w}}`), whose width comes from an argument we cannot bound here.
+fn format_spec_width(format: &str) -> Result<u64, Error> {
+    let mut widest = 0u64;
+    let mut rest = format;
+    while let Some(open) = rest.find('{') {
+        rest = &rest[open + 1..];
+        if let Some(after) = rest.strip_prefix('{') {
+            rest = after; // `{{` is a literal brace
+            continue;
+        }
+        let close = rest.find('}').unwrap_or(rest.len());
+        let field = &rest[..close];
+        if field.contains('{') {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "nested replacement fields in str.format specs are not supported in chat templates",
+            ));
+        }
+        if let Some((_, spec)) = field.split_once(':') {
+            for digits in spec.split(|c: char| !c.is_ascii_digit()).filter(|d| !d.is_empty()) {
+                widest = widest.max(digits.parse::<u64>().unwrap_or(u64::MAX));
+            }
+        }
+        rest = &rest[close.min(rest.len())..];
+    }
+    Ok(widest)
+}
+
+/// minijinja-contrib's Python methods, with `str.format` refused when its specs ask for more than
+/// [`MAX_FORMAT_WIDTH`] (minijinja would allocate the padding before charging any fuel).
+fn python_methods(state: &mut minijinja::State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+    if method == "format" {
+        if let Some(format) = value.as_str() {
+            let width = format_spec_width(format)?;
+            if width > MAX_FORMAT_WIDTH {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("str.format width or precision {width} is larger than the {MAX_FORMAT_WIDTH} allowed"),
+                ));
+            }
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// A sink that refuses output past [`MAX_TEMPLATE_OUTPUT`] bytes.
+struct BoundedOutput {
+    buf: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > MAX_TEMPLATE_OUTPUT {
+            self.overflowed = true;
+            return Err(std::io::Error::other("chat template output limit"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Rewrites `{% generation %}` / `{% endgeneration %}` (transformers' assistant-mask tags, which
 /// minijinja cannot parse) into an always-true `if`, keeping their whitespace control.
 fn neutralize_generation_tags(source: &str) -> String {
@@ -274,6 +365,14 @@ fn template_error(err: Error) -> TextError {
         }
         source = e.source();
     }
+    if err.kind() == ErrorKind::OutOfFuel {
+        return TextError::Template {
+            message: format!(
+                "the chat template did more work than the {TEMPLATE_FUEL} fuel allowed (does it loop without end \
+                 or build a huge string?): {err:#}"
+            ),
+        };
+    }
     TextError::Template { message: format!("{err:#}") }
 }
 
@@ -283,7 +382,8 @@ impl ChatTemplate {
         let mut env = Environment::new();
         let syntax = SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(template_error)?;
         env.set_syntax(syntax);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_methods);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -364,7 +464,31 @@ impl ChatTemplate {
             }
         }
         let template = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
-        template.render(Value::from_pairs(ctx)).map_err(template_error)
+        let mut out = BoundedOutput { buf: Vec::new(), overflowed: false };
+        // The engine runs code the model's author wrote: a panic in it (a bug of the engine on
+        // some odd input) becomes a template error, never an abort of the caller.
+        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            template.render_captured_to(Value::from_pairs(ctx), &mut out).map(|_| ())
+        }));
+        match rendered {
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                return Err(TextError::Template { message: format!("the template engine failed: {what}") });
+            }
+            Ok(Err(_)) if out.overflowed => {
+                return Err(TextError::Template {
+                    message: format!("the chat template's output exceeds {MAX_TEMPLATE_OUTPUT} bytes"),
+                })
+            }
+            Ok(Err(e)) => return Err(template_error(e)),
+            Ok(Ok(())) => {}
+        }
+        String::from_utf8(out.buf)
+            .map_err(|e| TextError::Template { message: format!("the chat template wrote invalid UTF-8: {e}") })
     }
 }
 
@@ -550,6 +674,37 @@ n={{ ns.count }}"#;
             "23 Jul 2024 Tue 13:05:09 23 205 PM 01"
         );
         assert_eq!(strftime_utc("%F %A %B", 0), "1970-01-01 Thursday January");
+    }
+
+    fn render_err(source: &str) -> String {
+        let t = ChatTemplate::new(source, None, None).unwrap();
+        match t.render(&conversation(), false) {
+            Err(TextError::Template { message }) => message,
+            other => panic!("{source}: expected a template error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn endless_and_huge_templates_stop_with_typed_errors() {
+        let loops = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}";
+        assert!(render_err(loops).contains("fuel"));
+        assert!(render_err("{{ messages|tojson(indent=10**12) }}").contains("indent"));
+        assert!(render_err("{{ '{:>99999999999}'.format('x') }}").contains("width"));
+        assert!(render_err("{{ '{:.99999999999}'.format(1.5) }}").contains("precision"));
+        assert!(render_err("{{ '{:>{w}}'.format('x', w=5) }}").contains("nested"));
+        assert!(render_err("{{ '%99999999999d'|format(1) }}").contains("fuel"));
+        // Output past the limit stops even when fuel would allow it.
+        assert_eq!(format_spec_width("{{}} {:>12} {0:.3f} {:08}").unwrap(), 12);
+        let t = ChatTemplate::new("{{ '{:>4}'.format('x') }}|{{ 'a'|tojson(indent=2) }}", None, None).unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "   x|\"a\"");
+    }
+
+    #[test]
+    fn output_is_bounded() {
+        let mut out = BoundedOutput { buf: Vec::new(), overflowed: false };
+        use std::io::Write;
+        assert!(out.write_all(&vec![b'x'; MAX_TEMPLATE_OUTPUT]).is_ok());
+        assert!(out.write_all(b"y").is_err() && out.overflowed);
     }
 
     #[test]
