@@ -11,7 +11,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
 use super::error::TextError;
-use super::pyjson::{dumps, DumpOptions, OrderedValue};
+use super::python_json_dumps::{dumps, DumpOptions, OrderedValue};
 
 /// The name the template is registered under; no extension, so no auto-escaping.
 const TEMPLATE_NAME: &str = "chat_template";
@@ -120,111 +120,12 @@ fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
     Ok(Value::from_safe_string(dumps(value, &opts)?))
 }
 
-/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian.
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-const WEEKDAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-
-/// C `strftime` over a Unix timestamp in UTC (no time-zone database is available to us).
-fn strftime_utc(format: &str, unix_seconds: i64) -> String {
-    let days = unix_seconds.div_euclid(86_400);
-    let secs = unix_seconds.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
-    let (hour, minute, second) = (secs / 3600, (secs / 60) % 60, secs % 60);
-    let weekday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
-    let is_leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    let cumulative = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = cumulative[month as usize - 1] + day as i64 + i64::from(is_leap && month > 2);
-    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
-
-    let mut out = String::new();
-    let mut chars = format.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        // GNU's `-` flag drops the zero padding (`%-d`), common in Llama 3 templates.
-        let unpadded = chars.peek() == Some(&'-');
-        if unpadded {
-            chars.next();
-        }
-        let num = |v: i64, width: usize| {
-            if unpadded {
-                v.to_string()
-            } else {
-                format!("{v:0width$}")
-            }
-        };
-        let Some(spec) = chars.next() else {
-            out.push('%');
-            break;
-        };
-        let piece = match spec {
-            'a' => WEEKDAYS[weekday][..3].to_string(),
-            'A' => WEEKDAYS[weekday].to_string(),
-            'b' | 'h' => MONTHS[month as usize - 1][..3].to_string(),
-            'B' => MONTHS[month as usize - 1].to_string(),
-            'd' => num(day as i64, 2),
-            'e' => {
-                if unpadded {
-                    day.to_string()
-                } else {
-                    format!("{day:>2}")
-                }
-            }
-            'H' => num(hour, 2),
-            'I' => num(hour12, 2),
-            'j' => num(yday, 3),
-            'm' => num(month as i64, 2),
-            'M' => num(minute, 2),
-            'p' => if hour < 12 { "AM" } else { "PM" }.to_string(),
-            'S' => num(second, 2),
-            'y' => num(year.rem_euclid(100), 2),
-            'Y' => year.to_string(),
-            'F' => format!("{year}-{month:02}-{day:02}"),
-            'T' => format!("{hour:02}:{minute:02}:{second:02}"),
-            'D' => format!("{month:02}/{day:02}/{:02}", year.rem_euclid(100)),
-            'c' => format!(
-                "{} {} {day:>2} {hour:02}:{minute:02}:{second:02} {year}",
-                &WEEKDAYS[weekday][..3],
-                &MONTHS[month as usize - 1][..3]
-            ),
-            'Z' => "UTC".to_string(),
-            'z' => "+0000".to_string(),
-            'n' => "\n".to_string(),
-            't' => "\t".to_string(),
-            '%' => "%".to_string(),
-            other => format!("%{}{other}", if unpadded { "-" } else { "" }),
-        };
-        out.push_str(&piece);
-    }
-    out
+/// C `strftime` over a Unix timestamp in UTC (no time-zone database is available to us), by
+/// jiff (which minijinja-contrib's `datetime` feature brings), GNU flags such as `%-d` included.
+fn strftime_utc(format: &str, unix_seconds: i64) -> Result<String, Error> {
+    let invalid = |e: jiff::Error| Error::new(ErrorKind::InvalidOperation, format!("strftime_now({format:?}): {e}"));
+    let now = jiff::Timestamp::from_second(unix_seconds).map_err(invalid)?.to_zoned(jiff::tz::TimeZone::UTC);
+    jiff::fmt::strtime::format(format, &now).map_err(invalid)
 }
 
 /// transformers' `strftime_now`; the clock is read in UTC.
@@ -232,7 +133,7 @@ fn strftime_now(format: String) -> Result<String, Error> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("system clock before 1970: {e}")))?;
-    Ok(strftime_utc(&format, now.as_secs() as i64))
+    strftime_utc(&format, now.as_secs() as i64)
 }
 
 /// The largest width or precision a Python format string asks for (`{:>99}`, `{:.5}`), or an
@@ -670,10 +571,10 @@ n={{ ns.count }}"#;
         assert_eq!(t.render(&[], false).unwrap(), "a|4");
         // 2024-07-23 13:05:09 UTC, a Tuesday.
         assert_eq!(
-            strftime_utc("%d %b %Y %a %H:%M:%S %-d %j %p %I", 1_721_739_909),
+            strftime_utc("%d %b %Y %a %H:%M:%S %-d %j %p %I", 1_721_739_909).unwrap(),
             "23 Jul 2024 Tue 13:05:09 23 205 PM 01"
         );
-        assert_eq!(strftime_utc("%F %A %B", 0), "1970-01-01 Thursday January");
+        assert_eq!(strftime_utc("%F %A %B %Z %z", 0).unwrap(), "1970-01-01 Thursday January UTC +0000");
     }
 
     fn render_err(source: &str) -> String {
