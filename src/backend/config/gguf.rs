@@ -51,7 +51,10 @@ pub fn parse_config(
     }
     let rotary = md.opt_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim);
     let theta = md.opt_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0);
-    let scaling = match md.string(&key("rope.scaling.type")).ok().as_deref() {
+    // A present key of the wrong type is an error, not "no scaling".
+    let scaling_type =
+        if md.has(&key("rope.scaling.type")) { Some(md.string(&key("rope.scaling.type"))?) } else { None };
+    let scaling = match scaling_type.as_deref() {
         None | Some("none") => RopeScaling::None,
         Some("linear") => RopeScaling::Linear { factor: md.opt_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0) },
         Some(other) => return Err(CandleError::UnsupportedConfig { what: format!("GGUF rope scaling `{other}`") }),
