@@ -303,11 +303,18 @@ def test_hf_eos_ids_out_of_range(tmp_path, value):
         cw.ModelRuntime.load(hf_copy(tmp_path, LLAMA, eos_token_id=value), device="cpu")
 
 
-@pytest.mark.parametrize("method,value", [("add_int64", -7), ("add_uint64", 2**32 + 2), ("add_uint32", 10**6)])
+@pytest.mark.parametrize("method,value", [("add_int64", -7), ("add_uint64", 2**32 + 2)])
 def test_gguf_eos_ids_out_of_range(tmp_path, method, value):
     path = write_gguf(tmp_path / "e.gguf", {"tokenizer.ggml.eos_token_id": (method, value)})
     with pytest.raises(cw.CandlewickError, match="eos_token_id"):
         cw.ModelRuntime.load(path, device="cpu")
+
+
+def test_gguf_eos_id_past_the_vocabulary_is_the_tokenizers_error(tmp_path):
+    path = write_gguf(tmp_path / "e.gguf", {"tokenizer.ggml.eos_token_id": ("add_uint32", 10**6)})
+    rt = cw.ModelRuntime.load(path, device="cpu")  # the model runs on ids, as with any bad vocabulary
+    with pytest.raises(cw.TokenizerError, match="eos_token_id"):
+        rt.tokenizer
 
 
 def test_gguf_eos_of_minus_one_means_none_not_zero(tmp_path):

@@ -376,7 +376,6 @@ mod tests {
             ("partial_rotary_factor", "0.0"),
             ("partial_rotary_factor", "2147483648"),
             ("attn_logit_softcapping", "1e308"),
-            ("eos_token_id", "10"),
         ] {
             let msg = err_of(key, value);
             assert!(msg.contains(key), "{key}={value}: {msg}");
