@@ -175,6 +175,12 @@ impl CandleBackend {
             .map_err(|source| CandleError::Io { path: config_path.display().to_string(), source })?;
         let arch = config::hf::parse_config(&text, &config_path.display().to_string())?;
         let weights = SafetensorsWeights::open_dir(dir)?;
+        check_no_extra_layers(
+            &weights.names(),
+            arch.num_layers(),
+            "model.layers.",
+            &config_path.display().to_string(),
+        )?;
         let stored = weights.dominant_dtype().unwrap_or(DType::F32);
         let dtype = self.choose_dtype(options.dtype, stored);
         let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
@@ -198,7 +204,9 @@ impl CandleBackend {
             .shape("token_embd.weight")
             .ok_or_else(|| CandleError::MissingTensor { name: "token_embd.weight".into() })?;
         let vocab_size = embed.first().copied().unwrap_or(0);
-        let arch = config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size)?;
+        let source = path.display().to_string();
+        let arch = config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size, &source)?;
+        check_no_extra_layers(&weights.names(), arch.num_layers(), "blk.", &source)?;
         let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
         validate_context(max_context)?;
         Ok(CandleModelConfig {
@@ -226,6 +234,23 @@ fn validate_context(max_context: usize) -> Result<()> {
         return Err(CandleError::InvalidInput { operation: "load", reason: "max_context must be positive".into() });
     }
     Ok(())
+}
+
+/// Refuses a checkpoint holding layers past the configured count: transformers warns about
+/// unused weights, and a `num_hidden_layers` set too low would otherwise run a truncated model.
+fn check_no_extra_layers(names: &[String], n_layers: usize, prefix: &str, source: &str) -> Result<()> {
+    let extra = names.iter().find(|name| {
+        let index = name.strip_prefix(prefix).and_then(|rest| rest.split('.').next());
+        index.and_then(|i| i.parse::<usize>().ok()).is_some_and(|i| i >= n_layers)
+    });
+    match extra {
+        Some(name) => Err(CandleError::Malformed {
+            what: "checkpoint",
+            path: source.to_owned(),
+            reason: format!("tensor `{name}` belongs to a layer past the {n_layers} the configuration declares"),
+        }),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -40,7 +40,9 @@ impl PyTokenizer {
         .map_err(text_err)?;
         let messages = to_json(py, messages)?;
         let extra = extra.map(|e| to_json(py, e)).transpose()?;
-        template.render_json(&messages, add_generation_prompt, extra.as_deref()).map_err(text_err)
+        // Rendering runs code from the model file, bounded by fuel but possibly for a second:
+        // other Python threads keep running meanwhile.
+        py.detach(|| template.render_json(&messages, add_generation_prompt, extra.as_deref())).map_err(text_err)
     }
 }
 

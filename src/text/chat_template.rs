@@ -11,10 +11,22 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
 use super::error::TextError;
-use super::pyjson::{dumps, DumpOptions, OrderedValue};
+use super::python_json_dumps::{dumps, DumpOptions, OrderedValue};
 
 /// The name the template is registered under; no extension, so no auto-escaping.
 const TEMPLATE_NAME: &str = "chat_template";
+
+/// The work one render may do (minijinja fuel: about one unit per instruction or 64 bytes
+/// produced). Real templates over long conversations use well under 1%; a template that loops
+/// without end stops in about a second with a typed error instead of hanging the caller.
+pub const TEMPLATE_FUEL: u64 = 10_000_000;
+/// The largest prompt a template may render.
+pub const MAX_TEMPLATE_OUTPUT: usize = 64 << 20;
+/// The widest `tojson` indent accepted (the allocation is `indent × depth` per line).
+pub const MAX_TOJSON_INDENT: usize = 256;
+/// The largest width or precision accepted in `str.format` specs, which minijinja allocates
+/// before any fuel is charged.
+pub const MAX_FORMAT_WIDTH: u64 = 4096;
 
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,9 +81,21 @@ fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
     let indent = match pick(indent, "indent")? {
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) if v.as_str().is_some_and(|s| s.len() > MAX_TOJSON_INDENT) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson indent string is longer than the {MAX_TOJSON_INDENT} bytes allowed"),
+            ))
+        }
         Some(v) if v.as_str().is_some() => Some(v.as_str().unwrap_or_default().to_string()),
         Some(v) => {
             let n = i64::try_from(v)?;
+            if n > MAX_TOJSON_INDENT as i64 {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson indent {n} is larger than the {MAX_TOJSON_INDENT} allowed"),
+                ));
+            }
             Some(" ".repeat(n.max(0) as usize))
         }
     };
@@ -96,111 +120,12 @@ fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
     Ok(Value::from_safe_string(dumps(value, &opts)?))
 }
 
-/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian.
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-const WEEKDAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-
-/// C `strftime` over a Unix timestamp in UTC (no time-zone database is available to us).
-fn strftime_utc(format: &str, unix_seconds: i64) -> String {
-    let days = unix_seconds.div_euclid(86_400);
-    let secs = unix_seconds.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
-    let (hour, minute, second) = (secs / 3600, (secs / 60) % 60, secs % 60);
-    let weekday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
-    let is_leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    let cumulative = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = cumulative[month as usize - 1] + day as i64 + i64::from(is_leap && month > 2);
-    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
-
-    let mut out = String::new();
-    let mut chars = format.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        // GNU's `-` flag drops the zero padding (`%-d`), common in Llama 3 templates.
-        let unpadded = chars.peek() == Some(&'-');
-        if unpadded {
-            chars.next();
-        }
-        let num = |v: i64, width: usize| {
-            if unpadded {
-                v.to_string()
-            } else {
-                format!("{v:0width$}")
-            }
-        };
-        let Some(spec) = chars.next() else {
-            out.push('%');
-            break;
-        };
-        let piece = match spec {
-            'a' => WEEKDAYS[weekday][..3].to_string(),
-            'A' => WEEKDAYS[weekday].to_string(),
-            'b' | 'h' => MONTHS[month as usize - 1][..3].to_string(),
-            'B' => MONTHS[month as usize - 1].to_string(),
-            'd' => num(day as i64, 2),
-            'e' => {
-                if unpadded {
-                    day.to_string()
-                } else {
-                    format!("{day:>2}")
-                }
-            }
-            'H' => num(hour, 2),
-            'I' => num(hour12, 2),
-            'j' => num(yday, 3),
-            'm' => num(month as i64, 2),
-            'M' => num(minute, 2),
-            'p' => if hour < 12 { "AM" } else { "PM" }.to_string(),
-            'S' => num(second, 2),
-            'y' => num(year.rem_euclid(100), 2),
-            'Y' => year.to_string(),
-            'F' => format!("{year}-{month:02}-{day:02}"),
-            'T' => format!("{hour:02}:{minute:02}:{second:02}"),
-            'D' => format!("{month:02}/{day:02}/{:02}", year.rem_euclid(100)),
-            'c' => format!(
-                "{} {} {day:>2} {hour:02}:{minute:02}:{second:02} {year}",
-                &WEEKDAYS[weekday][..3],
-                &MONTHS[month as usize - 1][..3]
-            ),
-            'Z' => "UTC".to_string(),
-            'z' => "+0000".to_string(),
-            'n' => "\n".to_string(),
-            't' => "\t".to_string(),
-            '%' => "%".to_string(),
-            other => format!("%{}{other}", if unpadded { "-" } else { "" }),
-        };
-        out.push_str(&piece);
-    }
-    out
+/// C `strftime` over a Unix timestamp in UTC (no time-zone database is available to us), by
+/// jiff (which minijinja-contrib's `datetime` feature brings), GNU flags such as `%-d` included.
+fn strftime_utc(format: &str, unix_seconds: i64) -> Result<String, Error> {
+    let invalid = |e: jiff::Error| Error::new(ErrorKind::InvalidOperation, format!("strftime_now({format:?}): {e}"));
+    let now = jiff::Timestamp::from_second(unix_seconds).map_err(invalid)?.to_zoned(jiff::tz::TimeZone::UTC);
+    jiff::fmt::strtime::format(format, &now).map_err(invalid)
 }
 
 /// transformers' `strftime_now`; the clock is read in UTC.
@@ -208,7 +133,74 @@ fn strftime_now(format: String) -> Result<String, Error> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("system clock before 1970: {e}")))?;
-    Ok(strftime_utc(&format, now.as_secs() as i64))
+    strftime_utc(&format, now.as_secs() as i64)
+}
+
+/// The largest width or precision a Python format string asks for (`{:>99}`, `{:.5}`), or an
+/// error for a nested field (`{:{w}}`), whose width comes from an argument we cannot bound here.
+fn format_spec_width(format: &str) -> Result<u64, Error> {
+    let mut widest = 0u64;
+    let mut rest = format;
+    while let Some(open) = rest.find('{') {
+        rest = &rest[open + 1..];
+        if let Some(after) = rest.strip_prefix('{') {
+            rest = after; // `{{` is a literal brace
+            continue;
+        }
+        let close = rest.find('}').unwrap_or(rest.len());
+        let field = &rest[..close];
+        if field.contains('{') {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "nested replacement fields in str.format specs are not supported in chat templates",
+            ));
+        }
+        if let Some((_, spec)) = field.split_once(':') {
+            for digits in spec.split(|c: char| !c.is_ascii_digit()).filter(|d| !d.is_empty()) {
+                widest = widest.max(digits.parse::<u64>().unwrap_or(u64::MAX));
+            }
+        }
+        rest = &rest[close.min(rest.len())..];
+    }
+    Ok(widest)
+}
+
+/// minijinja-contrib's Python methods, with `str.format` refused when its specs ask for more than
+/// [`MAX_FORMAT_WIDTH`] (minijinja would allocate the padding before charging any fuel).
+fn python_methods(state: &mut minijinja::State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+    if method == "format" {
+        if let Some(format) = value.as_str() {
+            let width = format_spec_width(format)?;
+            if width > MAX_FORMAT_WIDTH {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("str.format width or precision {width} is larger than the {MAX_FORMAT_WIDTH} allowed"),
+                ));
+            }
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// A sink that refuses output past [`MAX_TEMPLATE_OUTPUT`] bytes.
+struct BoundedOutput {
+    buf: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > MAX_TEMPLATE_OUTPUT {
+            self.overflowed = true;
+            return Err(std::io::Error::other("chat template output limit"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Rewrites `{% generation %}` / `{% endgeneration %}` (transformers' assistant-mask tags, which
@@ -274,6 +266,14 @@ fn template_error(err: Error) -> TextError {
         }
         source = e.source();
     }
+    if err.kind() == ErrorKind::OutOfFuel {
+        return TextError::Template {
+            message: format!(
+                "the chat template did more work than the {TEMPLATE_FUEL} fuel allowed (does it loop without end \
+                 or build a huge string?): {err:#}"
+            ),
+        };
+    }
     TextError::Template { message: format!("{err:#}") }
 }
 
@@ -283,7 +283,8 @@ impl ChatTemplate {
         let mut env = Environment::new();
         let syntax = SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(template_error)?;
         env.set_syntax(syntax);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_methods);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -364,7 +365,31 @@ impl ChatTemplate {
             }
         }
         let template = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
-        template.render(Value::from_pairs(ctx)).map_err(template_error)
+        let mut out = BoundedOutput { buf: Vec::new(), overflowed: false };
+        // The engine runs code the model's author wrote: a panic in it (a bug of the engine on
+        // some odd input) becomes a template error, never an abort of the caller.
+        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            template.render_captured_to(Value::from_pairs(ctx), &mut out).map(|_| ())
+        }));
+        match rendered {
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                return Err(TextError::Template { message: format!("the template engine failed: {what}") });
+            }
+            Ok(Err(_)) if out.overflowed => {
+                return Err(TextError::Template {
+                    message: format!("the chat template's output exceeds {MAX_TEMPLATE_OUTPUT} bytes"),
+                })
+            }
+            Ok(Err(e)) => return Err(template_error(e)),
+            Ok(Ok(())) => {}
+        }
+        String::from_utf8(out.buf)
+            .map_err(|e| TextError::Template { message: format!("the chat template wrote invalid UTF-8: {e}") })
     }
 }
 
@@ -546,10 +571,41 @@ n={{ ns.count }}"#;
         assert_eq!(t.render(&[], false).unwrap(), "a|4");
         // 2024-07-23 13:05:09 UTC, a Tuesday.
         assert_eq!(
-            strftime_utc("%d %b %Y %a %H:%M:%S %-d %j %p %I", 1_721_739_909),
+            strftime_utc("%d %b %Y %a %H:%M:%S %-d %j %p %I", 1_721_739_909).unwrap(),
             "23 Jul 2024 Tue 13:05:09 23 205 PM 01"
         );
-        assert_eq!(strftime_utc("%F %A %B", 0), "1970-01-01 Thursday January");
+        assert_eq!(strftime_utc("%F %A %B %Z %z", 0).unwrap(), "1970-01-01 Thursday January UTC +0000");
+    }
+
+    fn render_err(source: &str) -> String {
+        let t = ChatTemplate::new(source, None, None).unwrap();
+        match t.render(&conversation(), false) {
+            Err(TextError::Template { message }) => message,
+            other => panic!("{source}: expected a template error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn endless_and_huge_templates_stop_with_typed_errors() {
+        let loops = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}";
+        assert!(render_err(loops).contains("fuel"));
+        assert!(render_err("{{ messages|tojson(indent=10**12) }}").contains("indent"));
+        assert!(render_err("{{ '{:>99999999999}'.format('x') }}").contains("width"));
+        assert!(render_err("{{ '{:.99999999999}'.format(1.5) }}").contains("precision"));
+        assert!(render_err("{{ '{:>{w}}'.format('x', w=5) }}").contains("nested"));
+        assert!(render_err("{{ '%99999999999d'|format(1) }}").contains("fuel"));
+        // Output past the limit stops even when fuel would allow it.
+        assert_eq!(format_spec_width("{{}} {:>12} {0:.3f} {:08}").unwrap(), 12);
+        let t = ChatTemplate::new("{{ '{:>4}'.format('x') }}|{{ 'a'|tojson(indent=2) }}", None, None).unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "   x|\"a\"");
+    }
+
+    #[test]
+    fn output_is_bounded() {
+        let mut out = BoundedOutput { buf: Vec::new(), overflowed: false };
+        use std::io::Write;
+        assert!(out.write_all(&vec![b'x'; MAX_TEMPLATE_OUTPUT]).is_ok());
+        assert!(out.write_all(b"y").is_err() && out.overflowed);
     }
 
     #[test]

@@ -65,6 +65,16 @@ pub enum TextError {
         message: String,
     },
 
+    /// A token id the tokenizer has no token for (a model whose embedding is larger than its
+    /// vocabulary can generate one).
+    #[error("token id {id} is outside the tokenizer's vocabulary of {vocab_size} tokens; it has no text")]
+    UnknownTokenId {
+        /// The id.
+        id: u32,
+        /// The tokenizer's vocabulary size.
+        vocab_size: usize,
+    },
+
     /// A chat template failed to compile or render, or called `raise_exception`.
     #[error("chat template error: {message}")]
     Template {

@@ -171,8 +171,12 @@ impl<'a> Metadata<'a> {
             return Ok(None);
         }
         let id = value_as_i64(v).ok_or_else(|| invalid(key, "expected an integer token id"))?;
-        if id < 0 {
+        // Only -1 is llama.cpp's "none"; any other negative id is damage, not a choice.
+        if id == -1 {
             return Ok(None);
+        }
+        if id < 0 {
+            return Err(invalid(key, format!("token id {id} is negative")));
         }
         if id as u64 >= n_tokens as u64 {
             return Err(invalid(key, format!("token id {id} is outside the vocabulary of {n_tokens} tokens")));
@@ -672,6 +676,22 @@ mod tests {
         let alphabet = ByteLevel::alphabet();
         assert!(t.iter().all(|c| alphabet.contains(c)));
         assert_eq!(alphabet.len(), 256);
+    }
+
+    #[test]
+    fn only_minus_one_means_no_token() {
+        let map: HashMap<String, Value> = [
+            ("none".to_string(), Value::I32(-1)),
+            ("bad".to_string(), Value::I32(-7)),
+            ("ok".to_string(), Value::U32(3)),
+        ]
+        .into_iter()
+        .collect();
+        let md = Metadata(&map);
+        assert_eq!(md.token_id("none", 10).unwrap(), None);
+        assert!(md.token_id("bad", 10).is_err());
+        assert_eq!(md.token_id("ok", 10).unwrap(), Some(3));
+        assert!(md.token_id("ok", 3).is_err());
     }
 
     #[test]

@@ -9,7 +9,7 @@ mod chat_template;
 mod detokenizer;
 mod error;
 mod gguf;
-mod pyjson;
+mod python_json_dumps;
 mod tokenizer;
 
 #[cfg(test)]

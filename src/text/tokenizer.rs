@@ -88,14 +88,20 @@ fn token_text(v: Option<&Json>) -> Option<String> {
     }
 }
 
-/// An id field that may be one integer or a list of them (generation_config.json, config.json).
-fn id_list(v: Option<&Json>) -> Vec<u32> {
+/// An id field that may be one integer or a list of them (generation_config.json, config.json);
+/// a negative, too large or non-integer id is an error naming the file and key, never dropped
+/// or wrapped.
+fn id_list(v: Option<&Json>, file: &Path, key: &str) -> Result<Vec<u32>, TextError> {
+    let id = |x: &Json| {
+        x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| TextError::Json {
+            path: file.to_path_buf(),
+            message: format!("`{key}`: {x} is not a token id (an integer in 0..2^32)"),
+        })
+    };
     match v {
-        Some(Json::Number(n)) => n.as_u64().and_then(|x| u32::try_from(x).ok()).into_iter().collect(),
-        Some(Json::Array(items)) => {
-            items.iter().filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect()
-        }
-        _ => Vec::new(),
+        None | Some(Json::Null) => Ok(Vec::new()),
+        Some(Json::Array(items)) => items.iter().map(id).collect(),
+        Some(other) => id(other).map(|x| vec![x]),
     }
 }
 
@@ -136,8 +142,9 @@ impl Tokenizer {
         inner.with_padding(None);
 
         let config = read_json_opt(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
-        let generation = read_json_opt(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
-        let model_config = read_json_opt(&dir.join("config.json"))?.unwrap_or(Json::Null);
+        let (generation_path, config_path) = (dir.join("generation_config.json"), dir.join("config.json"));
+        let generation = read_json_opt(&generation_path)?.unwrap_or(Json::Null);
+        let model_config = read_json_opt(&config_path)?.unwrap_or(Json::Null);
 
         let chat_template = match read_text_opt(&dir.join("chat_template.jinja"))? {
             Some(t) => Some(t),
@@ -162,8 +169,8 @@ impl Tokenizer {
         let bos_id = bos_text
             .as_deref()
             .and_then(|t| inner.token_to_id(t))
-            .or_else(|| id_list(model_config.get("bos_token_id")).first().copied())
-            .or_else(|| id_list(generation.get("bos_token_id")).first().copied())
+            .or(id_list(model_config.get("bos_token_id"), &config_path, "bos_token_id")?.first().copied())
+            .or(id_list(generation.get("bos_token_id"), &generation_path, "bos_token_id")?.first().copied())
             .or(prepended);
         let bos_token = bos_text.or_else(|| bos_id.and_then(|id| inner.id_to_token(id)));
 
@@ -172,7 +179,10 @@ impl Tokenizer {
         if let Some(id) = eos_text.as_deref().and_then(|t| inner.token_to_id(t)) {
             push_unique(&mut eos_ids, id);
         }
-        for id in id_list(generation.get("eos_token_id")).into_iter().chain(id_list(model_config.get("eos_token_id"))) {
+        let generation_eos = id_list(generation.get("eos_token_id"), &generation_path, "eos_token_id")?;
+        for id in
+            generation_eos.into_iter().chain(id_list(model_config.get("eos_token_id"), &config_path, "eos_token_id")?)
+        {
             push_unique(&mut eos_ids, id);
         }
         let eos_token = eos_text.or_else(|| eos_ids.first().and_then(|&id| inner.id_to_token(id)));
@@ -215,6 +225,12 @@ impl Tokenizer {
 
     /// Reads only the metadata of a GGUF file and converts its vocabulary.
     pub fn from_gguf_file(path: &Path) -> Result<Self, TextError> {
+        // The same layout check the weights get: candle's reader must never see a malformed
+        // header (an alignment of 0 makes it divide by zero).
+        crate::backend::weights::gguf::check_layout(path).map_err(|e| match e {
+            crate::backend::CandleError::Io { source, .. } => TextError::Io { path: path.to_path_buf(), source },
+            other => TextError::Gguf { path: path.to_path_buf(), message: other.to_string() },
+        })?;
         let io_err = |source| TextError::Io { path: PathBuf::from(path), source };
         let mut file = std::fs::File::open(path).map_err(io_err)?;
         let content = gguf_file::Content::read(&mut file)
@@ -239,8 +255,12 @@ impl Tokenizer {
         Ok(ids)
     }
 
-    /// Text of `ids`. Like transformers' `decode`, ids outside the vocabulary are dropped.
+    /// Text of `ids`; an id outside the vocabulary is an error (transformers drops it, which
+    /// silently loses text when a model's embedding has more rows than its tokenizer has tokens).
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(TextError::UnknownTokenId { id, vocab_size: self.vocab_size });
+        }
         self.inner.decode(ids, skip_special_tokens).map_err(|e| TextError::tokenizer("decoding ids", e))
     }
 

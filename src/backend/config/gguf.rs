@@ -1,11 +1,17 @@
 //! GGUF metadata (llama.cpp's keys) to an `ArchConfig`.
 
-use super::{Activation, ArchConfig, Architecture, LayerConfig, RopeConfig, RopeScaling};
+use super::{check_layer_count, Activation, ArchConfig, Architecture, LayerConfig, RopeConfig, RopeScaling};
 use crate::backend::error::{CandleError, Result};
 use crate::backend::weights::gguf::Metadata;
 
-/// Reads the architecture; `has_tensor` tells which optional tensors the file carries.
-pub fn parse_config(md: &Metadata<'_>, has_tensor: &dyn Fn(&str) -> bool, vocab_size: usize) -> Result<ArchConfig> {
+/// Reads the architecture; `has_tensor` tells which optional tensors the file carries, `path`
+/// names the file in errors.
+pub fn parse_config(
+    md: &Metadata<'_>,
+    has_tensor: &dyn Fn(&str) -> bool,
+    vocab_size: usize,
+    path: &str,
+) -> Result<ArchConfig> {
     let name = md.string("general.architecture")?;
     let arch = match name.as_str() {
         "llama" => Architecture::Llama,
@@ -17,8 +23,21 @@ pub fn parse_config(md: &Metadata<'_>, has_tensor: &dyn Fn(&str) -> bool, vocab_
         other => return Err(CandleError::UnsupportedArchitecture { name: other.to_owned() }),
     };
     let key = |k: &str| format!("{name}.{k}");
+    // As llama.cpp requires: an embedding row without a token would be generated and then
+    // decode to nothing, silently dropping text.
+    if let Some(n_tokens) = md.array_len("tokenizer.ggml.tokens") {
+        if n_tokens != vocab_size {
+            return Err(super::invalid(
+                path,
+                "token_embd.weight",
+                format!("has {vocab_size} rows but the vocabulary (`tokenizer.ggml.tokens`) has {n_tokens} tokens"),
+            ));
+        }
+    }
     let hidden = md.usize(&key("embedding_length"))?;
     let n_layers = md.usize(&key("block_count"))?;
+    // Before the per-layer table below is built: a count of 10^12 must not reach an allocation.
+    check_layer_count(n_layers, path, &key("block_count"))?;
     let heads = md.usize(&key("attention.head_count"))?;
     let kv_heads = md.opt_usize(&key("attention.head_count_kv"))?.unwrap_or(heads);
     if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden == 0 || n_layers == 0 {
@@ -27,9 +46,15 @@ pub fn parse_config(md: &Metadata<'_>, has_tensor: &dyn Fn(&str) -> bool, vocab_
         });
     }
     let head_dim = md.opt_usize(&key("attention.key_length"))?.unwrap_or(hidden / heads);
+    if head_dim == 0 {
+        return Err(super::invalid(path, &key("attention.key_length"), "a head width of 0"));
+    }
     let rotary = md.opt_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim);
     let theta = md.opt_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0);
-    let scaling = match md.string(&key("rope.scaling.type")).ok().as_deref() {
+    // A present key of the wrong type is an error, not "no scaling".
+    let scaling_type =
+        if md.has(&key("rope.scaling.type")) { Some(md.string(&key("rope.scaling.type"))?) } else { None };
+    let scaling = match scaling_type.as_deref() {
         None | Some("none") => RopeScaling::None,
         Some("linear") => RopeScaling::Linear { factor: md.opt_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0) },
         Some(other) => return Err(CandleError::UnsupportedConfig { what: format!("GGUF rope scaling `{other}`") }),
@@ -40,7 +65,7 @@ pub fn parse_config(md: &Metadata<'_>, has_tensor: &dyn Fn(&str) -> bool, vocab_
     let full = RopeConfig { theta, scaling };
     let gemma = arch == Architecture::Gemma3;
     let window = md.opt_usize(&key("attention.sliding_window"))?;
-    let layers = (0..n_layers)
+    let layers: Vec<LayerConfig> = (0..n_layers)
         .map(|i| {
             if gemma {
                 // llama.cpp: five sliding layers then one global, the sliding ones with base 10k.
@@ -59,7 +84,7 @@ pub fn parse_config(md: &Metadata<'_>, has_tensor: &dyn Fn(&str) -> bool, vocab_
         })
         .collect();
     let has = |t: &str| has_tensor(&format!("blk.0.{t}.weight")) || has_tensor(&format!("blk.0.{t}.bias"));
-    Ok(ArchConfig {
+    let config = ArchConfig {
         architecture: arch,
         vocab_size,
         hidden_size: hidden,
@@ -86,7 +111,31 @@ pub fn parse_config(md: &Metadata<'_>, has_tensor: &dyn Fn(&str) -> bool, vocab_
         attn_scale: (head_dim as f64).powf(-0.5),
         attn_softcap: md.opt_f64(&key("attn_logit_softcapping"))?,
         final_softcap: md.opt_f64(&key("final_logit_softcapping"))?,
-        eos_token_ids: md.opt_usize("tokenizer.ggml.eos_token_id")?.map(|x| vec![x as u32]).unwrap_or_default(),
-        bos_token_id: md.opt_usize("tokenizer.ggml.bos_token_id")?.map(|x| x as u32),
-    })
+        eos_token_ids: md.token_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
+        bos_token_id: md.token_id("tokenizer.ggml.bos_token_id")?,
+    };
+    // Errors name llama.cpp's keys, not transformers' names of the same quantities.
+    let field = |name: &str| -> String {
+        match name {
+            "hidden_size" => key("embedding_length"),
+            "intermediate_size" => key("feed_forward_length"),
+            "head_dim" => key("attention.key_length"),
+            "num_attention_heads" => key("attention.head_count"),
+            "num_key_value_heads" => key("attention.head_count_kv"),
+            "num_hidden_layers" => key("block_count"),
+            "vocab_size" => "token_embd.weight (rows)".to_owned(),
+            "max_position_embeddings" => key("context_length"),
+            "partial_rotary_factor" => key("rope.dimension_count"),
+            "rms_norm_eps" => key("attention.layer_norm_rms_epsilon"),
+            "query_pre_attn_scalar" => key("attention.key_length"),
+            "attn_logit_softcapping" | "final_logit_softcapping" => key(name),
+            "sliding_window" => key("attention.sliding_window"),
+            "rope_theta" => key("rope.freq_base"),
+            "rope_scaling.factor" => key("rope.scaling.factor"),
+            "eos_token_id" | "bos_token_id" => format!("tokenizer.ggml.{name}"),
+            other => other.to_owned(),
+        }
+    };
+    config.validate(path, &field)?;
+    Ok(config)
 }

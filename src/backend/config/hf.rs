@@ -1,85 +1,188 @@
 //! `config.json` of a Hugging Face checkpoint to an `ArchConfig`.
+//!
+//! The file is read into a serde struct: a present value of the wrong type or range is an error
+//! naming its field; only an absent (or `null`) optional field takes its default.
 
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::{Activation, ArchConfig, Architecture, LayerConfig, RopeConfig, RopeScaling};
+use super::{check_layer_count, invalid, Activation, ArchConfig, Architecture, LayerConfig, RopeConfig, RopeScaling};
 use crate::backend::error::{CandleError, Result};
 
 type Json = Map<String, Value>;
 
-fn unsupported(what: impl Into<String>) -> CandleError {
-    CandleError::UnsupportedConfig { what: what.into() }
+/// A token id or a list of them (`eos_token_id` is either).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a token id (an integer in 0..2^32) or a list of token ids")]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
 }
 
-fn usize_key(cfg: &Json, key: &str) -> Result<usize> {
-    cfg.get(key)
-        .and_then(Value::as_u64)
-        .map(|v| v as usize)
-        .ok_or_else(|| unsupported(format!("config.json lacks a positive integer `{key}`")))
-}
-
-fn opt_usize(cfg: &Json, key: &str) -> Option<usize> {
-    cfg.get(key).and_then(Value::as_u64).map(|v| v as usize)
-}
-
-fn opt_f64(cfg: &Json, key: &str) -> Option<f64> {
-    cfg.get(key).and_then(Value::as_f64)
-}
-
-fn opt_bool(cfg: &Json, key: &str) -> Option<bool> {
-    cfg.get(key).and_then(Value::as_bool)
-}
-
-fn token_ids(v: Option<&Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
-        _ => Vec::new(),
+impl TokenIds {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            Self::One(id) => vec![id],
+            Self::Many(ids) => ids,
+        }
     }
 }
 
+/// One rope description (`rope_scaling`, `rope_parameters` or one of its per-layer-type entries).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct RopeParams {
+    rope_theta: Option<f64>,
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<f64>,
+    partial_rotary_factor: Option<f64>,
+}
+
+/// `layer_types` entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum LayerType {
+    SlidingAttention,
+    FullAttention,
+}
+
+/// The keys of `config.json` candlewick reads; every one optional at this level.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct HfConfig {
+    model_type: Option<String>,
+    hidden_size: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    intermediate_size: Option<usize>,
+    vocab_size: Option<usize>,
+    head_dim: Option<usize>,
+    rope_theta: Option<f64>,
+    rope_local_base_freq: Option<f64>,
+    rope_scaling: Option<RopeParams>,
+    rope_parameters: Option<Json>,
+    layer_types: Option<Vec<LayerType>>,
+    sliding_window: Option<usize>,
+    sliding_window_pattern: Option<usize>,
+    #[serde(rename = "_sliding_window_pattern")]
+    sliding_window_pattern_legacy: Option<usize>,
+    use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    partial_rotary_factor: Option<f64>,
+    hidden_activation: Option<String>,
+    hidden_act: Option<String>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    query_pre_attn_scalar: Option<f64>,
+    rms_norm_eps: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    eos_token_id: Option<TokenIds>,
+    bos_token_id: Option<TokenIds>,
+}
+
+/// Deserializes `map` as `T`; on failure, finds the key whose value is at fault so the error
+/// names it (serde_json's own message gives only a line and column).
+fn typed<T: for<'de> Deserialize<'de>>(map: &Json, source: &str, prefix: &str) -> Result<T> {
+    match T::deserialize(Value::Object(map.clone())) {
+        Ok(v) => Ok(v),
+        Err(whole) => {
+            for (key, value) in map {
+                let one = Json::from_iter([(key.clone(), value.clone())]);
+                if let Err(e) = T::deserialize(Value::Object(one)) {
+                    return Err(invalid(source, &format!("{prefix}{key}"), e));
+                }
+            }
+            Err(invalid(source, prefix.trim_end_matches('.'), whole))
+        }
+    }
+}
+
+fn required(v: Option<usize>, source: &str, key: &str) -> Result<usize> {
+    v.ok_or_else(|| CandleError::Malformed {
+        what: "config.json",
+        path: source.to_owned(),
+        reason: format!("no `{key}` (a positive integer)"),
+    })
+}
+
 /// Reads one rope description: `rope_theta` plus a `rope_type`/`type` and its factors.
-fn parse_rope(params: &Json, default_theta: f64) -> Result<RopeConfig> {
-    let theta = opt_f64(params, "rope_theta").unwrap_or(default_theta);
-    let kind = params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str).unwrap_or("default");
-    let factor =
-        || opt_f64(params, "factor").ok_or_else(|| unsupported(format!("rope scaling `{kind}` without a `factor`")));
+fn parse_rope(params: &RopeParams, default_theta: f64, source: &str, at: &str) -> Result<RopeConfig> {
+    let theta = params.rope_theta.unwrap_or(default_theta);
+    let kind = params.rope_type.as_deref().or(params.kind.as_deref()).unwrap_or("default");
+    let factor = || {
+        params.factor.ok_or_else(|| invalid(source, &format!("{at}.factor"), format!("rope scaling `{kind}` needs it")))
+    };
     let scaling = match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
         "llama3" => RopeScaling::Llama3 {
             factor: factor()?,
-            low_freq_factor: opt_f64(params, "low_freq_factor").unwrap_or(1.0),
-            high_freq_factor: opt_f64(params, "high_freq_factor").unwrap_or(4.0),
-            original_max_position_embeddings: opt_f64(params, "original_max_position_embeddings").unwrap_or(8192.0),
+            low_freq_factor: params.low_freq_factor.unwrap_or(1.0),
+            high_freq_factor: params.high_freq_factor.unwrap_or(4.0),
+            original_max_position_embeddings: params.original_max_position_embeddings.unwrap_or(8192.0),
         },
-        other => return Err(unsupported(format!("rope scaling type `{other}`"))),
+        other => return Err(CandleError::UnsupportedConfig { what: format!("rope scaling type `{other}` ({at})") }),
     };
-    Ok(RopeConfig { theta, scaling })
+    let rope = RopeConfig { theta, scaling };
+    rope.validate().map_err(|(name, reason)| {
+        let name = name.strip_prefix("rope_scaling.").unwrap_or(name);
+        // A theta the description does not state came from the top-level `rope_theta`.
+        let field = if name == "rope_theta" && params.rope_theta.is_none() {
+            "rope_theta".to_owned()
+        } else {
+            format!("{at}.{name}")
+        };
+        invalid(source, &field, reason)
+    })?;
+    Ok(rope)
 }
 
 /// The rope of each layer type (`full_attention`, `sliding_attention`), from either config style.
-fn rope_by_layer_type(cfg: &Json, arch: Architecture) -> Result<(RopeConfig, RopeConfig)> {
-    let theta = opt_f64(cfg, "rope_theta").unwrap_or(10_000.0);
-    if let Some(Value::Object(params)) = cfg.get("rope_parameters") {
+fn rope_by_layer_type(cfg: &HfConfig, arch: Architecture, source: &str) -> Result<(RopeConfig, RopeConfig)> {
+    let theta = cfg.rope_theta.unwrap_or(10_000.0);
+    if let Some(params) = &cfg.rope_parameters {
         // transformers 5: either one flat description or one per layer type.
-        if let (Some(Value::Object(full)), sliding) = (params.get("full_attention"), params.get("sliding_attention")) {
-            let full = parse_rope(full, theta)?;
-            let sliding = match sliding {
-                Some(Value::Object(s)) => parse_rope(s, theta)?,
-                _ => full,
+        if let Some(full) = params.get("full_attention") {
+            let object = |v: &Value, at: &str| match v {
+                Value::Object(m) => typed::<RopeParams>(m, source, &format!("{at}.")),
+                other => Err(invalid(source, at, format!("expected an object, got {other}"))),
+            };
+            let full = parse_rope(
+                &object(full, "rope_parameters.full_attention")?,
+                theta,
+                source,
+                "rope_parameters.full_attention",
+            )?;
+            let sliding = match params.get("sliding_attention") {
+                Some(s) => {
+                    let at = "rope_parameters.sliding_attention";
+                    parse_rope(&object(s, at)?, theta, source, at)?
+                }
+                None => full,
             };
             return Ok((full, sliding));
         }
-        let rope = parse_rope(params, theta)?;
+        let flat = typed::<RopeParams>(params, source, "rope_parameters.")?;
+        let rope = parse_rope(&flat, theta, source, "rope_parameters")?;
         return Ok((rope, rope));
     }
-    let full = match cfg.get("rope_scaling") {
-        Some(Value::Object(s)) => parse_rope(s, theta)?,
-        _ => RopeConfig { theta, scaling: RopeScaling::None },
+    let full = match &cfg.rope_scaling {
+        Some(s) => parse_rope(s, theta, source, "rope_scaling")?,
+        None => parse_rope(&RopeParams::default(), theta, source, "rope_scaling")?,
     };
     let sliding = if arch == Architecture::Gemma3 {
-        RopeConfig { theta: opt_f64(cfg, "rope_local_base_freq").unwrap_or(10_000.0), scaling: RopeScaling::None }
+        let local = RopeConfig { theta: cfg.rope_local_base_freq.unwrap_or(10_000.0), scaling: RopeScaling::None };
+        local.validate().map_err(|(_, reason)| invalid(source, "rope_local_base_freq", reason))?;
+        local
     } else {
         full
     };
@@ -87,31 +190,33 @@ fn rope_by_layer_type(cfg: &Json, arch: Architecture) -> Result<(RopeConfig, Rop
 }
 
 /// Which layers use sliding-window attention, from `layer_types` or the older per-family keys.
-fn sliding_layers(cfg: &Json, arch: Architecture, n_layers: usize) -> Result<Vec<bool>> {
-    if let Some(Value::Array(types)) = cfg.get("layer_types") {
+fn sliding_layers(cfg: &HfConfig, arch: Architecture, n_layers: usize, source: &str) -> Result<Vec<bool>> {
+    if let Some(types) = &cfg.layer_types {
         if types.len() != n_layers {
-            return Err(unsupported(format!("`layer_types` has {} entries for {n_layers} layers", types.len())));
+            return Err(invalid(
+                source,
+                "layer_types",
+                format!("has {} entries for {n_layers} layers (`num_hidden_layers`)", types.len()),
+            ));
         }
-        return types
-            .iter()
-            .map(|t| match t.as_str() {
-                Some("sliding_attention") => Ok(true),
-                Some("full_attention") => Ok(false),
-                other => Err(unsupported(format!("layer type {other:?}"))),
-            })
-            .collect();
+        return Ok(types.iter().map(|t| *t == LayerType::SlidingAttention).collect());
     }
-    let has_window = cfg.get("sliding_window").is_some_and(|v| !v.is_null());
+    let has_window = cfg.sliding_window.is_some();
     Ok(match arch {
         Architecture::Gemma3 => {
-            let pattern = opt_usize(cfg, "sliding_window_pattern")
-                .or_else(|| opt_usize(cfg, "_sliding_window_pattern"))
-                .unwrap_or(6);
+            let (key, pattern) = match (cfg.sliding_window_pattern, cfg.sliding_window_pattern_legacy) {
+                (Some(p), _) => ("sliding_window_pattern", p),
+                (None, Some(p)) => ("_sliding_window_pattern", p),
+                (None, None) => ("sliding_window_pattern", 6),
+            };
+            if pattern == 0 {
+                return Err(invalid(source, key, "a pattern of 0 layers (every n-th layer is global, n ≥ 1)"));
+            }
             (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
         }
         Architecture::Qwen2 | Architecture::Qwen3 => {
-            let on = has_window && opt_bool(cfg, "use_sliding_window").unwrap_or(false);
-            let from = opt_usize(cfg, "max_window_layers").unwrap_or(n_layers);
+            let on = has_window && cfg.use_sliding_window.unwrap_or(false);
+            let from = cfg.max_window_layers.unwrap_or(n_layers);
             (0..n_layers).map(|i| on && i >= from).collect()
         }
         Architecture::Mistral | Architecture::Phi3 => vec![has_window; n_layers],
@@ -134,103 +239,102 @@ fn architecture(model_type: &str) -> Result<Architecture> {
 
 /// Parses a `config.json` document.
 pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
-    let root: Value = serde_json::from_str(text).map_err(|e| CandleError::Malformed {
-        what: "config.json",
-        path: path.to_owned(),
-        reason: e.to_string(),
-    })?;
-    let Value::Object(mut cfg) = root else {
-        return Err(CandleError::Malformed { what: "config.json", path: path.into(), reason: "not an object".into() });
+    let malformed = |reason: String| CandleError::Malformed { what: "config.json", path: path.to_owned(), reason };
+    let root: Value = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+    let Value::Object(mut map) = root else {
+        return Err(malformed("not an object".into()));
     };
-    let model_type = cfg
-        .get("model_type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| CandleError::Malformed {
-            what: "config.json",
-            path: path.into(),
-            reason: "no `model_type`".into(),
-        })?
-        .to_owned();
+    let model_type = match map.get("model_type") {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => return Err(invalid(path, "model_type", format!("expected a string, got {other}"))),
+        None => return Err(malformed("no `model_type`".into())),
+    };
     let arch = architecture(&model_type)?;
     // Multimodal Gemma 3 checkpoints nest the language model's config.
-    if let Some(Value::Object(text_cfg)) = cfg.get("text_config").cloned() {
-        for (k, v) in text_cfg {
-            cfg.insert(k, v);
-        }
+    match map.get("text_config").cloned() {
+        Some(Value::Object(text_cfg)) => map.extend(text_cfg),
+        Some(Value::Null) | None => {}
+        Some(other) => return Err(invalid(path, "text_config", format!("expected an object, got {other}"))),
     }
-    let hidden = usize_key(&cfg, "hidden_size")?;
-    let heads = usize_key(&cfg, "num_attention_heads")?;
-    let n_layers = usize_key(&cfg, "num_hidden_layers")?;
-    if heads == 0 || hidden == 0 || n_layers == 0 {
-        return Err(unsupported("zero hidden size, heads or layers"));
+    let cfg: HfConfig = typed(&map, path, "")?;
+    let hidden = required(cfg.hidden_size, path, "hidden_size")?;
+    let heads = required(cfg.num_attention_heads, path, "num_attention_heads")?;
+    let n_layers = required(cfg.num_hidden_layers, path, "num_hidden_layers")?;
+    check_layer_count(n_layers, path, "num_hidden_layers")?;
+    if heads == 0 {
+        return Err(invalid(path, "num_attention_heads", "must be positive"));
     }
-    let kv_heads = opt_usize(&cfg, "num_key_value_heads").unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(unsupported(format!("{heads} query heads cannot be grouped over {kv_heads} key/value heads")));
-    }
-    let head_dim = opt_usize(&cfg, "head_dim").unwrap_or(hidden / heads);
+    let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
+    let head_dim = cfg.head_dim.unwrap_or(hidden / heads);
     let gemma = arch == Architecture::Gemma3;
-    let (full_rope, sliding_rope) = rope_by_layer_type(&cfg, arch)?;
-    let window = opt_usize(&cfg, "sliding_window");
-    let layers = sliding_layers(&cfg, arch, n_layers)?
+    let (full_rope, sliding_rope) = rope_by_layer_type(&cfg, arch, path)?;
+    let layers = sliding_layers(&cfg, arch, n_layers, path)?
         .into_iter()
         .map(|sliding| {
             Ok(if sliding {
-                let w = window.ok_or_else(|| unsupported("sliding layers without a `sliding_window`"))?;
+                let w = cfg.sliding_window.ok_or_else(|| invalid(path, "sliding_window", "sliding layers need one"))?;
                 LayerConfig { sliding_window: Some(w), rope: sliding_rope }
             } else {
                 LayerConfig { sliding_window: None, rope: full_rope }
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let partial_rotary_factor = opt_f64(&cfg, "partial_rotary_factor")
-        .or_else(|| cfg.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")).and_then(Value::as_f64))
+    let partial_rotary_factor = cfg
+        .partial_rotary_factor
+        .or_else(|| match &cfg.rope_parameters {
+            Some(p) if !p.contains_key("full_attention") => {
+                typed::<RopeParams>(p, path, "rope_parameters.").ok().and_then(|r| r.partial_rotary_factor)
+            }
+            _ => None,
+        })
         .unwrap_or(1.0);
-    let act_name = cfg
-        .get("hidden_activation")
-        .or_else(|| cfg.get("hidden_act"))
-        .and_then(Value::as_str)
-        .unwrap_or(if gemma { "gelu_pytorch_tanh" } else { "silu" });
+    let (act_key, act_name) = match (&cfg.hidden_activation, &cfg.hidden_act) {
+        (Some(a), _) => ("hidden_activation", a.as_str()),
+        (None, Some(a)) => ("hidden_act", a.as_str()),
+        (None, None) => ("hidden_act", if gemma { "gelu_pytorch_tanh" } else { "silu" }),
+    };
     let activation = match act_name {
         "silu" | "swish" => Activation::Silu,
         "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Activation::GeluTanh,
         "gelu" => Activation::Gelu,
-        other => return Err(unsupported(format!("activation `{other}`"))),
+        other => return Err(CandleError::UnsupportedConfig { what: format!("activation `{other}` (`{act_key}`)") }),
     };
-    let attention_bias = opt_bool(&cfg, "attention_bias").unwrap_or(false);
+    let attention_bias = cfg.attention_bias.unwrap_or(false);
     let attn_scale = if gemma {
-        opt_f64(&cfg, "query_pre_attn_scalar").unwrap_or(head_dim as f64).powf(-0.5)
+        cfg.query_pre_attn_scalar.unwrap_or(head_dim as f64).powf(-0.5)
     } else {
         (head_dim as f64).powf(-0.5)
     };
-    Ok(ArchConfig {
+    let config = ArchConfig {
         architecture: arch,
-        vocab_size: usize_key(&cfg, "vocab_size")?,
+        vocab_size: required(cfg.vocab_size, path, "vocab_size")?,
         hidden_size: hidden,
-        intermediate_size: usize_key(&cfg, "intermediate_size")?,
+        intermediate_size: required(cfg.intermediate_size, path, "intermediate_size")?,
         num_heads: heads,
         num_kv_heads: kv_heads,
         head_dim,
         layers,
-        rms_norm_eps: opt_f64(&cfg, "rms_norm_eps").unwrap_or(1e-6),
-        max_position_embeddings: opt_usize(&cfg, "max_position_embeddings").unwrap_or(4096),
-        tie_word_embeddings: opt_bool(&cfg, "tie_word_embeddings").unwrap_or(gemma),
+        rms_norm_eps: cfg.rms_norm_eps.unwrap_or(1e-6),
+        max_position_embeddings: cfg.max_position_embeddings.unwrap_or(4096),
+        tie_word_embeddings: cfg.tie_word_embeddings.unwrap_or(gemma),
         partial_rotary_factor,
         rope_interleaved: false,
         qkv_bias: arch == Architecture::Qwen2 || attention_bias,
         o_bias: attention_bias && arch != Architecture::Qwen2,
-        mlp_bias: opt_bool(&cfg, "mlp_bias").unwrap_or(false),
+        mlp_bias: cfg.mlp_bias.unwrap_or(false),
         qk_norm: matches!(arch, Architecture::Qwen3 | Architecture::Gemma3),
         norm_weight_offset: gemma,
         sandwich_norms: gemma,
         embed_scale: gemma.then(|| (hidden as f64).sqrt()),
         activation,
         attn_scale,
-        attn_softcap: opt_f64(&cfg, "attn_logit_softcapping"),
-        final_softcap: opt_f64(&cfg, "final_logit_softcapping"),
-        eos_token_ids: token_ids(cfg.get("eos_token_id")),
-        bos_token_id: token_ids(cfg.get("bos_token_id")).first().copied(),
-    })
+        attn_softcap: cfg.attn_logit_softcapping,
+        final_softcap: cfg.final_logit_softcapping,
+        eos_token_ids: cfg.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
+        bos_token_id: cfg.bos_token_id.and_then(|ids| ids.into_vec().first().copied()),
+    };
+    config.validate(path, &|name| name.to_owned())?;
+    Ok(config)
 }
 
 #[cfg(test)]
@@ -241,6 +345,63 @@ mod tests {
     fn unknown_model_type_is_unsupported() {
         let err = parse_config(r#"{"model_type": "gpt_neox"}"#, "x").unwrap_err();
         assert!(matches!(err, CandleError::UnsupportedArchitecture { ref name } if name == "gpt_neox"));
+    }
+
+    const LLAMA: &str = r#"{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"num_key_value_heads":2,
+        "num_hidden_layers":2,"intermediate_size":128,"vocab_size":10,"eos_token_id":2}"#;
+
+    /// LLAMA with `key` set to the JSON `value`.
+    fn with(key: &str, value: &str) -> Result<ArchConfig> {
+        let mut cfg: Json = serde_json::from_str(LLAMA).unwrap();
+        cfg.insert(key.into(), serde_json::from_str(value).unwrap());
+        parse_config(&serde_json::to_string(&cfg).unwrap(), "config.json")
+    }
+
+    fn err_of(key: &str, value: &str) -> String {
+        with(key, value).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn wrong_types_and_ranges_name_the_field() {
+        for (key, value) in [
+            ("max_position_embeddings", "-1"),
+            ("hidden_act", "3"),
+            ("tie_word_embeddings", "\"yes\""),
+            ("eos_token_id", "-1"),
+            ("eos_token_id", "4294967298"),
+            ("bos_token_id", "[1, -2]"),
+            ("rms_norm_eps", "-1.0"),
+            ("num_hidden_layers", "10000000000"),
+            ("head_dim", "1000000000000"),
+            ("partial_rotary_factor", "0.0"),
+            ("partial_rotary_factor", "2147483648"),
+            ("attn_logit_softcapping", "1e308"),
+        ] {
+            let msg = err_of(key, value);
+            assert!(msg.contains(key), "{key}={value}: {msg}");
+        }
+        assert!(err_of("rope_parameters", r#"{"rope_theta": 0.0}"#).contains("rope_theta"));
+        assert!(err_of("rope_theta", "-1.0").contains("rope_theta"));
+        assert!(err_of("rope_scaling", r#"{"type": "linear", "factor": 0.0}"#).contains("rope_scaling.factor"));
+    }
+
+    #[test]
+    fn absent_or_null_optional_fields_take_defaults() {
+        let cfg = with("sliding_window", "null").unwrap();
+        assert_eq!(cfg.max_position_embeddings, 4096);
+        assert_eq!(cfg.head_dim, 16);
+        assert_eq!(cfg.eos_token_ids, vec![2]);
+        assert_eq!(with("eos_token_id", "[1, 2]").unwrap().eos_token_ids, vec![1, 2]);
+    }
+
+    #[test]
+    fn gemma_window_and_pattern_of_zero_are_errors() {
+        let gemma = r#"{"model_type":"gemma3_text","hidden_size":64,"num_attention_heads":4,"num_key_value_heads":1,
+                "num_hidden_layers":6,"intermediate_size":128,"vocab_size":10,"head_dim":16,"sliding_window":512,
+                "sliding_window_pattern":0}"#;
+        assert!(parse_config(gemma, "x").unwrap_err().to_string().contains("sliding_window_pattern"));
+        let gemma = gemma.replace(r#""sliding_window_pattern":0"#, r#""sliding_window":0"#);
+        assert!(parse_config(&gemma, "x").unwrap_err().to_string().contains("sliding_window"));
     }
 
     #[test]

@@ -3,6 +3,19 @@
 pub mod gguf;
 pub mod hf;
 
+use crate::backend::error::{CandleError, Result};
+
+/// The most decoder layers a model may declare (the largest published models have under 200);
+/// checked before the per-layer table is built, so a file claiming 10^12 cannot exhaust memory.
+pub const MAX_LAYERS: usize = 4096;
+/// The widest residual stream, MLP or head a model may declare (about 16 million).
+pub const MAX_WIDTH: usize = 1 << 24;
+/// The most attention heads a model may declare.
+pub const MAX_HEADS: usize = 1 << 16;
+/// The largest soft cap accepted: the cap runs in float32, where a larger one (1e308 becomes
+/// infinity) turns every capped score into NaN.
+pub const MAX_SOFTCAP: f64 = 1e6;
+
 /// The architecture families the decoder implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -77,6 +90,39 @@ pub struct RopeConfig {
     pub scaling: RopeScaling,
 }
 
+impl RopeConfig {
+    /// Checks that the base and scaling give finite, positive frequencies; on failure, the
+    /// generic field name and the reason.
+    pub fn validate(&self) -> std::result::Result<(), (&'static str, String)> {
+        let positive = |name: &'static str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err((name, format!("{v} is not a finite positive number")))
+            }
+        };
+        positive("rope_theta", self.theta)?;
+        match self.scaling {
+            RopeScaling::None => Ok(()),
+            RopeScaling::Linear { factor } => positive("rope_scaling.factor", factor),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                positive("rope_scaling.factor", factor)?;
+                positive("rope_scaling.low_freq_factor", low_freq_factor)?;
+                positive("rope_scaling.high_freq_factor", high_freq_factor)?;
+                positive("rope_scaling.original_max_position_embeddings", original_max_position_embeddings)?;
+                // The smoothing between the two bounds divides by their difference.
+                if high_freq_factor <= low_freq_factor {
+                    return Err((
+                        "rope_scaling.high_freq_factor",
+                        format!("{high_freq_factor} must exceed low_freq_factor {low_freq_factor}"),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// What differs between layers: attention span and rotary embedding.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LayerConfig {
@@ -143,7 +189,100 @@ pub struct ArchConfig {
     pub bos_token_id: Option<u32>,
 }
 
+/// Refuses a layer count outside `1..=MAX_LAYERS` before anything per layer is allocated.
+pub(crate) fn check_layer_count(n_layers: usize, source: &str, key: &str) -> Result<()> {
+    if n_layers == 0 || n_layers > MAX_LAYERS {
+        return Err(invalid(source, key, format!("{n_layers} layers is outside 1..={MAX_LAYERS}")));
+    }
+    Ok(())
+}
+
+/// An invalid value in a model's configuration: an artifact error naming the file and the field.
+pub(crate) fn invalid(source: &str, field: &str, reason: impl std::fmt::Display) -> CandleError {
+    CandleError::Malformed {
+        what: "model configuration",
+        path: source.to_owned(),
+        reason: format!("`{field}`: {reason}"),
+    }
+}
+
 impl ArchConfig {
+    /// Checks every hyperparameter against what the decoder can compute with, so that a bad
+    /// value is a load error naming its field instead of a panic or NaN logits later.
+    ///
+    /// `source` names the file; `field` maps a generic name (`rope_theta`) to the file's key.
+    pub fn validate(&self, source: &str, field: &dyn Fn(&str) -> String) -> Result<()> {
+        let bad = |name: &str, reason: String| Err(invalid(source, &field(name), reason));
+        let sizes = [
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("head_dim", self.head_dim, MAX_WIDTH),
+            ("num_attention_heads", self.num_heads, MAX_HEADS),
+            ("num_key_value_heads", self.num_kv_heads, MAX_HEADS),
+            ("vocab_size", self.vocab_size, u32::MAX as usize),
+            ("num_hidden_layers", self.layers.len(), MAX_LAYERS),
+        ];
+        for (name, value, max) in sizes {
+            if value == 0 || value > max {
+                return bad(name, format!("{value} is outside 1..={max}"));
+            }
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return bad(
+                "num_key_value_heads",
+                format!("{} query heads cannot be grouped over {} key/value heads", self.num_heads, self.num_kv_heads),
+            );
+        }
+        if self.max_position_embeddings == 0 {
+            return bad("max_position_embeddings", "must be positive".into());
+        }
+        let f = self.partial_rotary_factor;
+        if !(f.is_finite() && f > 0.0 && f <= 1.0) {
+            return bad("partial_rotary_factor", format!("{f} is outside (0, 1]"));
+        }
+        // RoPE rotates pairs: fewer than two rotated dimensions leaves nothing to rotate, and
+        // the decoder's kernels would be handed empty tables.
+        let rotary = self.rotary_dim();
+        if rotary < 2 {
+            return bad(
+                "partial_rotary_factor",
+                format!("rotates {rotary} of {} head dimensions; at least 2 are needed", self.head_dim),
+            );
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return bad("rms_norm_eps", format!("{} is not a finite number ≥ 0", self.rms_norm_eps));
+        }
+        if !(self.attn_scale.is_finite() && self.attn_scale > 0.0) {
+            return bad("query_pre_attn_scalar", format!("gives an attention scale of {}", self.attn_scale));
+        }
+        if let Some(s) = self.embed_scale {
+            if !(s.is_finite() && s > 0.0) {
+                return bad("hidden_size", format!("gives an embedding scale of {s}"));
+            }
+        }
+        for (name, cap) in
+            [("attn_logit_softcapping", self.attn_softcap), ("final_logit_softcapping", self.final_softcap)]
+        {
+            if let Some(c) = cap {
+                if !(c.is_finite() && c > 0.0 && c <= MAX_SOFTCAP) {
+                    return bad(name, format!("{c} is outside (0, {MAX_SOFTCAP}]"));
+                }
+            }
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            if layer.sliding_window == Some(0) {
+                return bad("sliding_window", format!("layer {i} has a window of 0 positions"));
+            }
+            layer
+                .rope
+                .validate()
+                .map_err(|(name, reason)| invalid(source, &field(name), format!("layer {i}: {reason}")))?;
+        }
+        // eos/bos ids past the vocabulary are the tokenizer's to report (it does, when used): the
+        // model still runs on ids, and such an id is never generated, so it cannot stop anything.
+        Ok(())
+    }
+
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::io::{BufReader, Read, Seek};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{convert, WeightSource};
 use crate::backend::decoder::layers::Embedding;
-use crate::backend::error::{CandleContext, CandleError, Result};
+use crate::backend::error::{without_backtrace, CandleContext, CandleError, Result};
 
 /// The ggml type names, by id, of every type a GGUF file may hold (for error messages).
 fn ggml_type_name(id: u32) -> String {
@@ -61,153 +61,333 @@ fn ggml_type_name(id: u32) -> String {
     NAMES.get(id as usize).map(|s| s.to_string()).unwrap_or_else(|| format!("unknown type {id}"))
 }
 
-/// Whether candle can run a ggml type id.
-fn candle_runs(id: u32) -> bool {
-    matches!(id, 0..=3 | 6..=15 | 30)
+/// The candle type of a ggml type id, for the types candle can run.
+fn candle_dtype(id: u32) -> Option<GgmlDType> {
+    Some(match id {
+        0 => GgmlDType::F32,
+        1 => GgmlDType::F16,
+        2 => GgmlDType::Q4_0,
+        3 => GgmlDType::Q4_1,
+        6 => GgmlDType::Q5_0,
+        7 => GgmlDType::Q5_1,
+        8 => GgmlDType::Q8_0,
+        9 => GgmlDType::Q8_1,
+        10 => GgmlDType::Q2K,
+        11 => GgmlDType::Q3K,
+        12 => GgmlDType::Q4K,
+        13 => GgmlDType::Q5K,
+        14 => GgmlDType::Q6K,
+        15 => GgmlDType::Q8K,
+        30 => GgmlDType::BF16,
+        _ => return None,
+    })
 }
 
-/// Walks the header only to find each tensor's name and raw type id, so a type candle cannot
-/// run is reported with the tensor's name (candle's reader reports only the number).
-/// Lengths are bounded by the file size before anything is read or allocated.
-fn scan_tensor_types<R: Read + Seek>(r: &mut R, file_size: u64) -> std::io::Result<Vec<(String, u32)>> {
-    fn u32_<R: Read>(r: &mut R) -> std::io::Result<u32> {
-        let mut b = [0u8; 4];
-        r.read_exact(&mut b)?;
-        Ok(u32::from_le_bytes(b))
+/// llama.cpp's `GGML_MAX_NAME`: a tensor name must be shorter than this many bytes.
+const MAX_TENSOR_NAME: u64 = 64;
+/// The longest metadata key or string accepted (candle's own bound).
+const MAX_STRING: u64 = 1 << 30;
+/// GGUF's default alignment of tensor data.
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// What the layout check learned about a GGUF file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GgufLayout {
+    /// Where tensor data starts in the file.
+    pub data_offset: u64,
+    /// The alignment of every tensor's data.
+    pub alignment: u64,
+    /// The number of tensors.
+    pub tensor_count: usize,
+}
+
+/// A byte cursor over the header that never reads or skips past the end of the file.
+struct Header<R> {
+    r: BufReader<R>,
+    pos: u64,
+    size: u64,
+    v1: bool,
+}
+
+impl<R: Read + Seek> Header<R> {
+    fn need(&self, n: u64, what: &str) -> std::result::Result<(), String> {
+        if n > self.size - self.pos {
+            return Err(format!(
+                "{what} needs {n} bytes at offset {}, but the file ends at {} (truncated or corrupt)",
+                self.pos, self.size
+            ));
+        }
+        Ok(())
     }
-    fn u64_<R: Read>(r: &mut R) -> std::io::Result<u64> {
-        let mut b = [0u8; 8];
-        r.read_exact(&mut b)?;
-        Ok(u64::from_le_bytes(b))
+
+    fn bytes<const N: usize>(&mut self, what: &str) -> std::result::Result<[u8; N], String> {
+        self.need(N as u64, what)?;
+        let mut b = [0u8; N];
+        self.r.read_exact(&mut b).map_err(|e| format!("reading {what}: {e}"))?;
+        self.pos += N as u64;
+        Ok(b)
     }
-    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
-    let _magic = u32_(r)?;
-    let version = u32_(r)?;
-    let len = |r: &mut R| -> std::io::Result<u64> {
-        if version == 1 {
-            u32_(r).map(u64::from)
+
+    fn u32(&mut self, what: &str) -> std::result::Result<u32, String> {
+        self.bytes::<4>(what).map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self, what: &str) -> std::result::Result<u64, String> {
+        self.bytes::<8>(what).map(u64::from_le_bytes)
+    }
+
+    /// A length or count: 32 bits in GGUF v1, 64 bits since.
+    fn len(&mut self, what: &str) -> std::result::Result<u64, String> {
+        if self.v1 {
+            self.u32(what).map(u64::from)
         } else {
-            u64_(r)
-        }
-    };
-    let skip = |r: &mut R, n: u64| -> std::io::Result<()> {
-        let pos = r.stream_position()?;
-        if n > file_size.saturating_sub(pos) {
-            return Err(bad(format!("a length of {n} bytes at offset {pos} runs past the end of the file")));
-        }
-        r.seek(SeekFrom::Current(n as i64)).map(|_| ())
-    };
-    fn skip_value<R: Read + Seek>(
-        r: &mut R,
-        ty: u32,
-        depth: usize,
-        len: &dyn Fn(&mut R) -> std::io::Result<u64>,
-        skip: &dyn Fn(&mut R, u64) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
-        let fixed = |t: u32| match t {
-            0 | 1 | 7 => Some(1),
-            2 | 3 => Some(2),
-            4..=6 => Some(4),
-            10..=12 => Some(8),
-            _ => None,
-        };
-        match ty {
-            8 => {
-                let n = len(r)?;
-                skip(r, n)
-            }
-            9 if depth < 64 => {
-                let mut b = [0u8; 4];
-                r.read_exact(&mut b)?;
-                let et = u32::from_le_bytes(b);
-                let n = len(r)?;
-                if let Some(size) = fixed(et) {
-                    return skip(r, n.saturating_mul(size));
-                }
-                for _ in 0..n {
-                    skip_value(r, et, depth + 1, len, skip)?;
-                }
-                Ok(())
-            }
-            t => match fixed(t) {
-                Some(size) => skip(r, size),
-                None => Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("metadata value type {t}"))),
-            },
+            self.u64(what)
         }
     }
-    let n_tensors = len(r)?;
-    let n_kv = len(r)?;
-    for _ in 0..n_kv {
-        let key_len = len(r)?;
-        skip(r, key_len)?;
-        let ty = u32_(r)?;
-        skip_value(r, ty, 0, &len, &skip)?;
+
+    fn skip(&mut self, n: u64, what: &str) -> std::result::Result<(), String> {
+        self.need(n, what)?;
+        // Relative seeks keep BufReader's buffer: a vocabulary is hundreds of thousands of strings.
+        self.r.seek_relative(n as i64).map_err(|e| format!("skipping {what}: {e}"))?;
+        self.pos += n;
+        Ok(())
     }
-    let mut out = Vec::new();
-    for _ in 0..n_tensors {
-        let name_len = len(r)?;
-        let pos = r.stream_position()?;
-        if name_len > file_size.saturating_sub(pos) {
-            return Err(bad(format!("tensor name of {name_len} bytes runs past the end of the file")));
+
+    /// A length-prefixed string, as candle will read it (lossy UTF-8, trailing NULs dropped).
+    fn string(&mut self, what: &str, max: u64) -> std::result::Result<String, String> {
+        let n = self.len(what)?;
+        if n > max {
+            return Err(format!("{what} is {n} bytes long, more than the {max} allowed"));
         }
-        let mut name = vec![0u8; name_len as usize];
-        r.read_exact(&mut name)?;
-        let n_dims = u32_(r)?;
+        self.need(n, what)?;
+        let mut v = vec![0u8; n as usize];
+        self.r.read_exact(&mut v).map_err(|e| format!("reading {what}: {e}"))?;
+        self.pos += n;
+        while v.last() == Some(&0) {
+            v.pop();
+        }
+        Ok(String::from_utf8_lossy(&v).into_owned())
+    }
+}
+
+/// The size on disk of a fixed-size metadata value type.
+fn fixed_size(ty: u32) -> Option<u64> {
+    match ty {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    }
+}
+
+/// Why a GGUF layout is refused: a malformed file, or a tensor type candlewick cannot run.
+enum LayoutError {
+    Malformed(String),
+    UnsupportedType { tensor: String, dtype: String },
+}
+
+impl From<String> for LayoutError {
+    fn from(s: String) -> Self {
+        Self::Malformed(s)
+    }
+}
+
+/// Validates a GGUF file's header and tensor table as llama.cpp's loader does, before candle's
+/// reader sees it: magic and version, counts bounded by the file, no duplicate keys or tensor
+/// names, `general.alignment` a power of two, every tensor's shape, type and size sane, and the
+/// tensors' data laid out one after another at aligned offsets, covering the data section
+/// exactly (which also catches a `tensor_count` lower than the table).
+pub fn check_layout(path: &Path) -> Result<GgufLayout> {
+    let path_s = path.display().to_string();
+    let file = File::open(path).map_err(|source| CandleError::Io { path: path_s.clone(), source })?;
+    let size = file.metadata().map_err(|source| CandleError::Io { path: path_s.clone(), source })?.len();
+    let mut h = Header { r: BufReader::with_capacity(1 << 20, file), pos: 0, size, v1: false };
+    walk_layout(&mut h).map_err(|e| match e {
+        LayoutError::Malformed(reason) => CandleError::Malformed { what: "GGUF file", path: path_s, reason },
+        LayoutError::UnsupportedType { tensor, dtype } => CandleError::UnsupportedTensorType { tensor, dtype },
+    })
+}
+
+fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<GgufLayout, LayoutError> {
+    let magic = h.bytes::<4>("the magic number")?;
+    if &magic != b"GGUF" {
+        return Err(format!("bad magic {magic:?}: not a GGUF file").into());
+    }
+    let version = h.u32("the version")?;
+    if !(1..=3).contains(&version) {
+        return Err(format!("unsupported GGUF version {version} (1 to 3 are known)").into());
+    }
+    h.v1 = version == 1;
+    let n_tensors = h.len("the tensor count")?;
+    let n_kv = h.len("the metadata count")?;
+    // Smallest possible entries: a kv is a length, a type and one byte; a tensor info a length,
+    // n_dims, a type and an offset. Counts the file cannot hold are refused before any loop.
+    let len_size = if h.v1 { 4 } else { 8 };
+    let needed = n_kv.saturating_mul(len_size + 5).saturating_add(n_tensors.saturating_mul(len_size + 16));
+    if needed > size_left(h) {
+        return Err(format!(
+            "the header declares {n_tensors} tensors and {n_kv} metadata entries, which need at least \
+             {needed} bytes; only {} remain",
+            size_left(h)
+        )
+        .into());
+    }
+    let mut keys = std::collections::HashSet::new();
+    let mut alignment = DEFAULT_ALIGNMENT;
+    for i in 0..n_kv {
+        let key = h.string(&format!("metadata key #{i}"), MAX_STRING)?;
+        let ty = h.u32(&format!("the type of metadata `{key}`"))?;
+        if key == "general.alignment" {
+            // llama.cpp reads it as a u32 and requires a power of two; candle divides by it.
+            if ty != 4 {
+                return Err(format!("`general.alignment` has value type {ty}, not u32").into());
+            }
+            let a = h.u32("`general.alignment`")?;
+            if a == 0 || !a.is_power_of_two() {
+                return Err(format!("`general.alignment` = {a} is not a power of two").into());
+            }
+            alignment = a.into();
+        } else {
+            skip_value(h, ty, &key)?;
+        }
+        if !keys.insert(key.clone()) {
+            return Err(format!("metadata key `{key}` appears twice").into());
+        }
+    }
+    struct Info {
+        name: String,
+        dtype: GgmlDType,
+        dims: Vec<u64>,
+        offset: u64,
+        bytes: u64,
+    }
+    let mut names = std::collections::HashSet::new();
+    let mut infos: Vec<Info> = Vec::new();
+    for i in 0..n_tensors {
+        let name = h.string(&format!("the name of tensor #{i}"), MAX_TENSOR_NAME - 1)?;
+        if !names.insert(name.clone()) {
+            return Err(format!("tensor `{name}` appears twice in the tensor table").into());
+        }
+        let n_dims = h.u32(&format!("the rank of tensor `{name}`"))?;
         if n_dims > 4 {
-            return Err(bad(format!("tensor has {n_dims} dimensions")));
+            return Err(format!("tensor `{name}` has {n_dims} dimensions (at most 4)").into());
         }
-        skip(r, n_dims as u64 * if version == 1 { 4 } else { 8 })?;
-        let ty = u32_(r)?;
-        let _offset = u64_(r)?;
-        out.push((String::from_utf8_lossy(&name).into_owned(), ty));
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            dims.push(if h.v1 { h.u32("a dimension").map(u64::from)? } else { h.u64("a dimension")? });
+        }
+        let ty = h.u32(&format!("the type of tensor `{name}`"))?;
+        let offset = h.u64(&format!("the offset of tensor `{name}`"))?;
+        if dims.contains(&0) {
+            return Err(format!("tensor `{name}` has a dimension of 0 (shape {dims:?})").into());
+        }
+        // Multiplied with overflow checks: absurd dimensions must not wrap to a small count.
+        let elems = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).filter(|&n| n <= i64::MAX as u64);
+        let Some(elems) = elems else {
+            return Err(format!("tensor `{name}` has shape {dims:?}, more elements than any file can hold").into());
+        };
+        let Some(dtype) = candle_dtype(ty) else {
+            return Err(LayoutError::UnsupportedType { tensor: name, dtype: ggml_type_name(ty) });
+        };
+        let (block, type_size) = (dtype.block_size() as u64, dtype.type_size() as u64);
+        // A rank-0 tensor is one element, as in ggml (whose unused dimensions are 1).
+        let row = dims.first().copied().unwrap_or(1);
+        if row % block != 0 {
+            return Err(format!(
+                "tensor `{name}` ({dtype:?}, shape {dims:?}) has rows of {} elements, not a multiple of the \
+                 type's block of {block}",
+                row
+            )
+            .into());
+        }
+        infos.push(Info { name, dtype, dims, offset, bytes: elems / block * type_size });
     }
-    Ok(out)
+    let data_offset = h.pos.div_ceil(alignment) * alignment;
+    let mut expected = 0u64;
+    for t in &infos {
+        if t.offset != expected {
+            return Err(format!(
+                "tensor `{}` starts at offset {} of the data section, but the tensor before it ends at {expected} \
+                 (alignment {alignment}): tensors overlap, leave gaps, are misaligned or have the wrong type",
+                t.name, t.offset
+            )
+            .into());
+        }
+        let end = data_offset.saturating_add(t.offset).saturating_add(t.bytes);
+        if end > h.size {
+            return Err(format!(
+                "tensor `{}` ({:?}, shape {:?}) needs bytes up to offset {end}, but the file has {}",
+                t.name, t.dtype, t.dims, h.size
+            )
+            .into());
+        }
+        expected = (t.offset + t.bytes).div_ceil(alignment) * alignment;
+    }
+    if !infos.is_empty() && h.size > data_offset + expected {
+        return Err(format!(
+            "{} bytes follow the last tensor's data: the tensor table (tensor_count {n_tensors}) does not \
+             describe the whole file",
+            h.size - data_offset - expected
+        )
+        .into());
+    }
+    Ok(GgufLayout { data_offset, alignment, tensor_count: infos.len() })
 }
 
-/// A candle error's message without the backtrace candle appends when `RUST_BACKTRACE` is set
-/// (a reason shown to users, not a crash report).
-fn reason_of(e: &candle_core::Error) -> String {
-    match e {
-        candle_core::Error::WithBacktrace { inner, .. } => reason_of(inner),
-        e => e.to_string(),
+fn size_left<R>(h: &Header<R>) -> u64 {
+    h.size - h.pos
+}
+
+/// Skips one metadata value of type `ty`; arrays hold scalars or strings, as llama.cpp requires.
+fn skip_value<R: Read + Seek>(h: &mut Header<R>, ty: u32, key: &str) -> std::result::Result<(), String> {
+    match ty {
+        8 => {
+            let n = h.len(&format!("the length of `{key}`"))?;
+            h.skip(n, &format!("the string `{key}`"))
+        }
+        9 => {
+            let et = h.u32(&format!("the element type of `{key}`"))?;
+            let n = h.len(&format!("the length of `{key}`"))?;
+            match (et, fixed_size(et)) {
+                (_, Some(size)) => h.skip(n.saturating_mul(size), &format!("the array `{key}`")),
+                (8, None) => {
+                    if n.saturating_mul(if h.v1 { 4 } else { 8 }) > size_left(h) {
+                        return Err(format!("the array `{key}` of {n} strings runs past the end of the file"));
+                    }
+                    for _ in 0..n {
+                        let len = h.len(&format!("a string in `{key}`"))?;
+                        h.skip(len, &format!("a string in `{key}`"))?;
+                    }
+                    Ok(())
+                }
+                (other, None) => Err(format!("the array `{key}` has elements of type {other}")),
+            }
+        }
+        t => match fixed_size(t) {
+            Some(size) => h.skip(size, &format!("the value of `{key}`")),
+            None => Err(format!("metadata `{key}` has value type {t}, which GGUF does not define")),
+        },
     }
 }
 
-/// Reads a GGUF file's header, refusing bad magic, truncation, absurd counts and tensor types candle cannot run.
+/// Reads a GGUF file's header after [`check_layout`] has validated it, so candle's reader only
+/// ever sees a well-formed file.
 pub fn read_content(path: &Path) -> Result<Content> {
     let malformed =
         |reason: String| CandleError::Malformed { what: "GGUF file", path: path.display().to_string(), reason };
+    let layout = check_layout(path)?;
     let file = File::open(path).map_err(|source| CandleError::Io { path: path.display().to_string(), source })?;
-    let file_size = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut r = BufReader::new(file);
-    let content = Content::read(&mut r).map_err(|e| malformed(reason_of(&e)));
-    let content = match content {
-        Ok(c) => c,
-        Err(e) => {
-            // A type candle does not know makes its reader fail; name the tensor if that is why.
-            r.seek(SeekFrom::Start(0)).map_err(|e| malformed(e.to_string()))?;
-            if let Ok(types) = scan_tensor_types(&mut r, file_size) {
-                if let Some((name, ty)) = types.into_iter().find(|(_, ty)| !candle_runs(*ty)) {
-                    return Err(CandleError::UnsupportedTensorType { tensor: name, dtype: ggml_type_name(ty) });
-                }
-            }
-            return Err(e);
-        }
-    };
-    // Every tensor's data must lie inside the file: a truncated file is refused up front.
-    for (name, info) in &content.tensor_infos {
-        // Multiplied with overflow checks: absurd dimensions must not wrap to a small count.
-        let elems = info.shape.dims().iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64)).unwrap_or(u64::MAX);
-        let block = info.ggml_dtype.block_size() as u64;
-        let bytes = (elems / block).saturating_mul(info.ggml_dtype.type_size() as u64);
-        let end = content.tensor_data_offset.saturating_add(info.offset).saturating_add(bytes);
-        if elems % block != 0 || end > file_size {
-            return Err(malformed(format!(
-                "tensor `{name}` ({:?}, shape {:?}) needs bytes up to offset {end}, but the file has {file_size}",
-                info.ggml_dtype,
-                info.shape.dims()
-            )));
-        }
+    let content = Content::read(&mut BufReader::new(file)).map_err(|e| malformed(without_backtrace(e).to_string()))?;
+    // Both readers must agree on what they read; a disagreement is a file we do not understand.
+    if content.tensor_data_offset != layout.data_offset || content.tensor_infos.len() != layout.tensor_count {
+        return Err(malformed(format!(
+            "candle reads {} tensors with data at {}, the layout check {} at {}",
+            content.tensor_infos.len(),
+            content.tensor_data_offset,
+            layout.tensor_count,
+            layout.data_offset
+        )));
     }
     Ok(content)
 }
@@ -251,12 +431,16 @@ impl GgufWeights {
         self.content.tensor(&mut r, name, device).map_err(|e| CandleError::Malformed {
             what: "GGUF file",
             path: self.path.display().to_string(),
-            reason: format!("reading tensor `{name}`: {}", reason_of(&e)),
+            reason: format!("reading tensor `{name}`: {}", without_backtrace(e)),
         })
     }
 }
 
 impl WeightSource for GgufWeights {
+    fn names(&self) -> Vec<String> {
+        self.content.tensor_infos.keys().cloned().collect()
+    }
+
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec())
     }
@@ -283,6 +467,21 @@ impl WeightSource for GgufWeights {
         }
         Ok(Embedding::Quantized(Arc::new(q)))
     }
+}
+
+/// Any integer value, widened so that no width or sign is lost.
+fn integer(v: &Value) -> Option<i128> {
+    Some(match v {
+        Value::U8(x) => (*x).into(),
+        Value::I8(x) => (*x).into(),
+        Value::U16(x) => (*x).into(),
+        Value::I16(x) => (*x).into(),
+        Value::U32(x) => (*x).into(),
+        Value::I32(x) => (*x).into(),
+        Value::U64(x) => (*x).into(),
+        Value::I64(x) => (*x).into(),
+        _ => return None,
+    })
 }
 
 /// Typed access to GGUF metadata, with the key named in every error.
@@ -317,14 +516,33 @@ impl<'a> Metadata<'a> {
             Value::Array(a) if !a.is_empty() => &a[0],
             v => v,
         };
-        v.to_u64()
-            .or_else(|_| v.to_u32().map(u64::from))
-            .or_else(|_| v.to_i32().map(|x| x.max(0) as u64))
-            .or_else(|_| v.to_i64().map(|x| x.max(0) as u64))
-            .or_else(|_| v.to_u16().map(u64::from))
-            .or_else(|_| v.to_u8().map(u64::from))
-            .map(|x| x as usize)
-            .map_err(|_| self.wrong(key, v))
+        match integer(v) {
+            Some(x) if x >= 0 => usize::try_from(x).map_err(|_| self.out_of_range(key, x)),
+            // A negative size is not a size: clamping it to 0 would hide the damage.
+            Some(x) => Err(self.out_of_range(key, x)),
+            None => Err(self.wrong(key, v)),
+        }
+    }
+
+    /// The length of an array value, if `key` holds one.
+    pub fn array_len(&self, key: &str) -> Option<usize> {
+        match self.map.get(key) {
+            Some(Value::Array(a)) => Some(a.len()),
+            _ => None,
+        }
+    }
+
+    /// A token id; llama.cpp's "none" (-1, or its unsigned wrap) is `None`, any other negative
+    /// or wider-than-u32 value is an error (never wrapped or clamped to a real id).
+    pub fn token_id(&self, key: &str) -> Result<Option<u32>> {
+        let Some(v) = self.map.get(key) else {
+            return Ok(None);
+        };
+        match (v, integer(v)) {
+            (Value::U32(u32::MAX) | Value::U64(u64::MAX), _) | (_, Some(-1)) => Ok(None),
+            (_, Some(x)) => u32::try_from(x).map(Some).map_err(|_| self.out_of_range(key, x)),
+            (_, None) => Err(self.wrong(key, v)),
+        }
     }
 
     /// An optional unsigned integer.
@@ -344,6 +562,10 @@ impl<'a> Metadata<'a> {
         }
     }
 
+    fn out_of_range(&self, key: &str, x: i128) -> CandleError {
+        CandleError::UnsupportedConfig { what: format!("GGUF metadata `{key}` = {x} is out of range") }
+    }
+
     fn missing(&self, key: &str) -> CandleError {
         CandleError::MissingMetadata { key: key.to_owned() }
     }
@@ -352,5 +574,124 @@ impl<'a> Metadata<'a> {
         CandleError::UnsupportedConfig {
             what: format!("GGUF metadata `{key}` has unexpected type {:?}", v.value_type()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF v3 file: `kv` as (key, type id, raw value bytes), tensors as (name, dims, type,
+    /// offset), then `data` bytes after the header padded to 32 bytes.
+    fn gguf(kv: &[(&str, u32, Vec<u8>)], tensors: &[(&str, &[u64], u32, u64)], data: usize) -> Vec<u8> {
+        gguf_aligned(kv, tensors, data, 32)
+    }
+
+    fn gguf_aligned(
+        kv: &[(&str, u32, Vec<u8>)],
+        tensors: &[(&str, &[u64], u32, u64)],
+        data: usize,
+        align: usize,
+    ) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend((tensors.len() as u64).to_le_bytes());
+        b.extend((kv.len() as u64).to_le_bytes());
+        for (key, ty, value) in kv {
+            b.extend((key.len() as u64).to_le_bytes());
+            b.extend(key.as_bytes());
+            b.extend(ty.to_le_bytes());
+            b.extend(value);
+        }
+        for (name, dims, ty, offset) in tensors {
+            b.extend((name.len() as u64).to_le_bytes());
+            b.extend(name.as_bytes());
+            b.extend((dims.len() as u32).to_le_bytes());
+            for d in *dims {
+                b.extend(d.to_le_bytes());
+            }
+            b.extend(ty.to_le_bytes());
+            b.extend(offset.to_le_bytes());
+        }
+        b.resize(b.len().div_ceil(align) * align + data, 0);
+        b
+    }
+
+    fn check(bytes: &[u8]) -> Result<GgufLayout> {
+        let dir = std::env::temp_dir().join(format!("candlewick-layout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{:x}.gguf", bytes.iter().fold(0u64, |h, &b| h.wrapping_mul(31) ^ b as u64)));
+        std::fs::write(&path, bytes).unwrap();
+        let r = check_layout(&path);
+        std::fs::remove_file(&path).ok();
+        r
+    }
+
+    fn reason(bytes: &[u8]) -> String {
+        check(bytes).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_well_formed_layout_passes() {
+        let f = gguf(&[], &[("a", &[8], 0, 0), ("b", &[4, 2], 0, 32)], 64);
+        let layout = check(&f).unwrap();
+        assert_eq!((layout.tensor_count, layout.alignment), (2, 32));
+    }
+
+    #[test]
+    fn alignment_must_be_a_u32_power_of_two() {
+        for (ty, value) in
+            [(4u32, 0u32.to_le_bytes().to_vec()), (4, 3u32.to_le_bytes().to_vec()), (5, 8i32.to_le_bytes().to_vec())]
+        {
+            let f = gguf(&[("general.alignment", ty, value)], &[], 0);
+            assert!(reason(&f).contains("general.alignment"), "{}", reason(&f));
+        }
+        let f = gguf_aligned(&[("general.alignment", 4, 64u32.to_le_bytes().to_vec())], &[("a", &[16], 0, 0)], 64, 64);
+        assert_eq!(check(&f).unwrap().alignment, 64);
+    }
+
+    #[test]
+    fn layouts_llama_cpp_rejects_are_malformed() {
+        let u32v = |v: u32| v.to_le_bytes().to_vec();
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (gguf(&[("k", 4, u32v(1)), ("k", 4, u32v(2))], &[], 0), "appears twice"),
+            (gguf(&[], &[("a", &[8], 0, 0), ("a", &[8], 0, 32)], 64), "appears twice"),
+            (gguf(&[], &[("a", &[8], 0, 0), ("b", &[8], 0, 0)], 64), "`b` starts at offset 0"),
+            (gguf(&[], &[("a", &[8], 0, 0), ("b", &[8], 0, 36)], 64), "`b` starts at offset 36"),
+            (gguf(&[], &[("a", &[16], 1, 0), ("b", &[8], 0, 64)], 96), "`b` starts at offset 64"),
+            (gguf(&[], &[("a", &[8], 0, 0)], 96), "bytes follow"),
+            (gguf(&[], &[("a", &[8, 0], 0, 0)], 32), "dimension of 0"),
+            (gguf(&[], &[("a", &[1 << 40, 1 << 40], 0, 0)], 32), "more elements"),
+            (gguf(&[], &[("a", &[33], 8, 0)], 64), "block"),
+            (gguf(&[], &[("a", &[8], 0, 0)], 16), "needs bytes up to"),
+            (gguf(&[("a", 9, [9u32.to_le_bytes(), [0; 4]].concat())], &[], 0), "elements of type 9"),
+        ];
+        for (bytes, want) in cases {
+            let msg = reason(&bytes);
+            assert!(msg.contains(want), "expected {want:?} in {msg}");
+        }
+        let f = gguf(&[], &[("a", &[256], 16, 0)], 66);
+        assert!(matches!(check(&f), Err(CandleError::UnsupportedTensorType { ref dtype, .. }) if dtype == "IQ2_XXS"));
+    }
+
+    #[test]
+    fn token_ids_are_never_wrapped_or_clamped() {
+        let map: HashMap<String, Value> = [
+            ("none".to_string(), Value::I32(-1)),
+            ("none_u".to_string(), Value::U32(u32::MAX)),
+            ("neg".to_string(), Value::I64(-7)),
+            ("wide".to_string(), Value::U64((1 << 32) + 2)),
+            ("ok".to_string(), Value::U16(5)),
+            ("size".to_string(), Value::I32(-1)),
+        ]
+        .into_iter()
+        .collect();
+        let md = Metadata::new(&map);
+        assert_eq!(md.token_id("none").unwrap(), None);
+        assert_eq!(md.token_id("none_u").unwrap(), None);
+        assert!(md.token_id("neg").is_err());
+        assert!(md.token_id("wide").is_err());
+        assert_eq!(md.token_id("ok").unwrap(), Some(5));
+        assert!(md.usize("size").is_err());
     }
 }

@@ -12,6 +12,8 @@ use crate::backend::error::{CandleContext, CandleError, Result};
 
 /// A checkpoint's named tensors.
 pub trait WeightSource: Send + Sync {
+    /// The names of every tensor the checkpoint holds.
+    fn names(&self) -> Vec<String>;
     /// The stored shape of `name`, or `None` when the checkpoint lacks it.
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
     /// Loads `name` as a dense tensor of `dtype` on `device`.

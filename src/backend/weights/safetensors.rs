@@ -90,9 +90,9 @@ fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
         json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| malformed("no `weight_map` object".into()))?;
     let dir = index.parent().unwrap_or(Path::new("."));
     let mut files: Vec<PathBuf> = Vec::new();
-    for v in map.values() {
-        let f = v.as_str().ok_or_else(|| malformed("a `weight_map` value is not a file name".into()))?;
-        let p = dir.join(f);
+    for (tensor, v) in map {
+        let f = v.as_str().ok_or_else(|| malformed(format!("`weight_map[\"{tensor}\"]` is not a file name")))?;
+        let p = shard_inside(dir, f).map_err(|why| malformed(format!("`weight_map[\"{tensor}\"]` = {f:?} {why}")))?;
         if !files.contains(&p) {
             files.push(p);
         }
@@ -100,7 +100,24 @@ fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// A shard path from an index, refused unless it names a plain file inside `dir`: an index is
+/// data from the checkpoint's author, and must not make us read files elsewhere on the machine.
+fn shard_inside(dir: &Path, name: &str) -> std::result::Result<PathBuf, String> {
+    use std::path::Component;
+    let relative = Path::new(name);
+    if name.is_empty() || !relative.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err("is not a file name inside the model directory (absolute, `..` or empty)".into());
+    }
+    // Checked lexically, not by resolving links: the Hugging Face cache keeps every file of a
+    // snapshot as a link into a shared blob folder, so a resolved path is outside by design.
+    Ok(dir.join(relative))
+}
+
 impl WeightSource for SafetensorsWeights {
+    fn names(&self) -> Vec<String> {
+        self.index.keys().cloned().collect()
+    }
+
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         self.index.get(name).map(|(s, _)| s.clone())
     }
@@ -112,5 +129,20 @@ impl WeightSource for SafetensorsWeights {
         }
         let t = self.files.load(name, device).ctx(|| format!("loading tensor `{name}`"))?;
         convert(t, name, dtype)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_must_stay_inside_the_directory() {
+        let dir = Path::new("/models/m");
+        assert_eq!(shard_inside(dir, "a.safetensors").unwrap(), dir.join("a.safetensors"));
+        assert_eq!(shard_inside(dir, "sub/a.safetensors").unwrap(), dir.join("sub/a.safetensors"));
+        for bad in ["../a.safetensors", "/etc/passwd", "sub/../../a", "", "./../a", "."] {
+            assert!(shard_inside(dir, bad).is_err(), "{bad:?} was accepted");
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! JSON the way Hugging Face chat templates see it.
+//! JSON the way Hugging Face chat templates see it: a byte-exact Python `json.dumps`.
 //!
 //! Two directions: `dumps` writes a template value exactly as Python's `json.dumps` does
 //! (transformers' `tojson` filter), because tool schemas rendered into prompts must match
