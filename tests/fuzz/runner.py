@@ -92,16 +92,16 @@ class Worker:
 
 def generate(seed, long_mode, n_random, scratch):
     rng = random.Random(seed)
-    archs = fuzz_cases.ARCHS if long_mode else ["llama", "gemma3", "mistral"]
+    archs = fuzz_cases.ARCHS
     yield from fuzz_cases.config_cases(rng, scratch, archs, n_random)
-    yield from fuzz_cases.safetensors_cases(rng, scratch, archs[:2] if not long_mode else archs, n_random)
+    yield from fuzz_cases.safetensors_cases(rng, scratch, archs, n_random)
     yield from fuzz_cases.gguf_cases(rng, scratch, n_random * 3)
     yield from fuzz_cases.template_cases(rng, scratch, n_random)
 
 
 def run(seed=0, long_mode=False, n_random=None, timeout=None, verbose=False, out=sys.stdout):
     """Runs every case; returns (Counter of results, list of failing (case, answer))."""
-    n_random = n_random if n_random is not None else (400 if long_mode else 30)
+    n_random = n_random if n_random is not None else (400 if long_mode else 25)
     timeout = timeout or (30 if long_mode else 10)
     counts, failures = Counter(), []
     started = time.monotonic()

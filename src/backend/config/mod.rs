@@ -227,7 +227,7 @@ impl ArchConfig {
                 return bad(name, format!("{value} is outside 1..={max}"));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(
                 "num_key_value_heads",
                 format!("{} query heads cannot be grouped over {} key/value heads", self.num_heads, self.num_kv_heads),
