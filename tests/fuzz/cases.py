@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gguf_layout import gguf_layout, patched
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(os.environ.get("CANDLEWICK_FIXTURES", REPO.parent / "shared" / "fixtures"))
 TINY = FIXTURES / "tiny"
@@ -289,53 +291,6 @@ def write_gguf(path, meta_override=None, arch="llama", chat_template=None, seed=
     return path
 
 
-def gguf_layout(data):
-    """Byte offsets of a GGUF v3 file's header fields: {"kv": {key: ...}, "tensors": [...], ...}."""
-    fixed = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
-    pos = 24
-
-    def skip_value(pos, ty):
-        if ty in fixed:
-            return pos + fixed[ty]
-        if ty == 8:
-            (n,) = struct.unpack_from("<Q", data, pos)
-            return pos + 8 + n
-        et, n = struct.unpack_from("<IQ", data, pos)
-        pos += 12
-        if et in fixed:
-            return pos + n * fixed[et]
-        for _ in range(n):
-            pos = skip_value(pos, et)
-        return pos
-
-    kv = {}
-    for _ in range(n_kv):
-        (klen,) = struct.unpack_from("<Q", data, pos)
-        key = data[pos + 8 : pos + 8 + klen].decode()
-        type_at = pos + 8 + klen
-        (ty,) = struct.unpack_from("<I", data, type_at)
-        kv[key] = {"key_len": pos, "type": type_at, "value": type_at + 4, "ty": ty}
-        pos = skip_value(type_at + 4, ty)
-    tensors = []
-    for _ in range(n_tensors):
-        (nlen,) = struct.unpack_from("<Q", data, pos)
-        name = data[pos + 8 : pos + 8 + nlen].decode()
-        nd_at = pos + 8 + nlen
-        (nd,) = struct.unpack_from("<I", data, nd_at)
-        type_at = nd_at + 4 + 8 * nd
-        tensors.append({"name": name, "name_at": pos + 8, "n_dims": nd_at, "dims": nd_at + 4, "type": type_at,
-                        "offset": type_at + 4})
-        pos = type_at + 12
-    return {"kv": kv, "tensors": tensors, "end": pos}
-
-
-def patched(data, offset, fmt, value):
-    out = bytearray(data)
-    struct.pack_into(fmt, out, offset, value)
-    return bytes(out)
-
-
 GGUF_INVALID_META = [
     ("llama.block_count", "add_uint64", 10**12),
     ("llama.block_count", "add_uint32", 0),
@@ -381,8 +336,8 @@ def gguf_cases(rng, scratch, n_random):
 
     base = write_gguf(scratch / "g-base.gguf").read_bytes()
     lay = gguf_layout(base)
-    tens = lay["tensors"]
-    by_name = {t["name"]: t for t in tens}
+    by_name = lay["tensors"]
+    tens = list(by_name.values())
 
     def blob_case(label, blob, must_reject=True):
         p = path()
@@ -409,7 +364,7 @@ def gguf_cases(rng, scratch, n_random):
         yield blob_case(f"n_dims {nd}", patched(base, q["n_dims"], "<I", nd))
     for ty in [2, 16, 99, 2**31]:
         yield blob_case(f"tensor type {ty}", patched(base, q["type"], "<I", ty))
-    for cut in [0, 4, 12, 24, 100, lay["end"] - 1, lay["end"] + 10, len(base) - 1]:
+    for cut in [0, 4, 12, 24, 100, lay["end_of_header"] - 1, lay["end_of_header"] + 10, len(base) - 1]:
         yield blob_case(f"truncated at {cut}", base[:cut])
 
     kv_keys = sorted(lay["kv"])
@@ -437,7 +392,7 @@ def gguf_cases(rng, scratch, n_random):
         elif what == "flip":
             blob = bytearray(base)
             for _ in range(rng.randint(1, 6)):
-                blob[rng.randrange(lay["end"])] = rng.randrange(256)
+                blob[rng.randrange(lay["end_of_header"])] = rng.randrange(256)
             yield blob_case("header byte flips", bytes(blob), False)
         else:
             cut = rng.randrange(len(base))
