@@ -187,11 +187,10 @@ where
     /// Keeps `edits` on for every later step (generation included); `[]` turns them off.
     /// A bad edit is an error and leaves the kept edits as they were.
     pub fn set_interventions(&mut self, edits: Vec<Intervention>) -> Result<(), RuntimeError<B::Error>> {
-        if edits.is_empty() {
-            // Turning edits off needs no capability.
-            return self.session.set_interventions(edits).map_err(RuntimeError::from);
+        // Turning edits off needs no capability.
+        if !edits.is_empty() {
+            self.require_intervention("set_interventions")?;
         }
-        self.require_intervention("set_interventions")?;
         self.session.set_interventions(edits).map_err(RuntimeError::from)
     }
 

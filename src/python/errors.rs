@@ -124,8 +124,6 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::Observation(_) => PyObservationError::new_err(msg),
         CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),
         CandleError::Candle { .. } => InternalError::new_err(msg),
-        #[allow(unreachable_patterns)]
-        _ => CandlewickError::new_err(msg),
     }
 }
 

@@ -328,7 +328,12 @@ impl InterventionSession<CandleBackend> for CandleSession {
         }
         self.edits = self.ready(edits).map_err(|e| match e {
             CandleError::Intervention(e) => e,
-            other => InterventionError::Invalid { point: String::new(), op: "set", reason: other.to_string() },
+            // Validation passed; only moving the vectors onto the device can fail here.
+            other => InterventionError::Invalid {
+                point: "(all)".into(),
+                op: "prepare",
+                reason: format!("cannot place the edits on the device: {other}"),
+            },
         })?;
         Ok(())
     }
