@@ -3,14 +3,17 @@
 use candle_core::Tensor;
 
 /// Keys and values of one layer, `[1, kv_heads, capacity, head_dim]`, valid up to the session's length.
-#[derive(Debug, Clone)]
+///
+/// Not `Clone`: appends write into the buffers in place, so a clone sharing them would see the
+/// other's writes. `KvCache::deep_copy` makes an independent one.
+#[derive(Debug)]
 pub struct LayerKv {
     k: Option<Tensor>,
     v: Option<Tensor>,
 }
 
 /// The whole model's cache and how many positions it holds.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvCache {
     layers: Vec<LayerKv>,
     len: usize,
@@ -20,7 +23,45 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for `n_layers` layers that never grows past `max_context` positions.
     pub fn new(n_layers: usize, max_context: usize) -> Self {
-        Self { layers: vec![LayerKv { k: None, v: None }; n_layers], len: 0, max_context }
+        Self { layers: (0..n_layers).map(|_| LayerKv { k: None, v: None }).collect(), len: 0, max_context }
+    }
+
+    /// A copy that shares no buffer with this cache, holding exactly its positions.
+    pub fn deep_copy(&self) -> candle_core::Result<Self> {
+        let held = self
+            .held()?
+            .into_iter()
+            .map(|kv| kv.map(|(k, v)| Ok::<_, candle_core::Error>((owned_copy(&k)?, owned_copy(&v)?))).transpose())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self::from_held(held, self.len, self.max_context))
+    }
+
+    /// Views of each layer's held keys and values, `[1, kv_heads, len, head_dim]` (`None` when empty).
+    pub fn held(&self) -> candle_core::Result<Vec<Option<(Tensor, Tensor)>>> {
+        self.layers
+            .iter()
+            .map(|l| match (&l.k, &l.v) {
+                (Some(k), Some(v)) if self.len > 0 => Ok(Some((k.narrow(2, 0, self.len)?, v.narrow(2, 0, self.len)?))),
+                _ => Ok(None),
+            })
+            .collect()
+    }
+
+    /// A cache holding `layers` (each `[1, kv_heads, len, head_dim]`, owned by the new cache) at `len` positions.
+    pub fn from_held(layers: Vec<Option<(Tensor, Tensor)>>, len: usize, max_context: usize) -> Self {
+        let layers = layers
+            .into_iter()
+            .map(|kv| match kv {
+                Some((k, v)) => LayerKv { k: Some(k), v: Some(v) },
+                None => LayerKv { k: None, v: None },
+            })
+            .collect();
+        Self { layers, len, max_context }
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
     }
 
     /// Positions held.
@@ -108,4 +149,11 @@ fn grow(old: Option<Tensor>, like: &Tensor, keep: usize, capacity: usize) -> can
         }
     }
     Ok(fresh)
+}
+
+/// A `[1, kv_heads, len, head_dim]` tensor in a buffer of its own (never a view sharing storage,
+/// even when `t` is contiguous), as a cache layer needs before it appends in place.
+pub fn owned_copy(t: &Tensor) -> candle_core::Result<Tensor> {
+    let len = t.dim(2)?;
+    grow(Some(t.clone()), t, len, len)
 }

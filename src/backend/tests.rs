@@ -85,3 +85,43 @@ fn prefill_then_decode_reproduces_the_greedy_sequence() {
         }
     }
 }
+
+#[test]
+fn a_batched_step_equals_each_session_stepped_alone() {
+    use crate::core::{BackendSession, EditOp, Intervention};
+    for case in CASES {
+        let r = reference(case);
+        let prompt = ids(&r["input_ids"]);
+        let mut base = load(case, LoadOptions::default());
+        base.prefill(PrefillInput::new(prompt.clone())).unwrap();
+        // Three sessions at different positions, one of them with an edit of its own.
+        let mut batch: Vec<ModelRuntime<CandleBackend>> = (0..3).map(|_| base.fork().unwrap()).collect();
+        for (k, rt) in batch.iter_mut().enumerate() {
+            rt.session_mut().truncate(prompt.len() - 4 * k).unwrap();
+        }
+        let mut alone: Vec<ModelRuntime<CandleBackend>> = batch.iter().map(|rt| rt.fork().unwrap()).collect();
+        let edit = vec![Intervention {
+            point: "model.layers.0.output".into(),
+            op: EditOp::Add { vector: vec![0.5; 64], scale: 1.0 },
+            positions: None,
+        }];
+        let input = |k: usize| {
+            let i = DecodeInput::new(vec![prompt[k + 1], prompt[k + 2]]);
+            if k == 1 {
+                i.with_interventions(edit.clone())
+            } else {
+                i
+            }
+        };
+        let mut refs: Vec<&mut ModelRuntime<CandleBackend>> = batch.iter_mut().collect();
+        let outs = ModelRuntime::decode_batch(&mut refs, (0..3).map(input).collect()).unwrap();
+        for (k, out) in outs.into_iter().enumerate() {
+            let got = out.wait().unwrap().logits_f32().unwrap();
+            let want = alone[k].decode(input(k)).unwrap().wait().unwrap().logits_f32().unwrap();
+            assert_eq!(got.0, want.0, "{case} session {k} shape");
+            let err = rel_l2(&got.1, &want.1);
+            assert!(err <= 1e-5, "{case} session {k}: relative L2 {err:.3e}");
+            assert_eq!(batch[k].session().tokens(), alone[k].session().tokens());
+        }
+    }
+}

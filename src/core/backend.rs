@@ -147,6 +147,32 @@ pub trait BackendSession<B: BackendProvider> {
     fn stop_token_ids(&self) -> Vec<u32>;
 }
 
+/// Sessions of one model that can decode together: one step carries every session's rows
+/// through each matrix product (the weights are read once), attention runs per session.
+pub trait BatchSession<B: BackendProvider>: BackendSession<B> + Sized {
+    /// Appends each session's tokens and returns each one's output, as `decode` would alone.
+    /// On failure every session is left as it was.
+    fn decode_batch(
+        backend: &B,
+        sessions: &mut [&mut Self],
+        inputs: Vec<Self::DecodeInput>,
+    ) -> Result<Vec<Submission<Self::Output, Self::Completion>>, B::Error>;
+}
+
+/// A session whose state can be copied: forks over the same weights, and snapshots to restore.
+pub trait SnapshotSession<B: BackendProvider>: BackendSession<B> + Sized {
+    /// A copy of a session's tokens and cache, independent of the session.
+    type Snapshot;
+    /// A new session over the same (shared) weights starting as a copy of this one: tokens,
+    /// position, cache and kept edits. Only the cache costs memory.
+    fn fork(&self) -> Result<Self, B::Error>;
+    /// Copies the tokens and cache.
+    fn snapshot(&self) -> Result<Self::Snapshot, B::Error>;
+    /// Puts a snapshot's tokens and cache back; a snapshot of another model is an error and
+    /// leaves the session unchanged.
+    fn restore(&mut self, snapshot: &Self::Snapshot) -> Result<(), B::Error>;
+}
+
 /// A session that applies edits to named points (docs/interventions.md) while it steps.
 pub trait InterventionSession<B: BackendProvider>: BackendSession<B> {
     /// Validates and keeps `edits` for every later step; on error nothing changes.

@@ -14,8 +14,9 @@ pub mod runtime;
 pub mod step;
 
 pub use backend::{
-    BackendDescriptor, BackendProvider, BackendSession, DeviceCapabilities, DeviceDescriptor,
+    BackendDescriptor, BackendProvider, BackendSession, BatchSession, DeviceCapabilities, DeviceDescriptor,
     InspectableBackendSession, InspectedOutput, InterventionSession, ModelLoadingBackend, PreparedModel,
+    SnapshotSession,
 };
 pub use capabilities::SessionCapabilities;
 pub use completion::{Completion, ReadyCompletion, Submission};

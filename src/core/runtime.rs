@@ -3,8 +3,8 @@
 use std::path::Path;
 
 use crate::core::backend::{
-    BackendProvider, BackendSession, InspectableBackendSession, InspectedOutput, InterventionSession,
-    ModelLoadingBackend, PreparedModel,
+    BackendProvider, BackendSession, BatchSession, InspectableBackendSession, InspectedOutput, InterventionSession,
+    ModelLoadingBackend, PreparedModel, SnapshotSession,
 };
 use crate::core::capabilities::SessionCapabilities;
 use crate::core::completion::Submission;
@@ -197,5 +197,40 @@ where
     /// The edits kept on.
     pub fn interventions(&self) -> Vec<Intervention> {
         self.session.interventions()
+    }
+}
+
+impl<B> ModelRuntime<B>
+where
+    B: BackendProvider + Clone,
+    B::Session: SnapshotSession<B>,
+{
+    /// A second runtime over the same weights whose session starts as a copy of this one's.
+    pub fn fork(&self) -> Result<Self, RuntimeError<B::Error>> {
+        let session = self.session.fork().map_err(RuntimeError::Backend)?;
+        Ok(Self { backend: self.backend.clone(), session, capabilities: self.capabilities })
+    }
+}
+
+impl<B> ModelRuntime<B>
+where
+    B: BackendProvider,
+    B::Session: BatchSession<B>,
+{
+    /// One decode step of several runtimes of the same model together (see `BatchSession`).
+    pub fn decode_batch(
+        runtimes: &mut [&mut ModelRuntime<B>],
+        inputs: Vec<<B::Session as BackendSession<B>>::DecodeInput>,
+    ) -> Result<Vec<SubmissionOf<B>>, RuntimeError<B::Error>> {
+        let mut backend: Option<&B> = None;
+        let mut sessions: Vec<&mut B::Session> = Vec::with_capacity(runtimes.len());
+        for rt in runtimes.iter_mut() {
+            let ModelRuntime { backend: b, session, .. } = &mut **rt;
+            // Any runtime's backend serves: sessions of one model share one device.
+            backend.get_or_insert(b);
+            sessions.push(session);
+        }
+        let Some(backend) = backend else { return Ok(Vec::new()) };
+        B::Session::decode_batch(backend, &mut sessions, inputs).map_err(RuntimeError::Backend)
     }
 }

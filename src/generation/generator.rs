@@ -142,6 +142,15 @@ pub struct GenerationResult {
     pub usage: Usage,
 }
 
+/// What `Generation::advance` decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Advance {
+    /// Decode this token and hand its logits to `accept_logits`.
+    Feed(u32),
+    /// Generation ended; the last text that became final.
+    Done(String),
+}
+
 /// One generation in progress; each `step` samples one token and feeds it back.
 pub struct Generation {
     sampler: Sampler,
@@ -252,6 +261,30 @@ impl Generation {
         if rt.session().tokens() != self.context.as_slice() {
             return Err(GenerationError::SessionChanged);
         }
+        let session = rt.session();
+        match self.advance(session.position(), session.max_context())? {
+            Advance::Done(text) => Ok(text),
+            Advance::Feed(token) => {
+                let t = Instant::now();
+                let out = rt.decode(vec![token].into())?.wait().map_err(RuntimeError::Backend)?;
+                self.logits = last_row(rt, &out)?;
+                self.usage.decode_seconds += t.elapsed().as_secs_f64();
+                Ok(self.take_safe())
+            }
+        }
+    }
+
+    /// Samples the next token from the pending logits: either the token to feed back (the caller
+    /// decodes it and hands the logits to `accept_logits`), or the end with its last text.
+    /// `position` and `max_context` are the session's.
+    pub fn advance<E: std::error::Error + 'static>(
+        &mut self,
+        position: usize,
+        max_context: usize,
+    ) -> Result<Advance, GenerationError<E>> {
+        if self.finish.is_some() {
+            return Ok(Advance::Done(String::new()));
+        }
         let mut logits = std::mem::take(&mut self.logits);
         self.sampler.adjust(&mut logits, &self.context);
         let token = self.sampler.sample(&logits);
@@ -259,7 +292,7 @@ impl Generation {
             self.usage.time_to_first_token = self.started.elapsed().as_secs_f64();
         }
         if self.eos.contains(&token) {
-            return self.end(FinishReason::Eos);
+            return self.end(FinishReason::Eos).map(Advance::Done);
         }
         self.generated.push(token);
         self.context.push(token);
@@ -270,18 +303,29 @@ impl Generation {
         match self.stops.scan(&self.text, self.scanned) {
             StopScan::Stopped(at) => {
                 self.text.truncate(at);
-                return self.end(FinishReason::Stop);
+                return self.end(FinishReason::Stop).map(Advance::Done);
             }
             StopScan::SafeUpTo(_) => self.scanned = self.text.len(),
         }
-        let session = rt.session();
-        if self.generated.len() >= self.max_tokens || session.position() >= session.max_context() {
-            return self.end(FinishReason::Length);
+        if self.generated.len() >= self.max_tokens || position >= max_context {
+            return self.end(FinishReason::Length).map(Advance::Done);
         }
-        let t = Instant::now();
-        let out = rt.decode(vec![token].into())?.wait().map_err(RuntimeError::Backend)?;
-        self.logits = last_row(rt, &out)?;
-        self.usage.decode_seconds += t.elapsed().as_secs_f64();
+        Ok(Advance::Feed(token))
+    }
+
+    /// Takes the logits of the token `advance` fed back (decoded in `seconds`), refusing
+    /// non-finite values, and returns the text that became final.
+    pub fn accept_logits<E: std::error::Error + 'static>(
+        &mut self,
+        row: Vec<f32>,
+        position: usize,
+        seconds: f64,
+    ) -> Result<String, GenerationError<E>> {
+        if row.iter().any(|l| !l.is_finite()) {
+            return Err(GenerationError::NonFiniteLogits { position });
+        }
+        self.logits = row;
+        self.usage.decode_seconds += seconds;
         Ok(self.take_safe())
     }
 

@@ -1,9 +1,11 @@
 //! Generation: sampling, stopping and the token loop over a runtime's session.
 
+pub mod batch;
 pub mod generator;
 pub mod sampling;
 pub mod stopping;
 
-pub use generator::{FinishReason, GenerateOptions, Generation, GenerationError, GenerationResult, Usage};
+pub use batch::generate_batch;
+pub use generator::{Advance, FinishReason, GenerateOptions, Generation, GenerationError, GenerationResult, Usage};
 pub use sampling::{Sampler, SamplingParams};
 pub use stopping::StopStrings;

@@ -10,8 +10,8 @@ use std::sync::Arc;
 pub use info::ModelInfo;
 
 use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, LoadOptions};
-use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
-use crate::generation::{GenerateOptions, Generation, GenerationError, GenerationResult};
+use crate::core::{BackendSession, ModelLoadError, ModelRuntime, RuntimeError};
+use crate::generation::{generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult};
 use crate::text::{ChatTemplate, TextError, Tokenizer};
 
 /// The runtime a model layer drives: the candle backend and its session.
@@ -100,6 +100,18 @@ impl Model {
         // A template that does not compile is reported when chat is used, not at load.
         let chat_template = tokenizer.as_ref().ok().and_then(|t| t.chat_template_engine().ok());
         Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info })
+    }
+
+    /// A second model over the same weights (no copy: only a new KV cache) whose session
+    /// starts as a copy of this one's tokens, cache and kept interventions.
+    pub fn fork(&self) -> Result<Self, ModelError> {
+        Ok(Self {
+            runtime: self.runtime.fork()?,
+            tokenizer: self.tokenizer.clone(),
+            chat_template: self.chat_template.clone(),
+            defaults: self.defaults.clone(),
+            info: self.info.clone(),
+        })
     }
 
     /// The runtime (backend and session).
@@ -203,6 +215,28 @@ impl Model {
         let generation = self.start_generation(&ids, options)?;
         let (result, _) = generation.run(&mut self.runtime, |_| {}, || false)?;
         Ok(result)
+    }
+}
+
+impl Model {
+    /// Generates from every prompt at once: each runs on its own session over the shared weights
+    /// (with this model's kept interventions) and unfinished ones decode together in one
+    /// batched step. This model's own session is left as it was.
+    pub fn generate_batch(
+        &self,
+        prompts: &[Prompt],
+        options: GenerateOptions,
+    ) -> Result<Vec<GenerationResult>, ModelError> {
+        let ids = prompts.iter().map(|p| self.prompt_ids(p)).collect::<Result<Vec<_>, _>>()?;
+        let mut runtimes = Vec::with_capacity(ids.len());
+        for _ in &ids {
+            let mut rt = self.runtime.fork()?;
+            rt.session_mut().reset();
+            runtimes.push(rt);
+        }
+        let tokenizer = Arc::clone(self.tokenizer()?);
+        let options = vec![options; ids.len()];
+        Ok(generate_batch(&mut runtimes, tokenizer, &ids, options)?)
     }
 }
 

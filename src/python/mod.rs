@@ -27,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<generation::PyGenerationStream>()?;
     m.add_class::<intervention::PyIntervention>()?;
     m.add_class::<runtime::PyInterventionScope>()?;
+    m.add_class::<runtime::PySessionSnapshot>()?;
     m.add_function(wrap_pyfunction!(intervention::save_control_vector, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayD, IxDyn};
 use numpy::{PyArray, PyReadonlyArray2};
@@ -19,9 +19,11 @@ use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
 use super::text::{to_json, PyTokenizer};
 use crate::backend::session::CandleCompletion;
+use crate::backend::session::SessionSnapshot;
 use crate::backend::StepOutput;
 use crate::core::{
     BackendProvider, BackendSession, Completion, DecodeInput, InspectedOutput, ObservationRequest, PrefillInput,
+    SnapshotSession,
 };
 use crate::model::{Model, ModelOptions, Prompt};
 
@@ -167,6 +169,13 @@ impl PyModelRuntime {
         Ok(Self { inner: Mutex::new(model), id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed) })
     }
 
+    /// A new runtime over the same weights (only a new KV cache costs memory) whose session starts
+    /// as a copy of this one's: tokens, position, cache and kept interventions.
+    fn fork(&self, py: Python<'_>) -> PyResult<Self> {
+        let model = py.detach(|| catch_panic(|| self.lock()?.fork().map_err(model_err)))?;
+        Ok(Self { inner: Mutex::new(model), id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed) })
+    }
+
     /// The backend this runtime's session runs through (a view bound to this runtime).
     #[getter]
     fn backend(slf: &Bound<'_, Self>) -> PyBackend {
@@ -307,6 +316,56 @@ impl PyModelRuntime {
         let req = request_of(request);
         let r = py.detach(|| catch_panic(|| self.lock()?.runtime().trace(input, &req).map_err(runtime_err)))?;
         self.inspected(py, r)
+    }
+
+    /// Runs each token list on a fresh context of its own, as `trace` does, and returns one
+    /// inspected output per list; the session is left as it was.
+    #[pyo3(signature = (prompts, request=None, interventions=None))]
+    fn trace_batch(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Bound<'_, PyAny>>,
+        request: Option<PyRef<'_, PyObservationRequest>>,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+    ) -> PyResult<Vec<PyInspectedOutput>> {
+        let edits = edits_of(interventions);
+        let inputs = prompts
+            .iter()
+            .map(|p| Ok(PrefillInput::new(extract_ids("prompts[i]", p)?).with_interventions(edits.clone())))
+            .collect::<PyResult<Vec<_>>>()?;
+        let req = request_of(request);
+        let outs = py.detach(|| {
+            catch_panic(|| {
+                let model = self.lock()?;
+                inputs
+                    .into_iter()
+                    .map(|i| model.runtime().trace(i, &req).map_err(runtime_err))
+                    .collect::<PyResult<Vec<_>>>()
+            })
+        })?;
+        outs.into_iter().map(|r| self.inspected(py, r)).collect()
+    }
+
+    /// Generates from every prompt (texts or token lists) at once, the unfinished ones decoding
+    /// together in one batched step; returns one `GenerationResult` per prompt. Each gets what
+    /// `generate` would give it alone; the session is left as it was.
+    #[pyo3(signature = (prompts, **kwargs))]
+    fn generate_batch(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Bound<'_, PyAny>>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Vec<super::generation::PyGenerationResult>> {
+        let opts = options_from_kwargs(&self.lock()?.defaults().clone(), kwargs)?;
+        let prompts = prompts
+            .iter()
+            .map(|p| match p.extract::<String>() {
+                Ok(text) => Ok(Prompt::Text(text)),
+                Err(_) => Ok(Prompt::Ids(extract_ids("prompts[i]", p)?)),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let results = py.detach(|| catch_panic(|| self.lock()?.generate_batch(&prompts, opts).map_err(model_err)))?;
+        results.into_iter().map(|r| super::generation::to_result(py, r)).collect()
     }
 
     /// The logit lens: the final norm, the output projection and any soft-capping applied to
@@ -513,6 +572,19 @@ impl PySession {
         self.runtime.get().lock()?.runtime_mut().session_mut().truncate(n).map_err(backend_err)
     }
 
+    /// Copies the session's tokens and KV cache; `restore` puts them back exactly.
+    fn snapshot(&self, py: Python<'_>) -> PyResult<PySessionSnapshot> {
+        let rt = self.runtime.get();
+        let snap = py.detach(|| catch_panic(|| rt.lock()?.runtime().session().snapshot().map_err(backend_err)))?;
+        Ok(PySessionSnapshot { inner: Arc::new(snap) })
+    }
+
+    /// Puts a snapshot's tokens and cache back; one of another model is an error that changes nothing.
+    fn restore(&self, py: Python<'_>, snapshot: PyRef<'_, PySessionSnapshot>) -> PyResult<()> {
+        let (rt, snap) = (self.runtime.get(), Arc::clone(&snapshot.inner));
+        py.detach(|| catch_panic(|| rt.lock()?.runtime_mut().session_mut().restore(&snap).map_err(backend_err)))
+    }
+
     /// Empties the cache; after an internal error this also gives back a working session.
     fn reset(&self) -> PyResult<()> {
         self.runtime.get().lock_and_recover().runtime_mut().session_mut().reset();
@@ -669,5 +741,51 @@ impl PyInterventionScope {
             self.runtime.get().lock()?.runtime_mut().set_interventions(before).map_err(runtime_err)?;
         }
         Ok(false)
+    }
+}
+
+/// A copy of a session's tokens and KV cache (`rt.session.snapshot()`), restorable onto any
+/// runtime of the same model, and savable to a file.
+#[pyclass(name = "SessionSnapshot", module = "candlewick._native", frozen)]
+pub struct PySessionSnapshot {
+    inner: Arc<SessionSnapshot>,
+}
+
+#[pymethods]
+impl PySessionSnapshot {
+    /// Writes the snapshot to `path` (a safetensors file with a version, the model's
+    /// fingerprint and a checksum; docs/snapshots.md).
+    fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        py.detach(|| self.inner.save(&path)).map_err(backend_err)
+    }
+
+    /// Reads a snapshot written by `save`; a damaged or truncated file is an `ArtifactError`.
+    #[staticmethod]
+    fn load(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        let snap =
+            py.detach(|| catch_panic(|| SessionSnapshot::load(&path, &candle_core::Device::Cpu).map_err(backend_err)))?;
+        Ok(Self { inner: Arc::new(snap) })
+    }
+
+    /// Tokens held.
+    #[getter]
+    fn position(&self) -> usize {
+        self.inner.tokens().len()
+    }
+
+    /// The token ids held, oldest first.
+    #[getter]
+    fn tokens(&self) -> Vec<u32> {
+        self.inner.tokens().to_vec()
+    }
+
+    /// The fingerprint of the model it was taken from.
+    #[getter]
+    fn fingerprint(&self) -> &str {
+        self.inner.fingerprint()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("SessionSnapshot(position={}, model={})", self.inner.tokens().len(), self.inner.fingerprint())
     }
 }

@@ -97,6 +97,7 @@ impl StepTables {
 
 impl Attention {
     /// Attends `x` `[t, hidden]` at positions `pos..pos + t`, appending its keys and values to `kv`.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         x: &Tensor,
@@ -107,15 +108,47 @@ impl Attention {
         layer: usize,
         hooks: &mut impl Hooks,
     ) -> candle_core::Result<Tensor> {
-        let t = x.dim(0)?;
+        let (q, k, v) = self.project(x)?;
+        let heads = self.attend(&q, &k, &v, pos, kv, max_context, tables, layer, hooks)?;
+        self.output(&heads)
+    }
+
+    /// The query, key and value projections of `x` `[rows, hidden]` (rows of one sequence or of
+    /// several stacked: the weights are read once for all of them).
+    pub fn project(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let (q, k, v) = match &self.qkv {
+        Ok(match &self.qkv {
             QkvProj::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
             QkvProj::Fused(qkv) => {
                 let y = qkv.forward(x)?;
                 (y.narrow(1, 0, nh * d)?, y.narrow(1, nh * d, nkv * d)?, y.narrow(1, (nh + nkv) * d, nkv * d)?)
             }
-        };
+        })
+    }
+
+    /// The output projection of heads `[rows, heads, head_dim]`.
+    pub fn output(&self, heads: &Tensor) -> candle_core::Result<Tensor> {
+        let rows = heads.dim(0)?;
+        self.o.forward(&heads.reshape((rows, self.num_heads * self.head_dim))?)
+    }
+
+    /// Attention of one sequence's projected rows `q` `[t, heads·d]`, `k`, `v` `[t, kv_heads·d]`
+    /// at positions `pos..pos + t` over its own cache; returns each head's output `[t, heads, d]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        pos: usize,
+        kv: &mut LayerKv,
+        max_context: usize,
+        tables: &StepTables,
+        layer: usize,
+        hooks: &mut impl Hooks,
+    ) -> candle_core::Result<Tensor> {
+        let t = q.dim(0)?;
+        let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let mut q = q.reshape((t, nh, d))?;
         let mut k = k.reshape((t, nkv, d))?;
         if let Some((qn, kn)) = &self.qk_norm {
@@ -162,7 +195,6 @@ impl Attention {
         let probs = probs.to_dtype(v_all.dtype())?.reshape((1, nkv, group * t, keys))?;
         let out = probs.matmul(&v_all)?; // [1, nkv, group * t, d]
         let heads = out.reshape((nh, t, d))?.transpose(0, 1)?.to_dtype(DType::F32)?; // [t, nh, d]
-        let heads = hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads)?;
-        self.o.forward(&heads.reshape((t, nh * d))?)
+        hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads)
     }
 }

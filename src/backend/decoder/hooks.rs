@@ -17,6 +17,22 @@ pub trait Hooks {
     fn wants(&self, point: Point) -> bool;
     /// Offers the value at `point`; returns it, edited where an intervention applies there.
     fn at(&mut self, point: Point, x: Tensor) -> candle_core::Result<Tensor>;
+    /// Whether these hooks never observe or edit anything (lets a batched step skip splitting rows).
+    fn is_noop(&self) -> bool {
+        false
+    }
+}
+
+impl<H: Hooks> Hooks for &mut H {
+    fn wants(&self, point: Point) -> bool {
+        (**self).wants(point)
+    }
+    fn at(&mut self, point: Point, x: Tensor) -> candle_core::Result<Tensor> {
+        (**self).at(point, x)
+    }
+    fn is_noop(&self) -> bool {
+        (**self).is_noop()
+    }
 }
 
 /// Observes and edits nothing.
@@ -30,6 +46,10 @@ impl Hooks for NoHooks {
     #[inline(always)]
     fn at(&mut self, _point: Point, x: Tensor) -> candle_core::Result<Tensor> {
         Ok(x)
+    }
+    #[inline(always)]
+    fn is_noop(&self) -> bool {
+        true
     }
 }
 

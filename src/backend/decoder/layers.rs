@@ -5,9 +5,7 @@ use std::sync::Arc;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Tensor, D};
 
-use super::hooks::Hooks;
 use crate::backend::config::Activation;
-use crate::core::{LayerPoint, Point};
 
 /// `x Wᵀ + b` with a dense or quantized weight.
 #[derive(Debug, Clone)]
@@ -130,8 +128,13 @@ pub enum GateUp {
 }
 
 impl Mlp {
-    /// Applies the MLP to `[rows, hidden]` of layer `layer`, offering its hidden activation to `hooks`.
-    pub fn forward(&self, x: &Tensor, layer: usize, hooks: &mut impl Hooks) -> candle_core::Result<Tensor> {
+    /// Applies the MLP to `[rows, hidden]`, passing its hidden activation through `at_hidden`
+    /// (where hooks observe or edit it).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        at_hidden: impl FnOnce(Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
             GateUp::Fused(gu) => {
@@ -141,7 +144,7 @@ impl Mlp {
             }
         };
         let gate = super::activation::apply(self.activation, &gate)?;
-        let hidden = hooks.at(Point::Layer(layer, LayerPoint::MlpHidden), (gate * up)?)?;
+        let hidden = at_hidden((gate * up)?)?;
         self.down.forward(&hidden)
     }
 }

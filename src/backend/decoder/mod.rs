@@ -65,6 +65,9 @@ pub struct Decoder {
     embed_scale: Option<f64>,
     dtype: DType,
     device: Device,
+    /// Identifies the model (architecture, weight types and a sample of the weights), so a
+    /// snapshot is never restored onto another one.
+    fingerprint: String,
 }
 
 impl Decoder {
@@ -147,7 +150,7 @@ impl Decoder {
         } else {
             Linear::new(w.matmul(&head_name, c.vocab_size, h)?, None)
         };
-        Ok(Self {
+        let mut decoder = Self {
             norm: norm(Slot::FinalNorm, 0, h)?,
             embed,
             blocks,
@@ -157,7 +160,27 @@ impl Decoder {
             dtype: w.dtype(),
             device: w.device().clone(),
             config,
-        })
+            fingerprint: String::new(),
+        };
+        decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
+        Ok(decoder)
+    }
+
+    /// CRC-32 of the configuration, the weight types and the first and last embedding rows.
+    fn compute_fingerprint(&self) -> candle_core::Result<String> {
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(format!("{:?}{:?}{:?}", self.config, self.weight_summary(), self.dtype).as_bytes());
+        let last = (self.config.vocab_size - 1) as u32;
+        let rows = self.embed.forward(&Tensor::new(&[0u32, last], &self.device)?)?;
+        for v in rows.flatten_all()?.to_vec1::<f32>()? {
+            crc.update(&v.to_le_bytes());
+        }
+        Ok(format!("{:08x}", crc.finalize()))
+    }
+
+    /// The model's fingerprint (see `compute_fingerprint`).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// The architecture description.
@@ -238,58 +261,111 @@ impl Decoder {
         rows: LogitsRows,
         hooks: &mut impl Hooks,
     ) -> candle_core::Result<Tensor> {
-        let t = ids.len();
-        let pos = cache.len();
-        let max_context = cache.max_context();
-        let ids_t = Tensor::new(ids, &self.device)?;
-        let mut x = self.embed.forward(&ids_t)?;
+        let mut one = [BatchItem { ids, cache, hooks }];
+        Ok(self.forward_batch(&mut one, rows)?.remove(0))
+    }
+
+    /// One step of several sequences at once: their rows go through every matrix product
+    /// together (the weights are read once for all), attention runs per sequence over its own
+    /// cache, and each sequence's hooks see only its own rows. Returns each sequence's logits.
+    pub fn forward_batch<H: Hooks>(
+        &self,
+        items: &mut [BatchItem<'_, H>],
+        rows: LogitsRows,
+    ) -> candle_core::Result<Vec<Tensor>> {
+        let lens: Vec<usize> = items.iter().map(|it| it.ids.len()).collect();
+        let positions: Vec<usize> = items.iter().map(|it| it.cache.len()).collect();
+        let ids: Vec<u32> = items.iter().flat_map(|it| it.ids.iter().copied()).collect();
+        let mut x = self.embed.forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
         if let Some(s) = self.embed_scale {
             x = (x * s)?;
         }
-        x = hooks.at(Point::Embed, x)?;
-        let tables = self
-            .variants
+        x = at_each(items, &lens, Point::Embed, x)?;
+        let tables = items
             .iter()
-            .map(|(lc, rope)| {
-                let (cos, sin) = rope.tables(pos, t, &self.device)?;
-                StepTables::new(cos, sin, pos, t, lc.sliding_window, &self.device)
+            .zip(&positions)
+            .map(|(it, &pos)| {
+                let t = it.ids.len();
+                self.variants
+                    .iter()
+                    .map(|(lc, rope)| {
+                        let (cos, sin) = rope.tables(pos, t, &self.device)?;
+                        StepTables::new(cos, sin, pos, t, lc.sliding_window, &self.device)
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         for (i, b) in self.blocks.iter().enumerate() {
-            x = hooks.at(Point::Layer(i, LayerPoint::Input), x)?;
-            let h = b.attn_in_norm.forward(&x)?;
-            let a = b.attn.forward(&h, pos, cache.layer(i), max_context, &tables[b.variant], i, hooks)?;
+            x = at_each(items, &lens, Point::Layer(i, LayerPoint::Input), x)?;
+            let (q, k, v) = b.attn.project(&b.attn_in_norm.forward(&x)?)?;
+            let mut heads = Vec::with_capacity(items.len());
+            let mut offset = 0;
+            for (s, it) in items.iter_mut().enumerate() {
+                let (t, pos, max_context) = (lens[s], positions[s], it.cache.max_context());
+                let rows_of = |y: &Tensor| if lens.len() == 1 { Ok(y.clone()) } else { y.narrow(0, offset, t) };
+                let (qs, ks, vs) = (rows_of(&q)?, rows_of(&k)?, rows_of(&v)?);
+                let tables = &tables[s][b.variant];
+                heads.push(b.attn.attend(
+                    &qs,
+                    &ks,
+                    &vs,
+                    pos,
+                    it.cache.layer(i),
+                    max_context,
+                    tables,
+                    i,
+                    &mut it.hooks,
+                )?);
+                offset += t;
+            }
+            let heads = if heads.len() == 1 { heads.remove(0) } else { Tensor::cat(&heads, 0)? };
+            let a = b.attn.output(&heads)?;
             let a = match &b.attn_out_norm {
                 Some(n) => n.forward(&a)?,
                 None => a,
             };
-            let a = hooks.at(Point::Layer(i, LayerPoint::AttentionOutput), a)?;
+            let a = at_each(items, &lens, Point::Layer(i, LayerPoint::AttentionOutput), a)?;
             x = (x + a)?;
-            let m = b.mlp.forward(&b.mlp_in_norm.forward(&x)?, i, hooks)?;
+            let hidden_point = Point::Layer(i, LayerPoint::MlpHidden);
+            let m = b.mlp.forward(&b.mlp_in_norm.forward(&x)?, |h| at_each(items, &lens, hidden_point, h))?;
             let m = match &b.mlp_out_norm {
                 Some(n) => n.forward(&m)?,
                 None => m,
             };
-            let m = hooks.at(Point::Layer(i, LayerPoint::MlpOutput), m)?;
+            let m = at_each(items, &lens, Point::Layer(i, LayerPoint::MlpOutput), m)?;
             x = (x + m)?;
-            x = hooks.at(Point::Layer(i, LayerPoint::Output), x)?;
+            x = at_each(items, &lens, Point::Layer(i, LayerPoint::Output), x)?;
         }
-        cache.advance(t);
+        for (it, &t) in items.iter_mut().zip(&lens) {
+            it.cache.advance(t);
+        }
         // The final norm covers every row only when it is observed or edited; the vocabulary
         // matmul (the most expensive one) every row only when all logits are returned or observed.
-        let all_logits = rows == LogitsRows::All || hooks.wants(Point::Logits);
-        if !all_logits && !hooks.wants(Point::Norm) {
-            x = x.narrow(0, t - 1, 1)?;
+        let wants = |p: Point| items.iter().any(|it| it.hooks.wants(p));
+        let all_logits = rows == LogitsRows::All || wants(Point::Logits);
+        let keep_last = |y: Tensor, lens: &[usize]| -> candle_core::Result<(Tensor, Vec<usize>)> {
+            let mut last = Vec::with_capacity(lens.len());
+            let mut end = 0;
+            for &t in lens {
+                end += t;
+                last.push(y.narrow(0, end - 1, 1)?);
+            }
+            let y = if last.len() == 1 { last.remove(0) } else { Tensor::cat(&last, 0)? };
+            Ok((y, vec![1; lens.len()]))
+        };
+        let (mut x, mut lens) = (x, lens);
+        if !all_logits && !wants(Point::Norm) && lens.iter().any(|&t| t > 1) {
+            (x, lens) = keep_last(x, &lens)?;
         }
-        let mut h = hooks.at(Point::Norm, self.norm.forward(&x)?)?;
-        if !all_logits && h.dim(0)? > 1 {
-            h = h.narrow(0, t - 1, 1)?;
+        let mut h = at_each(items, &lens, Point::Norm, self.norm.forward(&x)?)?;
+        if !all_logits && lens.iter().any(|&t| t > 1) {
+            (h, lens) = keep_last(h, &lens)?;
         }
-        let logits = hooks.at(Point::Logits, self.project(&h)?)?;
-        if rows == LogitsRows::Last && logits.dim(0)? > 1 {
-            return logits.narrow(0, logits.dim(0)? - 1, 1);
-        }
-        Ok(logits)
+        let logits = at_each(items, &lens, Point::Logits, self.project(&h)?)?;
+        let logits =
+            if rows == LogitsRows::Last && lens.iter().any(|&t| t > 1) { keep_last(logits, &lens)?.0 } else { logits };
+        let per_item = if rows == LogitsRows::Last { vec![1; lens.len()] } else { lens };
+        split_rows(&logits, &per_item)
     }
 
     /// The output projection of normed states, with any final soft-capping.
@@ -315,4 +391,50 @@ fn round_to(x: f64, dtype: DType) -> f64 {
         DType::BF16 => half::bf16::from_f64(x).to_f64(),
         _ => x as f32 as f64,
     }
+}
+
+/// One sequence of a batched step: its new tokens, its own cache and its own hooks.
+pub struct BatchItem<'a, H: Hooks> {
+    /// Token ids appended at the cache's position.
+    pub ids: &'a [u32],
+    /// The sequence's KV cache.
+    pub cache: &'a mut KvCache,
+    /// What observes and edits this sequence's rows.
+    pub hooks: H,
+}
+
+/// `x`'s rows split into consecutive blocks of `lens` rows.
+fn split_rows(x: &Tensor, lens: &[usize]) -> candle_core::Result<Vec<Tensor>> {
+    if lens.len() == 1 {
+        return Ok(vec![x.clone()]);
+    }
+    let mut offset = 0;
+    lens.iter()
+        .map(|&t| {
+            let part = x.narrow(0, offset, t);
+            offset += t;
+            part
+        })
+        .collect()
+}
+
+/// Offers each sequence's rows of `x` at `point` to that sequence's hooks, and stacks the results.
+fn at_each<H: Hooks>(
+    items: &mut [BatchItem<'_, H>],
+    lens: &[usize],
+    point: Point,
+    x: Tensor,
+) -> candle_core::Result<Tensor> {
+    if items.iter().all(|it| it.hooks.is_noop()) {
+        return Ok(x);
+    }
+    if items.len() == 1 {
+        return items[0].hooks.at(point, x);
+    }
+    let parts = split_rows(&x, lens)?
+        .into_iter()
+        .zip(items.iter_mut())
+        .map(|(part, it)| it.hooks.at(point, part))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)
 }

@@ -1,19 +1,23 @@
 //! The candle session: a shared decoder, its own KV cache, position and kept edits.
 
+pub mod snapshot;
+
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
 use crate::backend::decoder::hooks::{Hooks, NoHooks, ReadyEdits, StepHooks};
-use crate::backend::decoder::{Decoder, LogitsRows};
+use crate::backend::decoder::{BatchItem, Decoder, LogitsRows};
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::host::to_host_f32;
-use crate::backend::kv_cache::KvCache;
+use crate::backend::kv_cache::{owned_copy, KvCache};
 use crate::backend::CandleBackend;
+pub use snapshot::SessionSnapshot;
+
 use crate::core::{
-    BackendSession, Completion, DecodeInput, HostLogits, InspectableBackendSession, InspectedOutput, Intervention,
-    InterventionError, InterventionSession, InterventionSet, ObservationRequest, ObservationSet, ObservationValue,
-    PrefillInput, SessionCapabilities, Submission,
+    BackendSession, BatchSession, Completion, DecodeInput, HostLogits, InspectableBackendSession, InspectedOutput,
+    Intervention, InterventionError, InterventionSession, InterventionSet, ObservationRequest, ObservationSet,
+    ObservationValue, PrefillInput, SessionCapabilities, SnapshotSession, Submission,
 };
 
 /// A step's logits, still on the device.
@@ -66,7 +70,7 @@ struct KeptEdits {
 }
 
 /// The one execution session of a prepared model; the decoder is shared, the cache its own.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct CandleSession {
     decoder: Arc<Decoder>,
     cache: KvCache,
@@ -92,11 +96,6 @@ impl CandleSession {
     /// The decoder this session runs (shared with every session of the same model).
     pub fn decoder(&self) -> &Arc<Decoder> {
         &self.decoder
-    }
-
-    /// A new session over the same weights that starts as a copy of this one (cache, tokens, edits).
-    pub fn fork(&self) -> Self {
-        self.clone()
     }
 
     /// Bytes held by the KV cache.
@@ -317,6 +316,144 @@ impl InspectableBackendSession<CandleBackend> for CandleSession {
             edits: self.edits.clone(),
         };
         scratch.run("trace", &input.tokens, LogitsRows::All, input.interventions, Some(request))
+    }
+}
+
+impl BatchSession<CandleBackend> for CandleSession {
+    fn decode_batch(
+        backend: &CandleBackend,
+        sessions: &mut [&mut CandleSession],
+        inputs: Vec<DecodeInput>,
+    ) -> Result<Vec<Submission<StepOutput, CandleCompletion>>> {
+        let refuse = |reason: String| CandleError::InvalidInput { operation: "decode_batch", reason };
+        if sessions.len() != inputs.len() {
+            return Err(refuse(format!("{} sessions but {} inputs", sessions.len(), inputs.len())));
+        }
+        let Some(first) = sessions.first() else { return Ok(Vec::new()) };
+        let decoder = Arc::clone(&first.decoder);
+        // Everything is checked before any session moves, so a refused batch changes nothing.
+        let mut edits = Vec::with_capacity(sessions.len());
+        for (s, input) in sessions.iter().zip(&inputs) {
+            if !Arc::ptr_eq(&s.decoder, &decoder) {
+                return Err(refuse("the sessions belong to different models".into()));
+            }
+            s.check_append(s.cache.len(), &input.tokens)?;
+            edits.push(s.edits_for_call(input.interventions.clone())?);
+        }
+        let starts: Vec<usize> = sessions.iter().map(|s| s.cache.len()).collect();
+        let result = if edits.iter().all(ReadyEdits::is_empty) {
+            let mut items: Vec<BatchItem<'_, NoHooks>> = sessions
+                .iter_mut()
+                .zip(&inputs)
+                .map(|(s, i)| BatchItem { ids: &i.tokens, cache: &mut s.cache, hooks: NoHooks })
+                .collect();
+            decoder.forward_batch(&mut items, LogitsRows::All)
+        } else {
+            let mut items: Vec<BatchItem<'_, StepHooks<'_>>> = sessions
+                .iter_mut()
+                .zip(&inputs)
+                .zip(&edits)
+                .zip(&starts)
+                .map(|(((s, i), e), &pos)| BatchItem {
+                    ids: &i.tokens,
+                    cache: &mut s.cache,
+                    hooks: StepHooks::new(None, e, pos),
+                })
+                .collect();
+            decoder.forward_batch(&mut items, LogitsRows::All)
+        };
+        match result {
+            Ok(logits) => Ok(sessions
+                .iter_mut()
+                .zip(inputs)
+                .zip(logits)
+                .zip(starts)
+                .map(|(((s, input), logits), start)| {
+                    let num_tokens = input.tokens.len();
+                    s.tokens.extend(input.tokens);
+                    Submission::new(StepOutput { logits, start_position: start, num_tokens }, s.completion(backend))
+                })
+                .collect()),
+            Err(source) => {
+                for (s, start) in sessions.iter_mut().zip(starts) {
+                    s.cache.truncate(start);
+                }
+                Err(CandleError::Candle {
+                    context: "running a batched decode".into(),
+                    source: crate::backend::error::without_backtrace(source),
+                })
+            }
+        }
+    }
+}
+
+impl SnapshotSession<CandleBackend> for CandleSession {
+    type Snapshot = SessionSnapshot;
+
+    fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            decoder: Arc::clone(&self.decoder),
+            cache: self.cache.deep_copy().ctx(|| "copying the KV cache for a fork".into())?,
+            tokens: self.tokens.clone(),
+            capabilities: self.capabilities,
+            edits: self.edits.clone(),
+        })
+    }
+
+    fn snapshot(&self) -> Result<SessionSnapshot> {
+        Ok(SessionSnapshot {
+            tokens: self.tokens.clone(),
+            cache: self.cache.deep_copy().ctx(|| "copying the KV cache for a snapshot".into())?,
+            fingerprint: self.decoder.fingerprint().to_owned(),
+        })
+    }
+
+    fn restore(&mut self, snap: &SessionSnapshot) -> Result<()> {
+        let refuse = |reason: String| CandleError::InvalidInput { operation: "restore", reason };
+        if snap.fingerprint != self.decoder.fingerprint() {
+            return Err(refuse(format!(
+                "the snapshot belongs to another model (fingerprint {}, this model's is {})",
+                snap.fingerprint,
+                self.decoder.fingerprint()
+            )));
+        }
+        let c = self.decoder.config();
+        let position = snap.tokens.len();
+        if position > self.cache.max_context() {
+            return Err(refuse(format!(
+                "the snapshot holds {position} tokens, more than this session's context of {}",
+                self.cache.max_context()
+            )));
+        }
+        if let Some(&t) = snap.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(refuse(format!("the snapshot holds token {t}, outside the vocabulary")));
+        }
+        let held = snap.cache.held().ctx(|| "reading the snapshot".into())?;
+        if held.len() != c.num_layers() {
+            return Err(refuse(format!("the snapshot has {} layers, the model {}", held.len(), c.num_layers())));
+        }
+        let want = [1, c.num_kv_heads, position, c.head_dim];
+        let mut layers = Vec::with_capacity(held.len());
+        for (i, kv) in held.into_iter().enumerate() {
+            layers.push(match kv {
+                None if position == 0 => None,
+                Some((k, v)) if k.dims() == want && v.dims() == want && k.dtype() == self.decoder.dtype() => {
+                    // Copied into buffers of this session's own: the snapshot stays reusable.
+                    let dev = self.decoder.device();
+                    let copy = |t: &Tensor| owned_copy(&t.to_device(dev)?);
+                    Some((copy(&k).ctx(|| "restoring keys".into())?, copy(&v).ctx(|| "restoring values".into())?))
+                }
+                _ => {
+                    return Err(refuse(format!(
+                        "layer {i}'s keys and values do not have shape {want:?} and dtype {:?}",
+                        self.decoder.dtype()
+                    )))
+                }
+            });
+        }
+        self.cache = KvCache::from_held(layers, position, self.cache.max_context());
+        self.tokens = snap.tokens.clone();
+        Ok(())
     }
 }
 

@@ -1,0 +1,130 @@
+//! Session snapshots, in memory and on disk.
+//!
+//! The file is a safetensors file (docs/snapshots.md): tensors `tokens` (u32 `[position]`) and
+//! `layers.{i}.k` / `layers.{i}.v` (`[1, kv_heads, position, head_dim]` in the cache's dtype),
+//! and metadata `format` = `candlewick.session`, `version` = `1`, `fingerprint` (the model's),
+//! `position`, and `checksum`: CRC-32 of every tensor's bytes in name order, so a flipped byte
+//! anywhere in the data is caught, not only in the header.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::safetensors::Load;
+use candle_core::{DType, Device, Tensor};
+
+use crate::backend::error::{CandleContext, CandleError, Result};
+use crate::backend::kv_cache::KvCache;
+
+const FORMAT: &str = "candlewick.session";
+const VERSION: &str = "1";
+
+/// A session's tokens and KV cache, copied out of it; restoring copies it back in.
+#[derive(Debug)]
+pub struct SessionSnapshot {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) cache: KvCache,
+    pub(crate) fingerprint: String,
+}
+
+impl SessionSnapshot {
+    /// The token ids it holds.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The fingerprint of the model it was taken from.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Writes the snapshot to `path` (see the module's documentation for the format).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let p = path.display().to_string();
+        let ctx = || format!("saving the session snapshot {p}");
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        if !self.tokens.is_empty() {
+            tensors.push(("tokens".into(), Tensor::new(self.tokens.as_slice(), &Device::Cpu).ctx(ctx)?));
+        }
+        for (i, kv) in self.cache.held().ctx(ctx)?.into_iter().enumerate() {
+            if let Some((k, v)) = kv {
+                tensors.push((format!("layers.{i}.k"), k.contiguous().ctx(ctx)?));
+                tensors.push((format!("layers.{i}.v"), v.contiguous().ctx(ctx)?));
+            }
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut crc = crc32fast::Hasher::new();
+        for (_, t) in &tensors {
+            crc.update(&bytes_of(t).ctx(ctx)?);
+        }
+        let metadata = HashMap::from([
+            ("format".to_owned(), FORMAT.to_owned()),
+            ("version".to_owned(), VERSION.to_owned()),
+            ("fingerprint".to_owned(), self.fingerprint.clone()),
+            ("position".to_owned(), self.tokens.len().to_string()),
+            ("layers".to_owned(), self.cache.num_layers().to_string()),
+            ("checksum".to_owned(), format!("{:08x}", crc.finalize())),
+        ]);
+        safetensors::serialize_to_file(tensors, Some(metadata), path).map_err(|e| CandleError::Malformed {
+            what: "session snapshot",
+            path: p.clone(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Reads a snapshot written by `save`; a damaged, truncated or foreign file is an error.
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        let p = path.display().to_string();
+        let bad = |reason: String| CandleError::Malformed { what: "session snapshot", path: p.clone(), reason };
+        let bytes = std::fs::read(path).map_err(|source| CandleError::Io { path: p.clone(), source })?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(e.to_string()))?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        let field = |k: &str| meta.get(k).cloned().ok_or_else(|| bad(format!("metadata `{k}` is missing")));
+        if field("format")? != FORMAT {
+            return Err(bad("not a candlewick session snapshot".into()));
+        }
+        if field("version")? != VERSION {
+            return Err(bad(format!("version {} is not one this build reads ({VERSION})", field("version")?)));
+        }
+        let number = |k: &str| field(k)?.parse::<usize>().map_err(|_| bad(format!("metadata `{k}` is not a number")));
+        let (position, layers) = (number("position")?, number("layers")?);
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+        let mut names: Vec<String> = st.names().into_iter().map(str::to_owned).collect();
+        names.sort();
+        let mut crc = crc32fast::Hasher::new();
+        for n in &names {
+            crc.update(st.tensor(n).map_err(|e| bad(e.to_string()))?.data());
+        }
+        if format!("{:08x}", crc.finalize()) != field("checksum")? {
+            return Err(bad("checksum mismatch: the file is damaged".into()));
+        }
+        let get = |name: &str| -> Result<Option<Tensor>> {
+            match st.tensor(name) {
+                Ok(view) => Ok(Some(view.load(device).map_err(|e| bad(format!("`{name}`: {e}")))?)),
+                Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
+                Err(e) => Err(bad(e.to_string())),
+            }
+        };
+        let tokens = match get("tokens")? {
+            Some(t) if t.dtype() == DType::U32 && t.dims() == [position] => t.to_vec1::<u32>().ctx(|| p.clone())?,
+            None if position == 0 => Vec::new(),
+            _ => return Err(bad(format!("`tokens` is not {position} u32 ids"))),
+        };
+        let mut held = Vec::with_capacity(layers);
+        for i in 0..layers {
+            let kv = match (get(&format!("layers.{i}.k"))?, get(&format!("layers.{i}.v"))?) {
+                (Some(k), Some(v)) if k.dims() == v.dims() && k.rank() == 4 && k.dim(2).ok() == Some(position) => {
+                    Some((k, v))
+                }
+                (None, None) if position == 0 => None,
+                _ => return Err(bad(format!("layer {i}'s keys and values do not hold {position} positions"))),
+            };
+            held.push(kv);
+        }
+        Ok(Self { tokens, cache: KvCache::from_held(held, position, position), fingerprint: field("fingerprint")? })
+    }
+}
+
+fn bytes_of(t: &Tensor) -> candle_core::Result<Vec<u8>> {
+    use safetensors::View;
+    Ok(t.data().into_owned())
+}
