@@ -42,3 +42,19 @@ def runtime(case):
     import candlewick
 
     return candlewick.ModelRuntime.load(TINY / case, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_with_tokenizer(tmp_path_factory):
+    """The tiny llama checkpoint with a word-level tokenizer (`t0` … `t511`), so text generation
+    runs in float32 against exact expectations."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    dest = tmp_path_factory.mktemp("tiny-tok") / "llama"
+    shutil.copytree(TINY / "llama", dest)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(dest / "tokenizer.json"))
+    return dest

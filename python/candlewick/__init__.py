@@ -40,6 +40,8 @@ from ._native import (
     __version__,
 )
 from . import _native, interventions
+from ._native import QueueFullError
+from .engine import Engine, EngineRequest
 
 
 def save_control_vector(path, directions, model_hint: str = "") -> None:
@@ -88,4 +90,7 @@ __all__ = [
     "__version__",
     "interventions",
     "save_control_vector",
+    "Engine",
+    "EngineRequest",
+    "QueueFullError",
 ]

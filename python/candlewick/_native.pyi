@@ -32,6 +32,9 @@ __all__ = [
     "Session",
     "SessionCapabilities",
     "SessionSnapshot",
+    "Engine",
+    "EngineRequest",
+    "QueueFullError",
     "SessionError",
     "StepOutput",
     "Submission",
@@ -112,6 +115,34 @@ class Intervention:
 def save_control_vector(
     path: str | PathLike[str], directions: Mapping[int, Sequence[float]], model_hint: str = ""
 ) -> None: ...
+
+class QueueFullError(CandlewickError): ...
+
+@final
+class Engine:
+    """Many requests over one model, stepped together in a background thread."""
+
+    def __new__(
+        cls, runtime: ModelRuntime, max_batch_size: int = 8, max_queue: int = 64, max_kv_bytes: int | None = None
+    ) -> Engine: ...
+    def submit(
+        self,
+        prompt: Any,
+        *,
+        interventions: Sequence[Intervention] | None = None,
+        chat: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> EngineRequest: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+@final
+class EngineRequest:
+    """A request of an Engine: its events, and a way to cancel it."""
+
+    def next_event(self, timeout: float = 0.1) -> tuple[str, Any] | None: ...
+    def cancel(self) -> None: ...
 
 @final
 class InterventionScope:

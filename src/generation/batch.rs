@@ -30,39 +30,55 @@ where
         gens.push(Generation::start(rt, Arc::clone(&tokenizer), prompt, opts)?);
     }
     loop {
-        let mut fed = Vec::new();
-        for (i, (g, rt)) in gens.iter_mut().zip(runtimes.iter()).enumerate() {
-            if g.finish_reason().is_some() {
-                continue;
-            }
-            let s = rt.session();
-            if let Advance::Feed(token) = g.advance::<B::Error>(s.position(), s.max_context())? {
-                fed.push((i, token));
-            }
-        }
-        if fed.is_empty() {
+        let mut active: Vec<(&mut Generation, &mut ModelRuntime<B>)> =
+            gens.iter_mut().zip(runtimes.iter_mut()).filter(|(g, _)| g.finish_reason().is_none()).collect();
+        if active.is_empty() {
             break;
         }
-        let started = Instant::now();
-        let inputs = fed.iter().map(|&(_, t)| vec![t].into()).collect();
-        let mut chosen: Vec<&mut ModelRuntime<B>> = Vec::with_capacity(fed.len());
-        let mut rest: &mut [ModelRuntime<B>] = runtimes;
-        let mut taken = 0;
-        for &(i, _) in &fed {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - taken);
-            let (one, tail) = tail.split_first_mut().expect("index in range");
-            chosen.push(one);
-            rest = tail;
-            taken = i + 1;
-        }
-        let outs = ModelRuntime::decode_batch(&mut chosen, inputs)?;
-        let seconds = started.elapsed().as_secs_f64();
-        for ((i, _), sub) in fed.into_iter().zip(outs) {
-            let rt = &runtimes[i];
-            let out = sub.wait().map_err(RuntimeError::Backend)?;
-            let host = rt.session().logits_to_host(&out).map_err(RuntimeError::Backend)?;
-            gens[i].accept_logits::<B::Error>(host.last_row().to_vec(), rt.session().position(), seconds)?;
-        }
+        step_together(&mut active)?;
     }
     Ok(gens.iter().map(Generation::result).collect())
+}
+
+/// One step of several generations, each on its own runtime of the same model: every one that
+/// continues samples its next token, and those tokens are decoded together in one batched step.
+/// Returns the text each generation made final in this step (empty for none).
+pub fn step_together<B>(
+    active: &mut [(&mut Generation, &mut ModelRuntime<B>)],
+) -> Result<Vec<String>, GenerationError<B::Error>>
+where
+    B: BackendProvider,
+    B::Session: BatchSession<B>,
+{
+    let mut texts = vec![String::new(); active.len()];
+    let mut fed = Vec::new();
+    for (i, (g, rt)) in active.iter_mut().enumerate() {
+        let s = rt.session();
+        match g.advance::<B::Error>(s.position(), s.max_context())? {
+            Advance::Feed(token) => fed.push((i, token)),
+            Advance::Done(text) => texts[i] = text,
+        }
+    }
+    if fed.is_empty() {
+        return Ok(texts);
+    }
+    let started = Instant::now();
+    let inputs = fed.iter().map(|&(_, t)| vec![t].into()).collect();
+    let outs = {
+        let mut chosen: Vec<&mut ModelRuntime<B>> = active
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| fed.iter().any(|(j, _)| j == i))
+            .map(|(_, (_, rt))| &mut **rt)
+            .collect();
+        ModelRuntime::decode_batch(&mut chosen, inputs)?
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    for ((i, _), sub) in fed.into_iter().zip(outs) {
+        let (g, rt) = &mut active[i];
+        let out = sub.wait().map_err(RuntimeError::Backend)?;
+        let host = rt.session().logits_to_host(&out).map_err(RuntimeError::Backend)?;
+        texts[i] = g.accept_logits::<B::Error>(host.last_row().to_vec(), rt.session().position(), seconds)?;
+    }
+    Ok(texts)
 }

@@ -5,7 +5,7 @@ pub mod generator;
 pub mod sampling;
 pub mod stopping;
 
-pub use batch::generate_batch;
+pub use batch::{generate_batch, step_together};
 pub use generator::{Advance, FinishReason, GenerateOptions, Generation, GenerationError, GenerationResult, Usage};
 pub use sampling::{Sampler, SamplingParams};
 pub use stopping::StopStrings;

@@ -1,5 +1,6 @@
 //! The PyO3 layer: a thin binding of the core, one file per domain.
 
+mod engine;
 mod errors;
 mod generation;
 mod intervention;
@@ -28,6 +29,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<intervention::PyIntervention>()?;
     m.add_class::<runtime::PyInterventionScope>()?;
     m.add_class::<runtime::PySessionSnapshot>()?;
+    m.add_class::<engine::PyEngine>()?;
+    m.add_class::<engine::PyEngineRequest>()?;
+    m.add("QueueFullError", m.py().get_type::<engine::QueueFullError>())?;
     m.add_function(wrap_pyfunction!(intervention::save_control_vector, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

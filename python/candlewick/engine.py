@@ -1,0 +1,117 @@
+"""The engine (docs/engine.md): many requests over one model, stepped as one continuous batch.
+
+    engine = cw.Engine(rt, max_batch_size=8, max_queue=64)
+    req = engine.submit("The capital of France is", max_tokens=16, temperature=0.0)
+    for piece in req:                  # or: async for piece in req
+        print(piece, end="")
+    req.result                         # the GenerationResult once iteration ended
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any, Optional, Sequence
+
+from . import _native
+from ._native import GenerationResult, Intervention, ModelRuntime
+
+
+class EngineRequest:
+    """One submitted request: iterate its text (sync or async), read its result, cancel it."""
+
+    def __init__(self, native: _native.EngineRequest) -> None:
+        self._native = native
+        self._ended = False
+        self.result: Optional[GenerationResult] = None
+        self.cancelled = False
+
+    def _take(self, event) -> Optional[str]:
+        kind, value = event
+        if kind == "text":
+            return value
+        self._ended = True
+        if kind == "done":
+            self.result = value
+        else:
+            self.cancelled = True
+        return None
+
+    def __iter__(self) -> "EngineRequest":
+        return self
+
+    def __next__(self) -> str:
+        while not self._ended:
+            event = self._native.next_event(0.1)  # the GIL is released while it waits
+            if event is not None:
+                text = self._take(event)
+                if text is not None:
+                    return text
+        raise StopIteration
+
+    def __aiter__(self) -> "EngineRequest":
+        return self
+
+    async def __anext__(self) -> str:
+        while not self._ended:
+            event = await asyncio.to_thread(self._native.next_event, 0.1)
+            if event is not None:
+                text = self._take(event)
+                if text is not None:
+                    return text
+        raise StopAsyncIteration
+
+    def wait(self) -> Optional[GenerationResult]:
+        """Runs the request to its end and returns its result (None if it was cancelled)."""
+        for _ in self:
+            pass
+        return self.result
+
+    def cancel(self) -> None:
+        """Stops the request at the engine's next step and frees its slot."""
+        self._native.cancel()
+
+
+class Engine:
+    """Many requests over one model's weights (shared, not copied), in a background thread."""
+
+    def __init__(
+        self,
+        model: ModelRuntime | str,
+        max_batch_size: int = 8,
+        max_queue: int = 64,
+        max_kv_bytes: Optional[int] = None,
+        **load_options: Any,
+    ) -> None:
+        self.runtime = model if isinstance(model, ModelRuntime) else ModelRuntime.load(model, **load_options)
+        self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes)
+
+    def submit(
+        self,
+        prompt: str | Sequence[int] | Sequence[Mapping[str, Any]],
+        *,
+        interventions: Optional[Sequence[Intervention]] = None,
+        chat_template: Optional[str] = None,
+        **sampling: Any,
+    ) -> EngineRequest:
+        """Queues a prompt (text, token ids, or chat messages) with sampling keywords and this
+        request's own interventions; a full queue raises ``QueueFullError`` at once."""
+        chat = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
+        native = self._native.submit(
+            prompt, interventions=interventions, chat=chat, chat_template=chat_template, **sampling
+        )
+        return EngineRequest(native)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: submitted, finished, queued, running, generated_tokens, steps."""
+        return self._native.stats()
+
+    def close(self) -> None:
+        """Stops taking requests and ends the background thread."""
+        self._native.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

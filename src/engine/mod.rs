@@ -1,0 +1,373 @@
+//! The engine: many requests over one model, stepped as one continuous batch in a background
+//! thread (docs/engine.md). A request joins the running batch at the next step and leaves when
+//! it finishes; each streams its own text; a bounded queue refuses work beyond it at once.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::core::{BackendSession, Intervention};
+use crate::generation::{step_together, GenerateOptions, Generation, GenerationResult};
+use crate::model::{Model, ModelError};
+
+/// Why the engine refused or failed a request.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The queue already holds `capacity` waiting requests.
+    #[error("the engine's queue is full ({capacity} requests waiting); retry later")]
+    QueueFull {
+        /// The queue's capacity.
+        capacity: usize,
+    },
+    /// The engine was closed.
+    #[error("the engine is closed")]
+    Closed,
+    /// The request failed in the model (a bad option, intervention or prompt, or a step).
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// How an engine schedules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// The most sequences decoded together in one step.
+    pub max_batch_size: usize,
+    /// The most requests waiting to join; more are refused with `QueueFull`.
+    pub max_queue: usize,
+    /// While the running sequences' KV caches hold this many bytes, no new one joins.
+    pub max_kv_bytes: Option<usize>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self { max_batch_size: 8, max_queue: 64, max_kv_bytes: None }
+    }
+}
+
+/// What a request's handle receives, in order: text pieces, then one `Done` or `Failed`.
+#[derive(Debug)]
+pub enum EngineEvent {
+    /// Text that became final.
+    Text(String),
+    /// The finished generation.
+    Done(GenerationResult),
+    /// The request failed; nothing more follows.
+    Failed(EngineError),
+    /// The request ended without a result: it was cancelled.
+    Cancelled,
+}
+
+/// Counters of an engine, for monitoring.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Requests submitted.
+    pub submitted: AtomicUsize,
+    /// Requests finished (done, failed or cancelled).
+    pub finished: AtomicUsize,
+    /// Requests waiting to join.
+    pub queued: AtomicUsize,
+    /// Sequences in the running batch.
+    pub running: AtomicUsize,
+    /// Tokens generated.
+    pub generated_tokens: AtomicUsize,
+    /// Batched steps run.
+    pub steps: AtomicUsize,
+}
+
+struct Job {
+    prompt: Vec<u32>,
+    options: GenerateOptions,
+    interventions: Vec<Intervention>,
+    events: Sender<EngineEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
+/// A submitted request: its events, and a way to cancel it.
+#[derive(Debug)]
+pub struct RequestHandle {
+    events: Mutex<Receiver<EngineEvent>>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl RequestHandle {
+    /// The next event, waiting at most `timeout`; `None` when none came in time.
+    pub fn next_event(&self, timeout: Duration) -> Option<EngineEvent> {
+        let rx = self.events.lock().ok()?;
+        match rx.recv_timeout(timeout) {
+            Ok(e) => Some(e),
+            Err(RecvTimeoutError::Timeout) => None,
+            // The engine dropped the request without a last word: it was cancelled.
+            Err(RecvTimeoutError::Disconnected) => Some(EngineEvent::Cancelled),
+        }
+    }
+
+    /// Asks the engine to stop this request at its next step and free its slot.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Many requests over one model, stepped together in a background thread.
+#[derive(Debug)]
+pub struct Engine {
+    queue: Option<SyncSender<Job>>,
+    worker: Option<JoinHandle<()>>,
+    stats: Arc<EngineStats>,
+    shutdown: Arc<AtomicBool>,
+    options: EngineOptions,
+}
+
+impl Engine {
+    /// An engine over `model`'s weights (shared, not copied); its sequences start empty and
+    /// carry no interventions but their own.
+    pub fn new(model: &Model, options: EngineOptions) -> Result<Self, EngineError> {
+        let mut template = model.fork()?;
+        template.runtime_mut().session_mut().reset();
+        template.runtime_mut().set_interventions(Vec::new()).map_err(ModelError::from)?;
+        let (tx, rx) = mpsc::sync_channel(options.max_queue.max(1));
+        let stats = Arc::new(EngineStats::default());
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let worker = {
+            let (stats, shutdown) = (Arc::clone(&stats), Arc::clone(&shutdown));
+            std::thread::Builder::new()
+                .name("candlewick-engine".into())
+                .spawn(move || {
+                    Worker { template, options, stats, shutdown, slots: Vec::new(), idle: Vec::new() }.run(rx)
+                })
+                .map_err(|e| {
+                    ModelError::Backend(crate::backend::CandleError::InvalidInput {
+                        operation: "engine",
+                        reason: format!("cannot start the engine thread: {e}"),
+                    })
+                })?
+        };
+        Ok(Self { queue: Some(tx), worker: Some(worker), stats, shutdown, options })
+    }
+
+    /// Queues a request; it joins the running batch at the next step. A full queue refuses at once.
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        options: GenerateOptions,
+        interventions: Vec<Intervention>,
+    ) -> Result<RequestHandle, EngineError> {
+        let queue = self.queue.as_ref().ok_or(EngineError::Closed)?;
+        let (events, rx) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let job = Job { prompt, options, interventions, events, cancel: Arc::clone(&cancel) };
+        self.stats.queued.fetch_add(1, Ordering::Relaxed);
+        match queue.try_send(job) {
+            Ok(()) => {
+                self.stats.submitted.fetch_add(1, Ordering::Relaxed);
+                Ok(RequestHandle { events: Mutex::new(rx), cancel })
+            }
+            Err(e) => {
+                self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+                Err(match e {
+                    TrySendError::Full(_) => EngineError::QueueFull { capacity: self.options.max_queue },
+                    TrySendError::Disconnected(_) => EngineError::Closed,
+                })
+            }
+        }
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// How it schedules.
+    pub fn options(&self) -> EngineOptions {
+        self.options
+    }
+
+    /// Stops taking requests, cancels the running ones and waits for the thread to end.
+    pub fn close(&mut self) {
+        self.shutdown.store(true, Ordering::Relaxed);
+        self.queue = None;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// One running sequence.
+struct Slot {
+    generation: Generation,
+    model: Model,
+    events: Sender<EngineEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
+struct Worker {
+    template: Model,
+    options: EngineOptions,
+    stats: Arc<EngineStats>,
+    shutdown: Arc<AtomicBool>,
+    slots: Vec<Slot>,
+    /// Sessions of finished requests, kept so a new prompt that shares a prefix reuses its cache.
+    idle: Vec<Model>,
+}
+
+impl Worker {
+    fn run(mut self, rx: Receiver<Job>) {
+        loop {
+            if self.shutdown.load(Ordering::Relaxed) {
+                for s in self.slots.drain(..) {
+                    let _ = s.events.send(EngineEvent::Failed(EngineError::Closed));
+                }
+                return;
+            }
+            if !self.admit(&rx) {
+                return;
+            }
+            self.stats.running.store(self.slots.len(), Ordering::Relaxed);
+            if self.slots.is_empty() {
+                continue;
+            }
+            self.step();
+            self.stats.running.store(self.slots.len(), Ordering::Relaxed);
+        }
+    }
+
+    /// Takes waiting requests into free slots; false when the engine is closed and idle.
+    fn admit(&mut self, rx: &Receiver<Job>) -> bool {
+        while self.slots.len() < self.options.max_batch_size.max(1) && !self.kv_full() {
+            let job = if self.slots.is_empty() {
+                // Nothing runs: wait for work (waking now and then to notice a shutdown).
+                match rx.recv_timeout(Duration::from_millis(100)) {
+                    Ok(j) => j,
+                    Err(RecvTimeoutError::Timeout) => return !self.shutdown.load(Ordering::Relaxed),
+                    Err(RecvTimeoutError::Disconnected) => return false,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(j) => j,
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                }
+            };
+            self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+            if job.cancel.load(Ordering::Relaxed) {
+                self.finish_one();
+                continue;
+            }
+            self.start(job);
+        }
+        true
+    }
+
+    fn kv_full(&self) -> bool {
+        let Some(limit) = self.options.max_kv_bytes else { return false };
+        let held: usize = self.slots.iter().map(|s| s.model.runtime().session().cache_bytes()).sum();
+        !self.slots.is_empty() && held >= limit
+    }
+
+    /// The idle session sharing the longest prefix with `prompt`, or a fresh one.
+    fn session_for(&mut self, prompt: &[u32]) -> Result<Model, ModelError> {
+        let shared = |m: &Model| m.runtime().session().tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let best = (0..self.idle.len()).max_by_key(|&i| shared(&self.idle[i]));
+        match best {
+            Some(i) if shared(&self.idle[i]) > 0 => Ok(self.idle.swap_remove(i)),
+            _ => self.template.fork(),
+        }
+    }
+
+    fn start(&mut self, job: Job) {
+        let mut model = match self.session_for(&job.prompt) {
+            Ok(m) => m,
+            Err(e) => return self.fail(&job.events, e.into()),
+        };
+        if let Err(e) = model.runtime_mut().set_interventions(job.interventions) {
+            self.idle.push(model);
+            return self.fail(&job.events, ModelError::from(e).into());
+        }
+        match model.start_generation(&job.prompt, job.options) {
+            Ok(generation) => self.slots.push(Slot { generation, model, events: job.events, cancel: job.cancel }),
+            Err(e) => {
+                self.idle.push(model);
+                self.fail(&job.events, e.into());
+            }
+        }
+    }
+
+    fn fail(&self, events: &Sender<EngineEvent>, e: EngineError) {
+        let _ = events.send(EngineEvent::Failed(e));
+        self.finish_one();
+    }
+
+    fn finish_one(&self) {
+        self.stats.finished.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn step(&mut self) {
+        // Cancelled requests (or ones whose handle is gone) leave before the step.
+        let mut k = 0;
+        while k < self.slots.len() {
+            if self.slots[k].cancel.load(Ordering::Relaxed) {
+                let s = self.slots.swap_remove(k);
+                self.retire(s.model);
+                self.finish_one();
+            } else {
+                k += 1;
+            }
+        }
+        if self.slots.is_empty() {
+            return;
+        }
+        let mut active: Vec<_> = self.slots.iter_mut().map(|s| (&mut s.generation, s.model.runtime_mut())).collect();
+        let result = step_together(&mut active);
+        drop(active);
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        match result {
+            Ok(texts) => {
+                for (s, text) in self.slots.iter().zip(texts) {
+                    if !text.is_empty() && s.events.send(EngineEvent::Text(text)).is_err() {
+                        // The handle is gone: nobody reads this request any more.
+                        s.cancel.store(true, Ordering::Relaxed);
+                    }
+                }
+                let (done, running): (Vec<Slot>, Vec<Slot>) =
+                    self.slots.drain(..).partition(|s| s.generation.finish_reason().is_some());
+                self.slots = running;
+                for s in done {
+                    let result = s.generation.result();
+                    self.stats.generated_tokens.fetch_add(result.token_ids.len(), Ordering::Relaxed);
+                    let _ = s.events.send(EngineEvent::Done(result));
+                    self.retire(s.model);
+                    self.finish_one();
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                for s in self.slots.drain(..).collect::<Vec<_>>() {
+                    let err = ModelError::Backend(crate::backend::CandleError::InvalidInput {
+                        operation: "engine step",
+                        reason: message.clone(),
+                    });
+                    let _ = s.events.send(EngineEvent::Failed(err.into()));
+                    self.retire(s.model);
+                    self.finish_one();
+                }
+            }
+        }
+    }
+
+    /// Keeps a finished request's session for prefix reuse (at most a batch's worth).
+    fn retire(&mut self, mut model: Model) {
+        if model.runtime_mut().set_interventions(Vec::new()).is_err() {
+            return;
+        }
+        self.idle.push(model);
+        if self.idle.len() > self.options.max_batch_size.max(1) {
+            self.idle.remove(0);
+        }
+    }
+}

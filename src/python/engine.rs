@@ -1,0 +1,137 @@
+//! The engine for Python: `Engine` and the handles of its requests (the package's
+//! `candlewick.Engine` adds iteration, `async for` and chat prompts on top).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyAny, PyDict};
+
+use super::errors::{catch_panic, model_err, CandlewickError, InternalError};
+use super::generation::{options_from_kwargs, to_result};
+use super::intervention::{edits_of, PyIntervention};
+use super::runtime::PyModelRuntime;
+use crate::engine::{Engine, EngineError, EngineEvent, EngineOptions, RequestHandle};
+
+pyo3::create_exception!(
+    candlewick,
+    QueueFullError,
+    CandlewickError,
+    "The engine's queue is full: the request was refused; retry later."
+);
+
+/// The Python exception for an engine error.
+pub fn engine_err(e: EngineError) -> PyErr {
+    match e {
+        EngineError::QueueFull { .. } => QueueFullError::new_err(e.to_string()),
+        EngineError::Closed => CandlewickError::new_err(e.to_string()),
+        EngineError::Model(e) => model_err(e),
+    }
+}
+
+/// Many requests over one model, stepped together in a background thread.
+#[pyclass(name = "Engine", module = "candlewick._native", frozen)]
+pub struct PyEngine {
+    inner: Mutex<Option<Engine>>,
+    runtime: Py<PyModelRuntime>,
+}
+
+#[pymethods]
+impl PyEngine {
+    /// An engine over `runtime`'s weights (shared, not copied).
+    #[new]
+    #[pyo3(signature = (runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None))]
+    fn new(
+        py: Python<'_>,
+        runtime: Py<PyModelRuntime>,
+        max_batch_size: usize,
+        max_queue: usize,
+        max_kv_bytes: Option<usize>,
+    ) -> PyResult<Self> {
+        if max_batch_size == 0 || max_queue == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err("max_batch_size and max_queue must be >= 1"));
+        }
+        let options = EngineOptions { max_batch_size, max_queue, max_kv_bytes };
+        let rt = runtime.get();
+        let engine = py.detach(|| catch_panic(|| Engine::new(&*rt.lock()?, options).map_err(engine_err)))?;
+        Ok(Self { inner: Mutex::new(Some(engine)), runtime })
+    }
+
+    /// Queues token ids with sampling keywords and interventions; a full queue raises `QueueFullError`.
+    #[pyo3(signature = (prompt, *, interventions=None, chat=false, chat_template=None, **kwargs))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+        chat: bool,
+        chat_template: Option<&str>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyEngineRequest> {
+        let rt = self.runtime.get();
+        let opts = options_from_kwargs(&rt.lock()?.defaults().clone(), kwargs)?;
+        let ids = if chat { rt.chat_ids(py, prompt, chat_template)? } else { rt.prompt_ids(py, prompt)? };
+        let edits = edits_of(interventions);
+        let guard = self.inner.lock().map_err(|_| InternalError::new_err("engine poisoned"))?;
+        let engine = guard.as_ref().ok_or_else(|| engine_err(EngineError::Closed))?;
+        let handle = engine.submit(ids, opts, edits).map_err(engine_err)?;
+        Ok(PyEngineRequest { handle })
+    }
+
+    /// Counters: submitted, finished, queued, running, generated_tokens, steps.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let guard = self.inner.lock().map_err(|_| InternalError::new_err("engine poisoned"))?;
+        let d = PyDict::new(py);
+        if let Some(e) = guard.as_ref() {
+            let s = e.stats();
+            use std::sync::atomic::Ordering::Relaxed;
+            d.set_item("submitted", s.submitted.load(Relaxed))?;
+            d.set_item("finished", s.finished.load(Relaxed))?;
+            d.set_item("queued", s.queued.load(Relaxed))?;
+            d.set_item("running", s.running.load(Relaxed))?;
+            d.set_item("generated_tokens", s.generated_tokens.load(Relaxed))?;
+            d.set_item("steps", s.steps.load(Relaxed))?;
+            d.set_item("max_batch_size", e.options().max_batch_size)?;
+            d.set_item("max_queue", e.options().max_queue)?;
+        }
+        Ok(d)
+    }
+
+    /// Stops taking requests, ends the running ones and the background thread.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.inner.lock().map_err(|_| InternalError::new_err("engine poisoned"))?.take();
+        if let Some(mut e) = engine {
+            py.detach(move || e.close());
+        }
+        Ok(())
+    }
+}
+
+/// A request of an `Engine`: its events, and a way to cancel it.
+#[pyclass(name = "EngineRequest", module = "candlewick._native", frozen)]
+pub struct PyEngineRequest {
+    handle: RequestHandle,
+}
+
+#[pymethods]
+impl PyEngineRequest {
+    /// The next event, waiting at most `timeout` seconds (GIL released): `("text", str)`,
+    /// `("done", GenerationResult)`, `("cancelled", None)`, or None when nothing came in time;
+    /// a failed request raises its error.
+    #[pyo3(signature = (timeout=0.1))]
+    fn next_event<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Option<(&'static str, Bound<'py, PyAny>)>> {
+        let wait = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
+        match py.detach(|| self.handle.next_event(wait)) {
+            None => Ok(None),
+            Some(EngineEvent::Text(t)) => Ok(Some(("text", t.into_pyobject(py)?.into_any()))),
+            Some(EngineEvent::Done(r)) => Ok(Some(("done", Bound::new(py, to_result(py, r)?)?.into_any()))),
+            Some(EngineEvent::Failed(e)) => Err(engine_err(e)),
+            Some(EngineEvent::Cancelled) => Ok(Some(("cancelled", py.None().into_bound(py)))),
+        }
+    }
+
+    /// Stops the request at the engine's next step and frees its slot.
+    fn cancel(&self) {
+        self.handle.cancel();
+    }
+}
