@@ -8,6 +8,12 @@ pub mod q8_0;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
+/// From this many rows on, Q8_0 weights go through the tiled kernel (`q8_0.rs`); below it,
+/// candle's row-by-row kernel is faster. Measured on Gemma 3 270M, batched decode of 2 / 4 / 8
+/// sequences (aggregate tok/s relative to one sequence, AMD EPYC, 2 threads): tiled 0.75–0.91 /
+/// 1.22–1.31 / 1.67–1.71, candle's 1.17 / 1.14 / 1.30.
+pub const Q8_0_TILED_ROWS: usize = 4;
+
 /// `x [rows, in] · Wᵀ` for a dense or quantized weight, float32 in and out.
 pub fn matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
     match weight {
@@ -17,7 +23,10 @@ pub fn matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
             weight.forward(&x.to_dtype(w.dtype())?)?.to_dtype(DType::F32)
         }
         QMatMul::QTensor(q)
-            if x.dim(0)? > 1 && q.dtype() == GgmlDType::Q8_0 && x.device().is_cpu() && q8_0::available() =>
+            if x.dim(0)? >= Q8_0_TILED_ROWS
+                && q.dtype() == GgmlDType::Q8_0
+                && x.device().is_cpu()
+                && q8_0::available() =>
         {
             let (n, k) = q.shape().dims2()?;
             let data = q.data()?;

@@ -205,9 +205,20 @@ fn matmul_with(x: &[f32], m: usize, k: usize, w: &[u8], n: usize, vnni: bool) ->
                             }
                         }
                     }
-                    for row0 in full_rows..m {
-                        for c in 0..cols {
-                            avx2::$tile::<1, 1>(&xq, &weights, nb, row0, col0 + c, ptr.0, n)
+                    // The last 1-3 rows still share each weight load across the 4 columns
+                    // (a decode batch of 2 or 3 rows is all remainder).
+                    let rest = m - full_rows;
+                    if cols == 4 && rest > 0 {
+                        match rest {
+                            1 => avx2::$tile::<1, 4>(&xq, &weights, nb, full_rows, col0, ptr.0, n),
+                            2 => avx2::$tile::<2, 4>(&xq, &weights, nb, full_rows, col0, ptr.0, n),
+                            _ => avx2::$tile::<3, 4>(&xq, &weights, nb, full_rows, col0, ptr.0, n),
+                        }
+                    } else {
+                        for row0 in full_rows..m {
+                            for c in 0..cols {
+                                avx2::$tile::<1, 1>(&xq, &weights, nb, row0, col0 + c, ptr.0, n)
+                            }
                         }
                     }
                 }};
@@ -263,7 +274,7 @@ mod tests {
             return;
         }
         let dev = Device::Cpu;
-        for (m, k, n) in [(1, 64, 5), (7, 96, 9), (16, 640, 36), (33, 128, 4)] {
+        for (m, k, n) in [(1, 64, 5), (2, 64, 8), (3, 128, 12), (6, 96, 16), (7, 96, 9), (16, 640, 36), (33, 128, 4)] {
             let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
             let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
