@@ -16,7 +16,8 @@ import pytest
 
 import candlewick as cw
 from conftest import TINY
-from fuzz.cases import gguf_layout, patched, write_gguf
+from fuzz.cases import write_gguf
+from fuzz.gguf_layout import gguf_layout, patched
 
 LLAMA = TINY / "llama"
 GEMMA = TINY / "gemma3"
@@ -208,7 +209,7 @@ def base_gguf(tmp_path_factory):
 
 
 def _layout_mutants(data, lay):
-    tens = {t["name"]: t for t in lay["tensors"]}
+    tens = lay["tensors"]
     q, k = tens["blk.0.attn_q.weight"], tens["blk.0.attn_k.weight"]
     (q_off,) = struct.unpack_from("<Q", data, q["offset"])
     dup = bytearray(data)

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gguf_layout import gguf_layout, patched
+try:
+    from .gguf_layout import gguf_layout, patched
+except ImportError:  # imported as a top-level module by runner.py, which puts tests/fuzz on sys.path
+    from gguf_layout import gguf_layout, patched
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(os.environ.get("CANDLEWICK_FIXTURES", REPO.parent / "shared" / "fixtures"))
