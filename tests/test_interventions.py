@@ -181,3 +181,26 @@ def test_positions_cover_decoded_tokens_and_only_those(runtime, case):
     # Causal: rows before the edited position are untouched, from it on they change.
     np.testing.assert_array_equal(plain[:7], edited[:7])
     assert rel_l2(edited[7], plain[7]) > 1e-4
+
+
+def test_a_cache_filled_under_other_edits_is_never_reused(tiny_with_tokenizer):
+    """Changing the kept edits may continue the cache, but a new prompt never reuses positions
+    computed under other edits (or a call's own)."""
+    rt = cw.ModelRuntime.load(tiny_with_tokenizer, device="cpu")
+    prompt = [5, 17, 200, 33, 90, 41, 7]
+    greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    edit = [iv.add("model.layers.1.output", np.full(64, 2.0, dtype=np.float32))]
+    rt.generate(prompt, **greedy)
+    rt.interventions = edit
+    steered = rt.generate(prompt, **greedy)
+    assert steered.usage["cached_tokens"] == 0
+    fresh = cw.ModelRuntime.load(tiny_with_tokenizer, device="cpu")
+    fresh.interventions = edit
+    assert steered.token_ids == fresh.generate(prompt, **greedy).token_ids
+    # Under the same edits the prefix is reused again.
+    assert rt.generate(prompt, **greedy).usage["cached_tokens"] == len(prompt) - 1
+    # A call's own edits make their positions unusable for the next prompt.
+    rt.interventions = []
+    rt.session.reset()
+    rt.prefill(prompt, interventions=edit)
+    assert rt.generate(prompt, **greedy).usage["cached_tokens"] == 0

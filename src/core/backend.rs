@@ -135,6 +135,11 @@ pub trait BackendSession<B: BackendProvider> {
     fn max_context(&self) -> usize;
     /// The token ids the cache holds, oldest first.
     fn tokens(&self) -> &[u32];
+    /// The leading tokens whose cached keys and values were computed under the edits kept on
+    /// the session now (and no per-call edit): only these may be reused for a new prompt.
+    fn reusable_tokens(&self) -> &[u32] {
+        self.tokens()
+    }
     /// Checks, without changing anything, that `tokens` could be appended at position `at`
     /// (ids in the vocabulary, the context not exceeded): a caller that must rewind first
     /// validates before it touches the session.

@@ -272,7 +272,8 @@ impl Worker {
 
     /// The idle session sharing the longest prefix with `prompt`, or a fresh one.
     fn session_for(&mut self, prompt: &[u32]) -> Result<Model, ModelError> {
-        let shared = |m: &Model| m.runtime().session().tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let shared =
+            |m: &Model| m.runtime().session().reusable_tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let best = (0..self.idle.len()).max_by_key(|&i| shared(&self.idle[i]));
         match best {
             Some(i) if shared(&self.idle[i]) > 0 => Ok(self.idle.swap_remove(i)),

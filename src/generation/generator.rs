@@ -198,8 +198,9 @@ impl Generation {
             return Err(GenerationError::InvalidOptions("the prompt has no tokens".into()));
         }
         let started = Instant::now();
-        // Reuse the longest prefix the session holds; at least one token is run to get logits.
-        let held = rt.session().tokens();
+        // Reuse the longest prefix the session holds (computed under the edits on now); at least
+        // one token is run to get logits.
+        let held = rt.session().reusable_tokens();
         let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
         rt.session().check_append(common, &prompt[common..]).map_err(RuntimeError::Backend)?;
         rt.session_mut().truncate(common).map_err(RuntimeError::Backend)?;

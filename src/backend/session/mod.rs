@@ -78,6 +78,9 @@ pub struct CandleSession {
     tokens: Vec<u32>,
     capabilities: SessionCapabilities,
     edits: KeptEdits,
+    /// How many leading cached positions were computed under the kept edits as they are now
+    /// (and no per-call edit): a cache filled under other edits must not serve a new prompt.
+    reusable: usize,
 }
 
 impl CandleSession {
@@ -90,6 +93,7 @@ impl CandleSession {
             tokens: Vec::new(),
             capabilities,
             edits: KeptEdits::default(),
+            reusable: 0,
         }
     }
 
@@ -165,15 +169,28 @@ impl CandleSession {
         if let Some(r) = request {
             r.validate(self.decoder.observation_points().iter().map(String::as_str))?;
         }
+        let clean = call_edits.is_empty();
         let edits = self.edits_for_call(call_edits)?;
-        if request.is_none() && edits.is_empty() {
+        let start = self.cache.len();
+        let result = if request.is_none() && edits.is_empty() {
             // The plain forward pass: no hook is even consulted.
             let output = self.step(operation, tokens, rows, &mut NoHooks)?;
-            return Ok(InspectedOutput { output, observations: ObservationSet::new() });
+            InspectedOutput { output, observations: ObservationSet::new() }
+        } else {
+            let mut hooks = StepHooks::new(request, &edits, start);
+            let output = self.step(operation, tokens, rows, &mut hooks)?;
+            InspectedOutput { output, observations: hooks.finish()? }
+        };
+        self.appended(start, clean);
+        Ok(result)
+    }
+
+    /// Keeps `reusable` true after positions `start..` were appended, with (`clean`) or without
+    /// only the kept edits.
+    fn appended(&mut self, start: usize, clean: bool) {
+        if clean && self.reusable == start {
+            self.reusable = self.cache.len();
         }
-        let mut hooks = StepHooks::new(request, &edits, self.cache.len());
-        let output = self.step(operation, tokens, rows, &mut hooks)?;
-        Ok(InspectedOutput { output, observations: hooks.finish()? })
     }
 
     /// The logit lens: final norm, output projection and soft-capping of float32 `[T, H]`.
@@ -240,6 +257,10 @@ impl BackendSession<CandleBackend> for CandleSession {
         &self.tokens
     }
 
+    fn reusable_tokens(&self) -> &[u32] {
+        &self.tokens[..self.reusable.min(self.tokens.len())]
+    }
+
     fn check_append(&self, at: usize, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             return Err(CandleError::InvalidInput { operation: "step", reason: "no tokens given".into() });
@@ -264,12 +285,14 @@ impl BackendSession<CandleBackend> for CandleSession {
         }
         self.cache.truncate(n);
         self.tokens.truncate(n);
+        self.reusable = self.reusable.min(n);
         Ok(())
     }
 
     fn reset(&mut self) {
         self.cache.reset();
         self.tokens.clear();
+        self.reusable = 0;
     }
 
     fn stop_token_ids(&self) -> Vec<u32> {
@@ -314,6 +337,7 @@ impl InspectableBackendSession<CandleBackend> for CandleSession {
             tokens: Vec::new(),
             capabilities: self.capabilities,
             edits: self.edits.clone(),
+            reusable: 0,
         };
         scratch.run("trace", &input.tokens, LogitsRows::All, input.interventions, Some(request))
     }
@@ -371,6 +395,7 @@ impl BatchSession<CandleBackend> for CandleSession {
                 .map(|(((s, input), logits), start)| {
                     let num_tokens = input.tokens.len();
                     s.tokens.extend(input.tokens);
+                    s.appended(start, input.interventions.is_empty());
                     Submission::new(StepOutput { logits, start_position: start, num_tokens }, s.completion(backend))
                 })
                 .collect()),
@@ -397,6 +422,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             tokens: self.tokens.clone(),
             capabilities: self.capabilities,
             edits: self.edits.clone(),
+            reusable: self.reusable,
         })
     }
 
@@ -405,6 +431,8 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             tokens: self.tokens.clone(),
             cache: self.cache.deep_copy().ctx(|| "copying the KV cache for a snapshot".into())?,
             fingerprint: self.decoder.fingerprint().to_owned(),
+            // Only a cache computed with no edit at all is reusable by whoever restores it.
+            clean_prefix: if self.edits.set.is_empty() { self.reusable } else { 0 },
         })
     }
 
@@ -453,25 +481,31 @@ impl SnapshotSession<CandleBackend> for CandleSession {
         }
         self.cache = KvCache::from_held(layers, position, self.cache.max_context());
         self.tokens = snap.tokens.clone();
+        self.reusable = if self.edits.set.is_empty() { snap.clean_prefix.min(position) } else { 0 };
         Ok(())
     }
 }
 
 impl InterventionSession<CandleBackend> for CandleSession {
     fn set_interventions(&mut self, edits: Vec<Intervention>) -> std::result::Result<(), InterventionError> {
+        let before = self.edits.set.clone();
         if edits.is_empty() {
             self.edits = KeptEdits::default();
-            return Ok(());
+        } else {
+            self.edits = self.ready(edits).map_err(|e| match e {
+                CandleError::Intervention(e) => e,
+                // Validation passed; only moving the vectors onto the device can fail here.
+                other => InterventionError::Invalid {
+                    point: "(all)".into(),
+                    op: "prepare",
+                    reason: format!("cannot place the edits on the device: {other}"),
+                },
+            })?;
         }
-        self.edits = self.ready(edits).map_err(|e| match e {
-            CandleError::Intervention(e) => e,
-            // Validation passed; only moving the vectors onto the device can fail here.
-            other => InterventionError::Invalid {
-                point: "(all)".into(),
-                op: "prepare",
-                reason: format!("cannot place the edits on the device: {other}"),
-            },
-        })?;
+        if self.edits.set != before {
+            // The cache was filled under other edits: it may be continued, never reused.
+            self.reusable = 0;
+        }
         Ok(())
     }
 

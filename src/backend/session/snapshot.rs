@@ -3,7 +3,7 @@
 //! The file is a safetensors file (docs/snapshots.md): tensors `tokens` (u32 `[position]`) and
 //! `layers.{i}.k` / `layers.{i}.v` (`[1, kv_heads, position, head_dim]` in the cache's dtype),
 //! and metadata `format` = `candlewick.session`, `version` = `1`, `fingerprint` (the model's),
-//! `position`, and `checksum`: CRC-32 of every tensor's bytes in name order, so a flipped byte
+//! `position`, `clean_prefix` (leading positions computed with no edit) and `checksum`: CRC-32 of every tensor's bytes in name order, so a flipped byte
 //! anywhere in the data is caught, not only in the header.
 
 use std::collections::HashMap;
@@ -24,6 +24,8 @@ pub struct SessionSnapshot {
     pub(crate) tokens: Vec<u32>,
     pub(crate) cache: KvCache,
     pub(crate) fingerprint: String,
+    /// How many leading positions were computed with no edit (reusable for a new prompt).
+    pub(crate) clean_prefix: usize,
 }
 
 impl SessionSnapshot {
@@ -63,6 +65,7 @@ impl SessionSnapshot {
             ("position".to_owned(), self.tokens.len().to_string()),
             ("layers".to_owned(), self.cache.num_layers().to_string()),
             ("checksum".to_owned(), format!("{:08x}", crc.finalize())),
+            ("clean_prefix".to_owned(), self.clean_prefix.to_string()),
         ]);
         safetensors::serialize_to_file(tensors, Some(metadata), path).map_err(|e| CandleError::Malformed {
             what: "session snapshot",
@@ -120,7 +123,14 @@ impl SessionSnapshot {
             };
             held.push(kv);
         }
-        Ok(Self { tokens, cache: KvCache::from_held(held, position, position), fingerprint: field("fingerprint")? })
+        // A file without the key (or with a value past its tokens) offers no reuse: safe either way.
+        let clean_prefix = number("clean_prefix").unwrap_or(0).min(position);
+        Ok(Self {
+            tokens,
+            cache: KvCache::from_held(held, position, position),
+            fingerprint: field("fingerprint")?,
+            clean_prefix,
+        })
     }
 }
 
