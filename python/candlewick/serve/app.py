@@ -1,0 +1,406 @@
+"""An OpenAI-compatible HTTP server over the engine (docs/server.md), on Starlette.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent events ending in
+``[DONE]``), ``GET /metrics`` (Prometheus text). The request body may carry candlewick's
+extensions: ``interventions`` (docs/interventions.md as JSON), ``control_vector`` (a name
+loaded at start, with a scale) and ``observe`` (point names: the prompt's activations come back
+under a ``candlewick`` key as base64 float32 with their shape).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from contextlib import asynccontextmanager
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import (
+    CandlewickError,
+    ContextFullError,
+    Engine,
+    GenerationOptionError,
+    InvalidInterventionError,
+    ModelRuntime,
+    ObservationError,
+    ObservationRequest,
+    QueueFullError,
+    TokenizerError,
+    TokenOutOfRangeError,
+)
+from .. import interventions as iv
+
+MAX_BODY_BYTES = 8 << 20
+
+
+class ApiError(Exception):
+    """An error answered the OpenAI way: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def api_error_of(e: Exception) -> ApiError:
+    """The HTTP answer for an exception raised while serving a request."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, QueueFullError):
+        return ApiError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, ContextFullError):
+        return ApiError(400, str(e), param="max_tokens", code="context_length_exceeded")
+    if isinstance(e, (GenerationOptionError, InvalidInterventionError, TokenOutOfRangeError, ObservationError,
+                      TokenizerError, ValueError, TypeError)):
+        return ApiError(400, str(e))
+    if isinstance(e, CandlewickError):
+        return ApiError(500, str(e), "server_error")
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+@dataclass
+class Metrics:
+    """Counters and sums behind ``/metrics``."""
+
+    requests: dict = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    token_latency_sum: float = 0.0
+    token_latency_count: int = 0
+
+    def count(self, route: str, status: int) -> None:
+        key = (route, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def record(self, usage: dict) -> None:
+        self.prompt_tokens += usage["prompt_tokens"]
+        self.completion_tokens += usage["completion_tokens"]
+        self.ttft_sum += usage["time_to_first_token"]
+        self.ttft_count += 1
+        if usage["completion_tokens"] > 1:
+            self.token_latency_sum += usage["decode_seconds"]
+            self.token_latency_count += usage["completion_tokens"] - 1
+
+
+SAMPLING = {
+    "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "stop": "stop",
+    # llama-cpp-python's extensions.
+    "top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
+}
+
+
+class Server:
+    """The state of one server: the engine, the model's name, control vectors, metrics."""
+
+    def __init__(self, runtime: ModelRuntime, model_name: str, api_key: Optional[str] = None,
+                 max_batch_size: int = 8, max_queue: int = 64,
+                 control_vectors: Optional[dict[str, list]] = None, chat_template: Optional[str] = None, log=None):
+        self.runtime = runtime
+        self.model_name = model_name
+        self.api_key = api_key
+        self.engine = Engine(runtime, max_batch_size=max_batch_size, max_queue=max_queue)
+        self.control_vectors = control_vectors or {}
+        self.chat_template = chat_template
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.log = log
+
+    # -- request parsing -------------------------------------------------------------------
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise ApiError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+
+    async def body(self, request: Request) -> dict:
+        ctype = request.headers.get("content-type", "")
+        if not ctype.split(";")[0].strip().lower() == "application/json":
+            raise ApiError(415, f"the body must be application/json, not {ctype or 'missing'}")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           code="model_not_found", param="model")
+        return body
+
+    def sampling(self, body: dict) -> dict:
+        kw: dict[str, Any] = {}
+        for key, name in SAMPLING.items():
+            if body.get(key) is not None:
+                kw[name] = body[key]
+        if "max_tokens" in kw and (not isinstance(kw["max_tokens"], int) or kw["max_tokens"] < 0):
+            raise ApiError(400, "max_tokens must be a non-negative integer", param="max_tokens")
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+            kw["max_tokens"] = body["max_completion_tokens"]
+        if "max_tokens" not in kw:
+            kw["max_tokens"] = 16 if "messages" not in body else 256
+        bias = body.get("logit_bias")
+        if bias:
+            try:
+                kw["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+            except (AttributeError, ValueError, TypeError):
+                raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias") from None
+        if body.get("logprobs") or body.get("top_logprobs"):
+            raise ApiError(400, "logprobs are not supported by this server yet", param="logprobs")
+        return kw
+
+    def interventions(self, body: dict) -> list:
+        edits = []
+        for k, e in enumerate(body.get("interventions") or []):
+            try:
+                op, point = e["op"], e["point"]
+                pos = e.get("positions")
+                if op == "add":
+                    edits.append(iv.add(point, e["vector"], scale=e.get("scale", 1.0), positions=pos))
+                elif op == "set":
+                    edits.append(iv.set(point, e["values"], positions=pos))
+                elif op == "scale":
+                    edits.append(iv.scale(point, e["index"], e.get("factor", e.get("scale", 0.0)), positions=pos))
+                elif op == "project_out":
+                    edits.append(iv.project_out(point, e["direction"], positions=pos))
+                else:
+                    raise ApiError(400, f"interventions[{k}]: unknown op `{op}`", param="interventions")
+            except (KeyError, TypeError, ValueError) as err:
+                raise ApiError(400, f"interventions[{k}] is malformed: {err}", param="interventions") from None
+        cv = body.get("control_vector")
+        if cv:
+            name = cv if isinstance(cv, str) else cv.get("name")
+            scale = 1.0 if isinstance(cv, str) else float(cv.get("scale", 1.0))
+            if name not in self.control_vectors:
+                raise ApiError(400, f"unknown control vector `{name}` (loaded: {sorted(self.control_vectors)})",
+                               param="control_vector")
+            for e in self.control_vectors[name]:
+                edits.append(iv.add(e.point, e.values, scale=e.scale_factor * scale))
+        return edits
+
+    def observe(self, body: dict, prompt: Any, chat: bool) -> Optional[dict]:
+        points = body.get("observe")
+        if not points:
+            return None
+        if chat:
+            ids = self.runtime.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, chat_template=self.chat_template)
+        else:
+            ids = self.runtime.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        edits = self.interventions(body)
+        obs = self.runtime.trace(ids, ObservationRequest.exact(list(points)), edits).observations
+        out = {}
+        for name in points:
+            a = np.ascontiguousarray(obs[name], dtype=np.float32)
+            out[name] = {"shape": list(a.shape), "dtype": "float32", "data": base64.b64encode(a.tobytes()).decode()}
+        return {"observations": out}
+
+    # -- generation ------------------------------------------------------------------------
+
+    def submit_all(self, prompt: Any, chat: bool, kw: dict, edits: list, n: int) -> list:
+        reqs = []
+        for i in range(n):
+            k = dict(kw)
+            if n > 1 and "seed" in k and k["seed"] is not None:
+                k["seed"] = k["seed"] + i
+            if chat:
+                k["chat_template"] = self.chat_template
+            reqs.append(self.engine.submit(prompt, interventions=edits, **k))
+        return reqs
+
+
+def usage_of(results) -> dict:
+    prompt = results[0].usage["prompt_tokens"]
+    completion = sum(r.usage["completion_tokens"] for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish(r) -> str:
+    return "stop" if r.finish_reason in ("stop", "eos") else "length"
+
+
+def build_app(server: Server) -> Starlette:
+    """The Starlette application serving `server`'s engine."""
+
+    async def handle(request: Request, route: str, fn) -> Response:
+        started = time.perf_counter()
+        try:
+            # Health and metrics stay open to probes and scrapers; the API needs the key.
+            if request.url.path.startswith("/v1/"):
+                server.check_key(request)
+            response = await fn(request)
+        except Exception as e:  # every failure becomes an OpenAI-style error; the server goes on
+            response = api_error_of(e).response()
+        server.metrics.count(route, response.status_code)
+        if server.log:
+            server.log(f"{request.method} {request.url.path} {response.status_code} "
+                       f"{(time.perf_counter() - started) * 1000:.0f} ms")
+        return response
+
+    async def completions(request: Request, chat: bool) -> Response:
+        body = await server.body(request)
+        if chat:
+            prompt = body.get("messages")
+            if not isinstance(prompt, list) or not prompt:
+                raise ApiError(400, "messages must be a non-empty list", param="messages")
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and
+                                                       not all(isinstance(t, int) for t in prompt)):
+                raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+        kw = server.sampling(body)
+        edits = server.interventions(body)
+        n = body.get("n") or 1
+        if not isinstance(n, int) or not 1 <= n <= 16:
+            raise ApiError(400, "n must be an integer from 1 to 16", param="n")
+        extension = server.observe(body, prompt, chat)
+        reqs = server.submit_all(prompt, chat, kw, edits, n)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        obj = "chat.completion" if chat else "text_completion"
+        if body.get("stream"):
+            try:
+                for r in reqs:
+                    await r.started()
+            except BaseException:
+                for r in reqs:
+                    r.cancel()
+                raise
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(stream(reqs, rid, chat, include_usage, extension),
+                                     media_type="text/event-stream")
+        try:
+            results = [await r.wait_async() for r in reqs]
+        finally:
+            for r in reqs:
+                r.cancel()
+        for r in results:
+            server.metrics.record(r.usage)
+        if chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                        "finish_reason": finish(r), "logprobs": None} for i, r in enumerate(results)]
+        else:
+            choices = [{"index": i, "text": r.text, "finish_reason": finish(r), "logprobs": None}
+                       for i, r in enumerate(results)]
+        out = {"id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
+               "choices": choices, "usage": usage_of(results)}
+        if extension:
+            out["candlewick"] = extension
+        return JSONResponse(out)
+
+    async def stream(reqs, rid, chat, include_usage, extension):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(i, text=None, reason=None, role=False):
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": None}
+            return {"id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
+                    "choices": [choice]}
+
+        def sse(data) -> str:
+            return f"data: {json.dumps(data)}\n\n"
+
+        try:
+            if extension:
+                head = chunk(0, role=chat) if chat else chunk(0)
+                head["candlewick"] = extension
+                yield sse(head)
+            elif chat:
+                for i in range(len(reqs)):
+                    yield sse(chunk(i, role=True))
+            results = []
+            for i, r in enumerate(reqs):
+                async for piece in r:
+                    yield sse(chunk(i, text=piece))
+                if r.result is None:
+                    return
+                results.append(r.result)
+                server.metrics.record(r.result.usage)
+                yield sse(chunk(i, reason=finish(r.result)))
+            if include_usage:
+                last = {"id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
+                        "choices": [], "usage": usage_of(results)}
+                yield sse(last)
+            yield "data: [DONE]\n\n"
+        finally:
+            # A client that went away cancels what it asked for and frees the slots.
+            for r in reqs:
+                r.cancel()
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "candlewick"}]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        m, s = server.metrics, server.engine.stats()
+        lines = ["# TYPE candlewick_requests_total counter"]
+        for (route, status), n in sorted(m.requests.items()):
+            lines.append(f'candlewick_requests_total{{route="{route}",status="{status}"}} {n}')
+        lines += [
+            "# TYPE candlewick_prompt_tokens_total counter", f"candlewick_prompt_tokens_total {m.prompt_tokens}",
+            "# TYPE candlewick_completion_tokens_total counter",
+            f"candlewick_completion_tokens_total {m.completion_tokens}",
+            "# TYPE candlewick_queue_depth gauge", f"candlewick_queue_depth {s.get('queued', 0)}",
+            "# TYPE candlewick_batch_size gauge", f"candlewick_batch_size {s.get('running', 0)}",
+            "# TYPE candlewick_time_to_first_token_seconds summary",
+            f"candlewick_time_to_first_token_seconds_sum {m.ttft_sum}",
+            f"candlewick_time_to_first_token_seconds_count {m.ttft_count}",
+            "# TYPE candlewick_token_latency_seconds summary",
+            f"candlewick_token_latency_seconds_sum {m.token_latency_sum}",
+            f"candlewick_token_latency_seconds_count {m.token_latency_count}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    def route(path, fn, methods, name):
+        async def endpoint(request: Request) -> Response:
+            return await handle(request, name, fn)
+        return Route(path, endpoint, methods=methods)
+
+    routes = [
+        route("/health", health, ["GET"], "health"),
+        route("/v1/models", models, ["GET"], "models"),
+        route("/v1/completions", lambda r: completions(r, False), ["POST"], "completions"),
+        route("/v1/chat/completions", lambda r: completions(r, True), ["POST"], "chat_completions"),
+        route("/metrics", metrics, ["GET"], "metrics"),
+    ]
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.engine.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.server = server
+    return app

