@@ -104,3 +104,12 @@ def test_bad_requests_are_typed_errors_and_the_engine_goes_on(rt):
         with pytest.raises(cw.InvalidInterventionError):
             engine.submit([1, 2], interventions=[iv.add("model.layers.9.output", [0.0])], **GREEDY).wait()
         assert engine.submit(prompt(5), **GREEDY).wait().finish_reason == "length"
+
+
+def test_generate_batch_on_a_float32_checkpoint_equals_generate_exactly(rt):
+    prompts = [prompt(i) for i in range(5)]
+    batch = rt.generate_batch(prompts, **GREEDY)
+    for p, got in zip(prompts, batch):
+        rt.session.reset()
+        alone = rt.generate(p, **GREEDY)
+        assert got.token_ids == alone.token_ids and got.text == alone.text
