@@ -178,3 +178,21 @@ def test_cli_reports_errors_without_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "candlewick", "info", "--model", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "ArtifactError" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_logprobs_are_the_models_log_softmax(rt):
+    rt.session.reset()
+    r = rt.generate(PROMPT, max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True)
+    assert len(r.logprobs) == 4
+    # The same steps as generate ran: a prefill of the prompt, then one decode per token.
+    rt.session.reset()
+    rows = [rt.prefill(rt.tokenizer.encode(PROMPT)).wait().logits[-1]]
+    rows += [rt.decode([t]).wait().logits[-1] for t in r.token_ids[:-1]]
+    for k, entry in enumerate(r.logprobs):
+        logits = rows[k].astype(np.float64)
+        lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
+        assert entry["token"] == r.token_ids[k]
+        assert abs(entry["logprob"] - (logits[entry["token"]] - lse)) < 1e-4
+        top = entry["top_logprobs"]
+        assert [t for t, _ in top] == list(np.argsort(-logits, kind="stable")[:5])
+    assert rt.generate(PROMPT, max_tokens=2).logprobs is None

@@ -293,3 +293,23 @@ def test_api_key_and_a_full_queue(tmp_path):
         assert good.completions.create(model=NAME, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
     finally:
         stop(proc)
+
+
+def test_logprobs(client, rt):
+    r = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=5, temperature=0.0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    # Greedy: the chosen token is the most likely one, so its logprob leads its top list.
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and len(top) == 3 and abs(max(top.values()) - chosen) < 1e-5
+    # The same numbers as the model's log-softmax through the Python API.
+    ids = rt.tokenizer.encode("The capital of France is")
+    logits = rt.trace(ids).output.logits[-1].astype(np.float64)
+    want = logits.max() - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+    assert abs(lp.token_logprobs[0] - want) < 1e-4
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0.0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)

@@ -63,6 +63,7 @@ class _GenerateOptions(TypedDict, total=False):
     stop: str | Sequence[str] | None
     seed: int | None
     ignore_eos: bool
+    logprobs: int | bool | None
 
 class CandlewickError(Exception): ...
 class ArtifactError(CandlewickError): ...
@@ -298,6 +299,8 @@ class GenerationResult:
     def finish_reason(self) -> Literal["stop", "length", "eos"]: ...
     @property
     def usage(self) -> dict[str, Any]: ...
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None: ...
 
 @final
 class GenerationStream:

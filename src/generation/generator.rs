@@ -71,6 +71,8 @@ pub struct GenerateOptions {
     pub eos_ids: Vec<u32>,
     /// Keep going past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability and this many most likely alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// The one table of generation defaults (llama-cpp-python's): every API and the CLI use it.
@@ -88,6 +90,7 @@ impl Default for GenerateOptions {
             },
             eos_ids: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -140,6 +143,40 @@ pub struct GenerationResult {
     pub finish_reason: FinishReason,
     /// Counts and timings.
     pub usage: Usage,
+    /// Per generated token, when asked: its log-probability and the top alternatives.
+    pub logprobs: Option<Vec<TokenLogprobs>>,
+}
+
+/// One generated token's log-probability under the model (log-softmax of its raw logits, before
+/// penalties and temperature, as llama.cpp and the OpenAI API report it) and the most likely
+/// alternatives at that step, most likely first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// The chosen token's entry from a step's raw logits, with the `top` most likely alternatives.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = max + logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
+        let mut best: Vec<(u32, f32)> = Vec::new();
+        if top > 0 {
+            let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+            let k = top.min(idx.len());
+            let by = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+            idx.select_nth_unstable_by(k - 1, by);
+            idx.truncate(k);
+            idx.sort_unstable_by(by);
+            best = idx.into_iter().map(|t| (t, logits[t as usize] - lse)).collect();
+        }
+        Self { token, logprob: logits[token as usize] - lse, top: best }
+    }
 }
 
 /// What `Generation::advance` decided.
@@ -167,6 +204,9 @@ pub struct Generation {
     finish: Option<FinishReason>,
     usage: Usage,
     started: Instant,
+    /// `Some(top)` when log-probabilities are reported.
+    logprobs_top: Option<usize>,
+    logprobs: Vec<TokenLogprobs>,
 }
 
 /// The last row of a step's logits on the host, refusing NaN or infinite values.
@@ -239,6 +279,8 @@ impl Generation {
             finish: if options.max_tokens == 0 { Some(FinishReason::Length) } else { None },
             usage,
             started,
+            logprobs_top: options.logprobs,
+            logprobs: Vec::new(),
         })
     }
 
@@ -287,8 +329,15 @@ impl Generation {
             return Ok(Advance::Done(String::new()));
         }
         let mut logits = std::mem::take(&mut self.logits);
+        // Log-probabilities are the model's own (raw logits), so they are taken before adjusting.
+        let raw = self.logprobs_top.map(|_| logits.clone());
         self.sampler.adjust(&mut logits, &self.context);
         let token = self.sampler.sample(&logits);
+        if let (Some(top), Some(raw)) = (self.logprobs_top, raw) {
+            if !self.eos.contains(&token) {
+                self.logprobs.push(TokenLogprobs::of(&raw, token, top));
+            }
+        }
         if self.generated.is_empty() {
             self.usage.time_to_first_token = self.started.elapsed().as_secs_f64();
         }
@@ -365,6 +414,7 @@ impl Generation {
             token_ids: self.generated.clone(),
             finish_reason: self.finish.unwrap_or(FinishReason::Length),
             usage: Usage { completion_tokens: self.generated.len(), ..self.usage },
+            logprobs: self.logprobs_top.map(|_| self.logprobs.clone()),
         }
     }
 

@@ -6,6 +6,8 @@ pub mod sampling;
 pub mod stopping;
 
 pub use batch::{generate_batch, step_together};
-pub use generator::{Advance, FinishReason, GenerateOptions, Generation, GenerationError, GenerationResult, Usage};
+pub use generator::{
+    Advance, FinishReason, GenerateOptions, Generation, GenerationError, GenerationResult, TokenLogprobs, Usage,
+};
 pub use sampling::{Sampler, SamplingParams};
 pub use stopping::StopStrings;

@@ -86,6 +86,16 @@ pub fn options_from_kwargs(
                     }
                 }
                 "ignore_eos" => o.ignore_eos = v.extract().map_err(|_| type_err("ignore_eos", "a bool", &v))?,
+                // None: off; N: the chosen token's log-probability and the N most likely.
+                "logprobs" => {
+                    o.logprobs = if v.is_none() {
+                        None
+                    } else if let Ok(b) = v.cast::<pyo3::types::PyBool>() {
+                        b.is_true().then_some(0)
+                    } else {
+                        Some(count("logprobs", &v)?)
+                    }
+                }
                 other => {
                     return Err(pyo3::exceptions::PyTypeError::new_err(format!(
                         "unexpected keyword argument `{other}`"
@@ -109,6 +119,8 @@ pub struct PyGenerationResult {
     finish_reason: &'static str,
     /// Token counts and timings.
     usage: Py<PyDict>,
+    /// With `logprobs=N`: per generated token a dict `{"token", "logprob", "top_logprobs": [(id, logprob)]}`.
+    logprobs: Option<Vec<Py<PyDict>>>,
 }
 
 #[pymethods]
@@ -136,11 +148,27 @@ pub fn to_result(py: Python<'_>, r: GenerationResult) -> PyResult<PyGenerationRe
     d.set_item("decode_seconds", u.decode_seconds)?;
     d.set_item("prefill_tokens_per_second", u.prefill_tokens_per_second())?;
     d.set_item("decode_tokens_per_second", u.decode_tokens_per_second())?;
+    let logprobs = r
+        .logprobs
+        .map(|steps| {
+            steps
+                .into_iter()
+                .map(|t| {
+                    let e = PyDict::new(py);
+                    e.set_item("token", t.token)?;
+                    e.set_item("logprob", t.logprob)?;
+                    e.set_item("top_logprobs", t.top)?;
+                    Ok(e.unbind())
+                })
+                .collect::<PyResult<Vec<_>>>()
+        })
+        .transpose()?;
     Ok(PyGenerationResult {
         text: r.text,
         token_ids: r.token_ids,
         finish_reason: r.finish_reason.as_str(),
         usage: d.unbind(),
+        logprobs,
     })
 }
 

@@ -171,9 +171,41 @@ class Server:
                 kw["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
             except (AttributeError, ValueError, TypeError):
                 raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias") from None
-        if body.get("logprobs") or body.get("top_logprobs"):
-            raise ApiError(400, "logprobs are not supported by this server yet", param="logprobs")
+        lp = body.get("logprobs")
+        if lp:
+            if body.get("stream"):
+                raise ApiError(400, "logprobs with stream are not supported yet", param="logprobs")
+            if "messages" in body:  # chat: logprobs is a flag, top_logprobs the count
+                top = body.get("top_logprobs") or 0
+            else:  # completions: logprobs is the count
+                top = lp
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+                raise ApiError(400, "the number of top logprobs must be an integer from 0 to 20", param="logprobs")
+            kw["logprobs"] = top
         return kw
+
+    def piece(self, token: int) -> str:
+        return self.runtime.tokenizer.decode([token])
+
+    def logprobs_of(self, result, chat: bool) -> Optional[dict]:
+        """A result's log-probabilities in the OpenAI shape of the endpoint."""
+        if result.logprobs is None:
+            return None
+        if chat:
+            def entry(tok, lp):
+                text = self.piece(tok)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [{**entry(e["token"], e["logprob"]),
+                                 "top_logprobs": [entry(t, lp) for t, lp in e["top_logprobs"]]}
+                                for e in result.logprobs]}
+        tokens = [self.piece(e["token"]) for e in result.logprobs]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in result.logprobs],
+                "top_logprobs": [{self.piece(t): lp for t, lp in e["top_logprobs"]} for e in result.logprobs],
+                "text_offset": offsets}
 
     def interventions(self, body: dict) -> list:
         edits = []
@@ -305,10 +337,11 @@ def build_app(server: Server) -> Starlette:
             server.metrics.record(r.usage)
         if chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                        "finish_reason": finish(r), "logprobs": None} for i, r in enumerate(results)]
-        else:
-            choices = [{"index": i, "text": r.text, "finish_reason": finish(r), "logprobs": None}
+                        "finish_reason": finish(r), "logprobs": server.logprobs_of(r, True)}
                        for i, r in enumerate(results)]
+        else:
+            choices = [{"index": i, "text": r.text, "finish_reason": finish(r),
+                        "logprobs": server.logprobs_of(r, False)} for i, r in enumerate(results)]
         out = {"id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
                "choices": choices, "usage": usage_of(results)}
         if extension:
