@@ -264,18 +264,32 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--control-vector", action="append", metavar="NAME=FILE[:SCALE]",
                    help="a llama.cpp control vector requests can name (repeatable)")
     v.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
+    v.add_argument("--ray", action="store_true", help="serve from replicas under Ray Serve (pip install 'candlewick[ray]')")
+    v.add_argument("--replicas", type=int, default=2, help="replicas under --ray")
+    v.add_argument("--ray-address", default=None, help="an existing Ray cluster to join (default: start a local one)")
     v.set_defaults(func=cmd_serve)
     return p
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    if args.ray:
+        try:
+            from .serve.ray import run
+        except ImportError as e:
+            raise SystemExit(f"--ray needs its extra: pip install 'candlewick[ray]' ({e})")
+        run(args.model or default_model(), host=args.host, port=args.port, address=args.ray_address,
+            replicas=args.replicas, api_key=args.api_key, max_batch_size=args.max_batch_size,
+            max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
+            chat_template=template)
+        return 0
     try:
         from .serve import serve
     except ImportError as e:
         raise SystemExit(f"the server needs its extra: pip install 'candlewick[server]' ({e})")
     serve(args.model or default_model(), host=args.host, port=args.port, api_key=args.api_key,
           max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
-          device=args.device, chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
+          device=args.device, chat_template=template)
     return 0
 
 

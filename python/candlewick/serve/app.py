@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from contextlib import asynccontextmanager
 import time
 import uuid
@@ -289,6 +290,8 @@ def build_app(server: Server) -> Starlette:
             response = await fn(request)
         except Exception as e:  # every failure becomes an OpenAI-style error; the server goes on
             response = api_error_of(e).response()
+        # Which process answered: replicas (under Ray Serve) are told apart by it.
+        response.headers["X-Candlewick-Replica"] = str(os.getpid())
         server.metrics.count(route, response.status_code)
         if server.log:
             server.log(f"{request.method} {request.url.path} {response.status_code} "

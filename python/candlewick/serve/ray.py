@@ -1,0 +1,68 @@
+"""The same server as replicas under Ray Serve (docs/server.md): each replica loads the model
+and owns an engine; Ray Serve's HTTP proxy spreads requests over them and replaces a replica
+whose process dies. Install with ``pip install 'candlewick[ray]'``.
+
+    from ray import serve
+    from candlewick.serve.ray import application
+    serve.run(application("model.gguf", replicas=2), route_prefix="/")
+
+Routing: Ray Serve's default router picks the less loaded of two random replicas; it does not
+look at prompts, so a conversation's turns may land on different replicas. Each replica still
+reuses any prefix it holds (its engine keeps finished sessions), so the cost of a miss is one
+prefill of the shared prefix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def application(model: str, replicas: int = 2, api_key: Optional[str] = None, max_batch_size: int = 8,
+                max_queue: int = 64, control_vectors: Optional[Sequence[str]] = None, device: str = "cpu",
+                chat_template: Optional[str] = None, num_cpus: Optional[float] = None):
+    """A Ray Serve application serving `model` from `replicas` replicas, with the routes of
+    ``candlewick serve``."""
+    from ray import serve
+
+    def build():
+        # Runs on each replica: the model, its engine and the Starlette app live there.
+        from .. import ModelRuntime
+        from . import load_control_vectors
+        from .app import Server, build_app
+
+        runtime = ModelRuntime.load(model, device=device)
+        server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
+                        max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
+                        chat_template=chat_template)
+        return build_app(server)
+
+    options = {"num_replicas": replicas}
+    if num_cpus is not None:
+        options["ray_actor_options"] = {"num_cpus": num_cpus}
+
+    @serve.deployment(**options)
+    @serve.ingress(build)
+    class CandlewickReplica:
+        """One replica: a model and its engine behind the OpenAI routes."""
+
+    return CandlewickReplica.bind()
+
+
+def run(model: str, host: str = "127.0.0.1", port: int = 8000, address: Optional[str] = None,
+        replicas: int = 2, **options) -> None:
+    """Starts (or joins, with `address`) a Ray cluster and serves `model` until interrupted."""
+    import time
+
+    import ray
+    from ray import serve
+
+    ray.init(address=address, include_dashboard=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(model, replicas=replicas, **options), route_prefix="/")
+    print(f"serving {Path(model).name} from {replicas} replicas on http://{host}:{port}/v1", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
