@@ -65,9 +65,13 @@ def stop(proc):
         proc.kill()
 
 
+SERVER_PID = {}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     proc, base = start_server(tmp_path_factory.mktemp("srv"))
+    SERVER_PID[base] = proc.pid
     yield base
     stop(proc)
 
@@ -313,3 +317,39 @@ def test_logprobs(client, rt):
                                           temperature=0.0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def rss_kib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_sixty_second_soak_ends_clean_with_flat_memory(server, client):
+    def burst():
+        return client.completions.create(model=NAME, prompt="Tell me a story", max_tokens=8, temperature=0.8)
+
+    for _ in range(4):  # warm up: caches, pools and allocator arenas reach their working size
+        burst()
+    start_rss = rss_kib(SERVER_PID[server])
+    errors, done = [], [0]
+    deadline = time.time() + 60
+
+    def worker():
+        while time.time() < deadline:
+            try:
+                burst()
+                done[0] += 1
+            except Exception as e:  # noqa: BLE001 - any failure is what the soak looks for
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    end_rss = rss_kib(SERVER_PID[server])
+    assert not errors, errors[:3]
+    assert done[0] > 20
+    assert end_rss <= 1.10 * start_rss, (start_rss, end_rss)
