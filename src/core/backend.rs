@@ -171,6 +171,12 @@ pub trait SnapshotSession<B: BackendProvider>: BackendSession<B> + Sized {
     /// A new session over the same (shared) weights starting as a copy of this one: tokens,
     /// position, cache and kept edits. Only the cache costs memory.
     fn fork(&self) -> Result<Self, B::Error>;
+    /// A new, empty session over the same weights with this one's kept edits (no cache copied).
+    fn fork_empty(&self) -> Result<Self, B::Error> {
+        let mut s = self.fork()?;
+        s.reset();
+        Ok(s)
+    }
     /// Copies the tokens and cache.
     fn snapshot(&self) -> Result<Self::Snapshot, B::Error>;
     /// Puts a snapshot's tokens and cache back; a snapshot of another model is an error and

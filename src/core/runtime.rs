@@ -210,6 +210,12 @@ where
         let session = self.session.fork().map_err(RuntimeError::Backend)?;
         Ok(Self { backend: self.backend.clone(), session, capabilities: self.capabilities })
     }
+
+    /// A second runtime over the same weights with an empty session and this one's kept edits.
+    pub fn fork_empty(&self) -> Result<Self, RuntimeError<B::Error>> {
+        let session = self.session.fork_empty().map_err(RuntimeError::Backend)?;
+        Ok(Self { backend: self.backend.clone(), session, capabilities: self.capabilities })
+    }
 }
 
 impl<B> ModelRuntime<B>

@@ -123,8 +123,7 @@ impl Engine {
     /// An engine over `model`'s weights (shared, not copied); its sequences start empty and
     /// carry no interventions but their own.
     pub fn new(model: &Model, options: EngineOptions) -> Result<Self, EngineError> {
-        let mut template = model.fork()?;
-        template.runtime_mut().session_mut().reset();
+        let mut template = model.fork_empty()?;
         template.runtime_mut().set_interventions(Vec::new()).map_err(ModelError::from)?;
         let (tx, rx) = mpsc::sync_channel(options.max_queue.max(1));
         let stats = Arc::new(EngineStats::default());
@@ -277,7 +276,7 @@ impl Worker {
         let best = (0..self.idle.len()).max_by_key(|&i| shared(&self.idle[i]));
         match best {
             Some(i) if shared(&self.idle[i]) > 0 => Ok(self.idle.swap_remove(i)),
-            _ => self.template.fork(),
+            _ => self.template.fork_empty(),
         }
     }
 

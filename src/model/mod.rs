@@ -10,7 +10,7 @@ use std::sync::Arc;
 pub use info::ModelInfo;
 
 use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, LoadOptions};
-use crate::core::{BackendSession, ModelLoadError, ModelRuntime, RuntimeError};
+use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult};
 use crate::text::{ChatTemplate, TextError, Tokenizer};
 
@@ -105,13 +105,23 @@ impl Model {
     /// A second model over the same weights (no copy: only a new KV cache) whose session
     /// starts as a copy of this one's tokens, cache and kept interventions.
     pub fn fork(&self) -> Result<Self, ModelError> {
-        Ok(Self {
-            runtime: self.runtime.fork()?,
+        Ok(self.with_runtime(self.runtime.fork()?))
+    }
+
+    /// A second model over the same weights with an empty session and this one's kept edits.
+    pub fn fork_empty(&self) -> Result<Self, ModelError> {
+        Ok(self.with_runtime(self.runtime.fork_empty()?))
+    }
+
+    /// This model's tokenizer, template, defaults and description around another runtime.
+    fn with_runtime(&self, runtime: Runtime) -> Self {
+        Self {
+            runtime,
             tokenizer: self.tokenizer.clone(),
             chat_template: self.chat_template.clone(),
             defaults: self.defaults.clone(),
             info: self.info.clone(),
-        })
+        }
     }
 
     /// The runtime (backend and session).
@@ -230,9 +240,7 @@ impl Model {
         let ids = prompts.iter().map(|p| self.prompt_ids(p)).collect::<Result<Vec<_>, _>>()?;
         let mut runtimes = Vec::with_capacity(ids.len());
         for _ in &ids {
-            let mut rt = self.runtime.fork()?;
-            rt.session_mut().reset();
-            runtimes.push(rt);
+            runtimes.push(self.runtime.fork_empty()?);
         }
         let tokenizer = Arc::clone(self.tokenizer()?);
         let options = vec![options; ids.len()];

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Tensor, D};
 
 use crate::backend::config::Activation;
@@ -81,7 +81,7 @@ impl Embedding {
     pub fn summary(&self) -> (String, usize) {
         match self {
             Self::Dense(t) => (dtype_name(t.dtype()), t.elem_count()),
-            Self::Quantized(q) => (format!("{:?}", q.dtype()).to_lowercase(), q.shape().elem_count()),
+            Self::Quantized(q) => (ggml_name(q.dtype()), q.shape().elem_count()),
         }
     }
 
@@ -154,10 +154,19 @@ pub fn dtype_name(d: DType) -> String {
     format!("{d:?}").to_lowercase()
 }
 
+/// A quantized type as llama.cpp spells it (`q4_k`, `q8_0`), not as candle's `Debug` does (`Q4K`).
+pub fn ggml_name(d: GgmlDType) -> String {
+    let s = format!("{d:?}").to_lowercase();
+    match s.strip_suffix('k') {
+        Some(stem) if stem.starts_with('q') => format!("{stem}_k"),
+        _ => s,
+    }
+}
+
 /// A matmul weight's storage type and number of parameters.
 fn weight_summary(w: &QMatMul) -> (String, usize) {
     match w {
-        QMatMul::QTensor(q) => (format!("{:?}", q.dtype()).to_lowercase(), q.shape().elem_count()),
+        QMatMul::QTensor(q) => (ggml_name(q.dtype()), q.shape().elem_count()),
         QMatMul::Tensor(t) | QMatMul::TensorF16(t) => (dtype_name(t.dtype()), t.elem_count()),
     }
 }

@@ -331,14 +331,7 @@ impl InspectableBackendSession<CandleBackend> for CandleSession {
         request: &ObservationRequest,
     ) -> Result<InspectedOutput<StepOutput>> {
         // A scratch session over the same weights and edits: this one's cache is never touched.
-        let mut scratch = CandleSession {
-            decoder: Arc::clone(&self.decoder),
-            cache: KvCache::new(self.decoder.config().num_layers(), self.cache.max_context()),
-            tokens: Vec::new(),
-            capabilities: self.capabilities,
-            edits: self.edits.clone(),
-            reusable: 0,
-        };
+        let mut scratch = self.fork_empty()?;
         scratch.run("trace", &input.tokens, LogitsRows::All, input.interventions, Some(request))
     }
 }
@@ -423,6 +416,17 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             capabilities: self.capabilities,
             edits: self.edits.clone(),
             reusable: self.reusable,
+        })
+    }
+
+    fn fork_empty(&self) -> Result<Self> {
+        Ok(Self {
+            decoder: Arc::clone(&self.decoder),
+            cache: KvCache::new(self.decoder.config().num_layers(), self.cache.max_context()),
+            tokens: Vec::new(),
+            capabilities: self.capabilities,
+            edits: self.edits.clone(),
+            reusable: 0,
         })
     }
 
