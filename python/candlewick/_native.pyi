@@ -45,6 +45,7 @@ __all__ = [
     "UnsupportedError",
     "UnsupportedTensorTypeError",
     "__version__",
+    "generation_defaults",
     "save_control_vector",
 ]
 
@@ -113,6 +114,7 @@ class Intervention:
     def index(self) -> list[int] | None: ...
     def __eq__(self, other: object, /) -> bool: ...
 
+def generation_defaults() -> dict[str, Any]: ...
 def save_control_vector(
     path: str | PathLike[str], directions: Mapping[int, Sequence[float]], model_hint: str = ""
 ) -> None: ...

