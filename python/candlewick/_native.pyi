@@ -323,6 +323,7 @@ class ModelRuntime:
         device: str = "auto",
         dtype: str | None = None,
         max_context: int | None = None,
+        threads: int | None = None,
     ) -> ModelRuntime: ...
     @property
     def backend(self) -> Backend: ...

@@ -78,15 +78,11 @@ def model_path(given: Optional[str]) -> str:
 
 
 def load(args: argparse.Namespace) -> ModelRuntime:
-    if getattr(args, "threads", None):
-        # rayon sizes its pool at first use, so this must precede the load.
-        import os
-
-        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     path = model_path(args.model)
     start = time.perf_counter()
     with progress(f"loading {Path(path).name}"):
-        rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context)
+        rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context,
+                                threads=getattr(args, "threads", None))
     if args.verbose:
         print(f"loaded {path} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
     for spec in getattr(args, "control_vector", None) or []:
@@ -363,7 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run(args.model or default_model(), host=args.host, port=args.port, address=args.ray_address,
             replicas=args.replicas, api_key=args.api_key, max_batch_size=args.max_batch_size,
             max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
-            chat_template=template)
+            chat_template=template, threads=args.threads)
         return 0
     try:
         from .serve import serve
@@ -371,7 +367,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"the server needs its extra: pip install 'candlewick[server]' ({e})")
     serve(args.model or default_model(), host=args.host, port=args.port, api_key=args.api_key,
           max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
-          device=args.device, chat_template=template)
+          device=args.device, chat_template=template, threads=args.threads)
     return 0
 
 

@@ -93,6 +93,14 @@ pub enum CandleError {
         /// The session's context size.
         max_context: usize,
     },
+    /// A load option out of its range (`dtype`, `threads`, ...); nothing was loaded.
+    #[error("invalid {option}: {reason}")]
+    InvalidOption {
+        /// The option, as the caller spells it.
+        option: &'static str,
+        /// Why it was refused.
+        reason: String,
+    },
     /// A step, truncation or option the session cannot take.
     #[error("invalid {operation}: {reason}")]
     InvalidInput {

@@ -8,6 +8,7 @@ pub mod host;
 pub mod kernels;
 pub mod kv_cache;
 pub mod session;
+pub mod threads;
 pub mod weights;
 
 use std::path::Path;
@@ -63,8 +64,8 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
         "f16" | "float16" | "half" => DType::F16,
         "bf16" | "bfloat16" => DType::BF16,
         other => {
-            return Err(CandleError::InvalidInput {
-                operation: "load",
+            return Err(CandleError::InvalidOption {
+                option: "dtype",
                 reason: format!("dtype `{other}` is not one of f32, f16, bf16"),
             })
         }
@@ -231,7 +232,7 @@ impl CandleBackend {
 
 fn validate_context(max_context: usize) -> Result<()> {
     if max_context == 0 {
-        return Err(CandleError::InvalidInput { operation: "load", reason: "max_context must be positive".into() });
+        return Err(CandleError::InvalidOption { option: "max_context", reason: "max_context must be positive".into() });
     }
     Ok(())
 }

@@ -48,11 +48,13 @@ pub struct ModelInfo {
     pub path: String,
     /// The device the model runs on (`cpu`, `cuda:0`, ...).
     pub device: String,
+    /// CPU threads computing (process-wide).
+    pub threads: usize,
 }
 
 impl ModelInfo {
     /// Describes the model `rt` runs, loaded from `path` in `format`.
-    pub(crate) fn describe(rt: &Runtime, path: &Path, format: ArtifactFormat) -> Self {
+    pub(crate) fn describe(rt: &Runtime, path: &Path, format: ArtifactFormat, threads: usize) -> Self {
         let session = rt.session();
         let decoder = session.decoder();
         let c = decoder.config();
@@ -77,6 +79,7 @@ impl ModelInfo {
             format: format.name(),
             path: path.display().to_string(),
             device: rt.backend().descriptor().device.to_string(),
+            threads,
         }
     }
 

@@ -58,11 +58,14 @@ pub struct ModelOptions {
     pub dtype: Option<String>,
     /// Context size of the session; `None` uses the model's trained context.
     pub max_context: Option<usize>,
+    /// CPU compute threads; `None` keeps the process's count (by default one per physical core).
+    /// Process-wide: the first load fixes it (see `backend::threads`).
+    pub threads: Option<usize>,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        Self { device: "auto".into(), dtype: None, max_context: None }
+        Self { device: "auto".into(), dtype: None, max_context: None, threads: None }
     }
 }
 
@@ -89,6 +92,8 @@ impl Model {
     /// Loads a GGUF file or a Hugging Face directory with its tokenizer.
     pub fn load(path: &Path, options: &ModelOptions) -> Result<Self, ModelError> {
         let format = ArtifactFormat::detect(path)?;
+        // Before anything computes: the pools are sized at their first use.
+        let threads = crate::backend::threads::configure(options.threads)?;
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
         let backend = CandleBackend::new(&options.device)?;
         // The tokenizer first: its conversion's temporaries are freed (and handed back to the
@@ -96,7 +101,7 @@ impl Model {
         let tokenizer = load_tokenizer(path, format);
         let load = LoadOptions { dtype, max_context: options.max_context };
         let runtime = ModelRuntime::load(backend, path, &load)?;
-        let info = ModelInfo::describe(&runtime, path, format);
+        let info = ModelInfo::describe(&runtime, path, format, threads);
         // A template that does not compile is reported when chat is used, not at load.
         let chat_template = tokenizer.as_ref().ok().and_then(|t| t.chat_template_engine().ok());
         Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info })

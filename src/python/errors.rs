@@ -121,6 +121,7 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::TokenOutOfRange { .. } => TokenOutOfRangeError::new_err(msg),
         CandleError::ContextFull { .. } => ContextFullError::new_err(msg),
         CandleError::InvalidInput { .. } => SessionError::new_err(msg),
+        CandleError::InvalidOption { .. } => pyo3::exceptions::PyValueError::new_err(msg),
         CandleError::Observation(_) => PyObservationError::new_err(msg),
         CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),
         CandleError::Candle { .. } => InternalError::new_err(msg),

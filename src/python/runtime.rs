@@ -155,16 +155,21 @@ fn non_negative(arg: &str, v: Option<i64>) -> PyResult<Option<usize>> {
 impl PyModelRuntime {
     /// Loads a Hugging Face directory or GGUF file onto a device (GIL released while loading).
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None))]
     fn load(
         py: Python<'_>,
         path: PathBuf,
         device: &str,
         dtype: Option<String>,
         max_context: Option<i64>,
+        threads: Option<i64>,
     ) -> PyResult<Self> {
-        let options =
-            ModelOptions { device: device.to_owned(), dtype, max_context: non_negative("max_context", max_context)? };
+        let options = ModelOptions {
+            device: device.to_owned(),
+            dtype,
+            max_context: non_negative("max_context", max_context)?,
+            threads: non_negative("threads", threads)?,
+        };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
         Ok(Self { inner: Mutex::new(model), id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed) })
     }
@@ -224,6 +229,7 @@ impl PyModelRuntime {
         d.set_item("format", info.format)?;
         d.set_item("path", &info.path)?;
         d.set_item("device", &info.device)?;
+        d.set_item("threads", info.threads)?;
         Ok(d)
     }
 

@@ -29,7 +29,7 @@ def load_control_vectors(runtime, specs) -> dict:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           max_batch_size: int = 8, max_queue: int = 64, control_vectors=None, device: str = "auto",
-          chat_template: Optional[str] = None, log_level: str = "info") -> None:
+          chat_template: Optional[str] = None, log_level: str = "info", threads: Optional[int] = None) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise)."""
     import uvicorn
 
@@ -39,7 +39,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
         print(line, file=sys.stderr, flush=True)
 
     log(f"loading {model}")
-    runtime = ModelRuntime.load(model, device=device)
+    runtime = ModelRuntime.load(model, device=device, threads=threads)
     server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                     chat_template=chat_template, log=log)

@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 
 def application(model: str, replicas: int = 2, api_key: Optional[str] = None, max_batch_size: int = 8,
                 max_queue: int = 64, control_vectors: Optional[Sequence[str]] = None, device: str = "cpu",
-                chat_template: Optional[str] = None, num_cpus: Optional[float] = None):
+                chat_template: Optional[str] = None, num_cpus: Optional[float] = None,
+                threads: Optional[int] = None):
     """A Ray Serve application serving `model` from `replicas` replicas, with the routes of
     ``candlewick serve``."""
     from ray import serve
@@ -31,7 +32,7 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
         from . import load_control_vectors
         from .app import Server, build_app
 
-        runtime = ModelRuntime.load(model, device=device)
+        runtime = ModelRuntime.load(model, device=device, threads=threads)
         server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
                         max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                         chat_template=chat_template)
