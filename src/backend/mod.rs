@@ -26,7 +26,8 @@ use decoder::Decoder;
 pub use error::CandleError;
 use error::Result;
 pub use session::{CandleSession, StepOutput};
-use weights::gguf::{GgufWeights, Metadata};
+pub use weights::gguf::GgufWeights;
+use weights::gguf::Metadata;
 use weights::safetensors::SafetensorsWeights;
 use weights::{WeightLoader, WeightSource};
 
@@ -199,7 +200,12 @@ impl CandleBackend {
     fn load_gguf(&self, path: &Path, options: &LoadOptions) -> Result<CandleModelConfig> {
         // Without a dtype the weights stay quantized and activations run in float32; a dtype
         // de-quantizes every weight at load (f32 for exact comparison with a reference).
-        let weights = GgufWeights::open(path, options.dtype.is_some())?;
+        self.gguf_config(path, GgufWeights::open(path, options.dtype.is_some())?, options)
+    }
+
+    /// The configuration of an opened GGUF file, whose header the caller may have read the
+    /// tokenizer from first (one read of the header serves both).
+    pub fn gguf_config(&self, path: &Path, mut weights: GgufWeights, options: &LoadOptions) -> Result<CandleModelConfig> {
         let md = Metadata::new(weights.metadata());
         let embed = weights
             .shape("token_embd.weight")
@@ -210,6 +216,9 @@ impl CandleBackend {
         check_no_extra_layers(&weights.names(), arch.num_layers(), "blk.", &source)?;
         let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
         validate_context(max_context)?;
+        // The vocabulary has served the configuration's check; tens of MB not to hold while
+        // the weights arrive.
+        weights.drop_vocabulary();
         Ok(CandleModelConfig {
             arch,
             weights: Box::new(weights),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 pub use info::ModelInfo;
 
-use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, LoadOptions};
+use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult};
 use crate::text::{ChatTemplate, TextError, Tokenizer};
@@ -96,11 +96,20 @@ impl Model {
         let threads = crate::backend::threads::configure(options.threads)?;
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
         let backend = CandleBackend::new(&options.device)?;
+        let load = LoadOptions { dtype, max_context: options.max_context };
         // The tokenizer first: its conversion's temporaries are freed (and handed back to the
         // OS) before the weights arrive, so the two never add up in the peak resident size.
-        let tokenizer = load_tokenizer(path, format);
-        let load = LoadOptions { dtype, max_context: options.max_context };
-        let runtime = ModelRuntime::load(backend, path, &load)?;
+        let (tokenizer, runtime) = match format {
+            ArtifactFormat::HuggingFace => (load_tokenizer(|| Tokenizer::from_hf_dir(path)), ModelRuntime::load(backend, path, &load)?),
+            ArtifactFormat::Gguf => {
+                // One read of the header serves the tokenizer and the weights.
+                let artifact = |source| ModelLoadError::Artifact { path: path.display().to_string(), source };
+                let weights = GgufWeights::open(path, dtype.is_some()).map_err(artifact)?;
+                let tokenizer = load_tokenizer(|| Tokenizer::from_gguf(weights.metadata()));
+                let config = backend.gguf_config(path, weights, &load).map_err(artifact)?;
+                (tokenizer, ModelRuntime::prepare(backend, config)?)
+            }
+        };
         let info = ModelInfo::describe(&runtime, path, format, threads);
         // A template that does not compile is reported when chat is used, not at load.
         let chat_template = tokenizer.as_ref().ok().and_then(|t| t.chat_template_engine().ok());
@@ -254,11 +263,8 @@ impl Model {
 }
 
 /// The tokenizer that goes with an artifact: tokenizer.json beside a checkpoint, or the GGUF's vocabulary.
-fn load_tokenizer(path: &Path, format: ArtifactFormat) -> Result<Arc<Tokenizer>, String> {
-    let loaded = match format {
-        ArtifactFormat::HuggingFace => Tokenizer::from_hf_dir(path),
-        ArtifactFormat::Gguf => Tokenizer::from_gguf_file(path),
-    };
+fn load_tokenizer(build: impl FnOnce() -> Result<Tokenizer, TextError>) -> Result<Arc<Tokenizer>, String> {
+    let loaded = build();
     crate::memory::release_freed_memory();
     loaded.map(Arc::new).map_err(|e| e.to_string())
 }

@@ -328,8 +328,8 @@ fn gemma_spelled(token: &str) -> String {
 }
 
 /// `{token: id}` where a repeated token keeps its last id, as a Python dict comprehension does.
-fn vocab_map(tokens: &[String]) -> HashMap<String, u32> {
-    let mut vocab = HashMap::with_capacity(tokens.len());
+fn vocab_map(tokens: &[String]) -> Vocab {
+    let mut vocab = Vocab::with_capacity(tokens.len());
     for (i, t) in tokens.iter().enumerate() {
         vocab.insert(t.clone(), i as u32);
     }
@@ -342,25 +342,33 @@ fn vocab_map(tokens: &[String]) -> HashMap<String, u32> {
 /// the pieces' ids; then all are stably sorted by (token score, left length, right length),
 /// descending. `scores[i]` is token `i`'s score; as in a dict, a repeated token keeps the score
 /// and index of its last occurrence but the position of its first.
+///
+/// A 262k vocabulary means millions of split lookups: the map hashes with aHash (as the BPE's
+/// own vocabulary does) and each piece is looked up once.
 fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
-    let mut last: HashMap<&str, (usize, f64)> = HashMap::with_capacity(tokens.len());
+    let mut last: ahash::AHashMap<&str, (u32, f64)> = ahash::AHashMap::with_capacity(tokens.len());
     let mut order: Vec<&str> = Vec::with_capacity(tokens.len());
     for (i, t) in tokens.iter().enumerate() {
-        if last.insert(t.as_str(), (i, scores[i])).is_none() {
+        if last.insert(t.as_str(), (i as u32, scores[i])).is_none() {
             order.push(t.as_str());
         }
     }
-    let mut merges: Vec<(f64, usize, usize, &str, &str)> = Vec::new();
+    let mut merges: Vec<(f64, u32, u32, &str, &str)> = Vec::new();
+    let mut local: Vec<(u32, u32, &str, &str)> = Vec::new();
     for &token in &order {
         let score = last[token].1;
-        let mut local: Vec<(&str, &str)> = token
-            .char_indices()
-            .skip(1)
-            .map(|(at, _)| token.split_at(at))
-            .filter(|(l, r)| last.contains_key(l) && last.contains_key(r))
-            .collect();
-        local.sort_by_key(|(l, r)| (last[l].0, last[r].0));
-        merges.extend(local.into_iter().map(|(l, r)| (score, l.chars().count(), r.chars().count(), l, r)));
+        local.clear();
+        for (at, _) in token.char_indices().skip(1) {
+            let (l, r) = token.split_at(at);
+            if let Some(&(li, _)) = last.get(l) {
+                if let Some(&(ri, _)) = last.get(r) {
+                    local.push((li, ri, l, r));
+                }
+            }
+        }
+        // Each split has its own left piece, so the (left id, right id) keys are distinct.
+        local.sort_unstable_by_key(|&(li, ri, _, _)| (li, ri));
+        merges.extend(local.iter().map(|&(_, _, l, r)| (score, l.chars().count() as u32, r.chars().count() as u32, l, r)));
     }
     // Python compares floats numerically (-0.0 == 0.0), which `partial_cmp` matches; the sort is
     // stable like `sorted(..., reverse=True)`.
@@ -400,14 +408,13 @@ fn build_err(what: &str) -> impl Fn(tokenizers::Error) -> TextError + '_ {
 }
 
 fn bpe(
-    vocab: &HashMap<String, u32>,
+    vocab: &Vocab,
     merges: Vec<(String, String)>,
     unk: Option<&str>,
     byte_fallback: bool,
 ) -> Result<BPE, TextError> {
-    let vocab_ahash: Vocab = vocab.iter().map(|(k, v)| (k.clone(), *v)).collect();
     let mut builder =
-        BPE::builder().vocab_and_merges(vocab_ahash, merges).fuse_unk(byte_fallback).byte_fallback(byte_fallback);
+        BPE::builder().vocab_and_merges(vocab.clone(), merges).fuse_unk(byte_fallback).byte_fallback(byte_fallback);
     if let Some(unk) = unk {
         builder = builder.unk_token(unk.to_string());
     }
@@ -528,7 +535,7 @@ fn build_byte_level(v: &Vocabulary) -> Result<tokenizers::Tokenizer, TextError> 
 fn add_gguf_tokens(
     tokenizer: &mut tokenizers::Tokenizer,
     v: &Vocabulary,
-    vocab: &HashMap<String, u32>,
+    vocab: &Vocab,
     control_allowed: impl Fn(&str) -> bool,
 ) -> Result<(), TextError> {
     let mut special: Vec<AddedToken> = Vec::new();

@@ -232,7 +232,8 @@ impl Tokenizer {
             other => TextError::Gguf { path: path.to_path_buf(), message: other.to_string() },
         })?;
         let io_err = |source| TextError::Io { path: PathBuf::from(path), source };
-        let mut file = std::fs::File::open(path).map_err(io_err)?;
+        // Buffered: a vocabulary is a million small reads (each string's length, then its bytes).
+        let mut file = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io_err)?);
         let content = gguf_file::Content::read(&mut file)
             .map_err(|e| TextError::Gguf { path: path.to_path_buf(), message: e.to_string() })?;
         Self::from_gguf(&content.metadata)

@@ -410,6 +410,14 @@ impl GgufWeights {
         &self.content.metadata
     }
 
+    /// Forgets the vocabulary arrays (tokens, scores, types, merges): only the tokenizer reads them.
+    pub fn drop_vocabulary(&mut self) {
+        for key in ["tokens", "scores", "token_type", "merges"] {
+            self.content.metadata.remove(&format!("tokenizer.ggml.{key}"));
+        }
+        self.content.metadata.shrink_to_fit();
+    }
+
     /// The dominant quantization of the matmul weights (e.g. `Q4_K`), for display.
     pub fn quantization(&self) -> String {
         let mut counts: HashMap<GgmlDType, usize> = HashMap::new();
