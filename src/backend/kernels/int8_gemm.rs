@@ -1,0 +1,477 @@
+//! A tiled int8 matrix product for ggml's 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q8_0) on x86-64, with an AVX2 and an AVX-512 VNNI inner product chosen at run time.
+//!
+//! candle's quantized CPU matmul computes one dot product at a time, loading both blocks for
+//! every (row, column) pair, and runs Q4_1, Q5_0 and Q5_1 with scalar code. Here an R×C tile
+//! of activation rows and weight rows shares its loads: each weight block is unpacked to 32
+//! bytes once per tile and feeds R products. Activations are quantized per 32-value block as
+//! ggml's Q8_0/Q8_1 are (scale `d`, int8 values, and `s = d·Σq` for the formats with an
+//! offset), so the result equals candle's up to the order of float additions and the f16
+//! rounding ggml applies to `s`.
+//!
+//! Every format is `value = d·q + m` with `q` unsigned (0..16 or 0..32; `m = -8d` or `-16d`
+//! for the symmetric ones) except Q8_0, whose `q` is signed and `m = 0`; a block's product
+//! with activations `d'·q'` is `d·d'·Σ q·q' + m·s'`.
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
+use half::f16;
+use rayon::prelude::*;
+
+const QK: usize = 32;
+
+/// A block format the kernel multiplies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockFormat {
+    /// `d·(q − 8)`, 4-bit `q`.
+    Q4_0,
+    /// `d·q + m`, 4-bit `q`.
+    Q4_1,
+    /// `d·(q − 16)`, 5-bit `q`.
+    Q5_0,
+    /// `d·q + m`, 5-bit `q`.
+    Q5_1,
+    /// `d·q`, signed 8-bit `q`.
+    Q8_0,
+}
+
+impl BlockFormat {
+    /// The format of a ggml type, if the kernel multiplies it.
+    pub fn of(dtype: GgmlDType) -> Option<Self> {
+        Some(match dtype {
+            GgmlDType::Q4_0 => Self::Q4_0,
+            GgmlDType::Q4_1 => Self::Q4_1,
+            GgmlDType::Q5_0 => Self::Q5_0,
+            GgmlDType::Q5_1 => Self::Q5_1,
+            GgmlDType::Q8_0 => Self::Q8_0,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of one block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 2 + QK / 2,
+            Self::Q4_1 => 4 + QK / 2,
+            Self::Q5_0 => 2 + 4 + QK / 2,
+            Self::Q5_1 => 4 + 4 + QK / 2,
+            Self::Q8_0 => 2 + QK,
+        }
+    }
+}
+
+/// Activations quantized per row into 32-value blocks: scale, int8 values, and `d·Σq`.
+struct QuantizedRows {
+    scales: Vec<f32>,
+    sums: Vec<f32>,
+    values: Vec<i8>,
+}
+
+/// Quantizes float32 rows (a whole number of blocks each) as ggml's `quantize_row_q8_0/q8_1` do.
+fn quantize_rows(x: &[f32]) -> QuantizedRows {
+    let blocks = x.len() / QK;
+    let mut scales = Vec::with_capacity(blocks);
+    let mut sums = Vec::with_capacity(blocks);
+    let mut values = vec![0i8; x.len()];
+    for (b, chunk) in x.chunks_exact(QK).enumerate() {
+        let amax = chunk.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in values[b * QK..(b + 1) * QK].iter_mut().zip(chunk) {
+            *q = (v * id).round() as i8;
+            sum += *q as i32;
+        }
+        let d = f16::from_f32(d).to_f32();
+        scales.push(d);
+        sums.push(d * sum as f32);
+    }
+    QuantizedRows { scales, sums, values }
+}
+
+#[inline(always)]
+fn half_at(bytes: &[u8], o: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([bytes[o], bytes[o + 1]])).to_f32()
+}
+
+/// A block's scale and offset.
+#[inline(always)]
+fn scale_and_min(format: BlockFormat, block: &[u8]) -> (f32, f32) {
+    let d = half_at(block, 0);
+    match format {
+        BlockFormat::Q4_0 => (d, -8.0 * d),
+        BlockFormat::Q5_0 => (d, -16.0 * d),
+        BlockFormat::Q4_1 | BlockFormat::Q5_1 => (d, half_at(block, 2)),
+        BlockFormat::Q8_0 => (d, 0.0),
+    }
+}
+
+/// A block's 32 values `q` (unsigned, or signed for Q8_0), portable code.
+fn unpack(format: BlockFormat, block: &[u8]) -> [i32; QK] {
+    let mut out = [0i32; QK];
+    let nibbles = |qs: &[u8], j: usize| if j < QK / 2 { qs[j] & 0x0F } else { qs[j - QK / 2] >> 4 };
+    match format {
+        BlockFormat::Q8_0 => {
+            for (o, &b) in out.iter_mut().zip(&block[2..]) {
+                *o = b as i8 as i32;
+            }
+        }
+        BlockFormat::Q4_0 | BlockFormat::Q4_1 => {
+            let qs = &block[format.block_bytes() - QK / 2..];
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = nibbles(qs, j) as i32;
+            }
+        }
+        BlockFormat::Q5_0 | BlockFormat::Q5_1 => {
+            let at = format.block_bytes() - QK / 2 - 4;
+            let qh = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
+            let qs = &block[at + 4..];
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = (nibbles(qs, j) | ((((qh >> j) & 1) as u8) << 4)) as i32;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(hi, _mm256_castps256_ps128(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// 16 bytes of nibbles as 32 bytes: low nibbles first, then high ones (ggml's order).
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        let tmp = _mm_loadu_si128(p as *const __m128i);
+        let bytes = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+        _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F))
+    }
+
+    /// Bit j of the 32-bit word at `p` as byte j: 0x10 where set, 0 where not.
+    #[inline(always)]
+    unsafe fn fifth_bits(p: *const u8) -> __m256i {
+        let x32 = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]) as i32;
+        let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x32), shuf);
+        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+        _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10))
+    }
+
+    /// A weight block's 32 values (unsigned, or signed for Q8_0), scale and offset.
+    #[inline(always)]
+    unsafe fn load(format: BlockFormat, block: *const u8) -> (__m256i, f32, f32) {
+        let bytes = std::slice::from_raw_parts(block, format.block_bytes());
+        let (d, m) = scale_and_min(format, bytes);
+        let q = match format {
+            BlockFormat::Q8_0 => _mm256_loadu_si256(block.add(2) as *const __m256i),
+            BlockFormat::Q4_0 => nibbles(block.add(2)),
+            BlockFormat::Q4_1 => nibbles(block.add(4)),
+            BlockFormat::Q5_0 => _mm256_or_si256(nibbles(block.add(6)), fifth_bits(block.add(2))),
+            BlockFormat::Q5_1 => _mm256_or_si256(nibbles(block.add(8)), fifth_bits(block.add(4))),
+        };
+        (q, d, m)
+    }
+
+    /// The products of `R` rows from `row0` with `C` weight rows from `col0`, into `out`.
+    /// `dot` is the int8 dot product of 32 unsigned by 32 signed bytes, as 8 int32 lanes.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_with<const R: usize, const C: usize>(
+        format: BlockFormat,
+        xq: &QuantizedRows,
+        w: &[u8],
+        nb: usize,
+        row0: usize,
+        col0: usize,
+        out: *mut f32,
+        n: usize,
+        dot: impl Fn(__m256i, __m256i) -> __m256i,
+    ) {
+        let bb = format.block_bytes();
+        let signed = format == BlockFormat::Q8_0;
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut offsets = [[0f32; C]; R];
+        for b in 0..nb {
+            let mut wv = [_mm256_setzero_si256(); C];
+            let mut aw = [_mm256_setzero_si256(); C];
+            let mut wd = [0f32; C];
+            let mut wm = [0f32; C];
+            for c in 0..C {
+                let (q, d, m) = load(format, w.as_ptr().add(((col0 + c) * nb + b) * bb));
+                wv[c] = q;
+                // Signed weights: |w| times x carrying w's sign, as the unsigned × signed dot needs.
+                aw[c] = if signed { _mm256_sign_epi8(q, q) } else { q };
+                wd[c] = d;
+                wm[c] = m;
+            }
+            for r in 0..R {
+                let xi = (row0 + r) * nb + b;
+                let xv = _mm256_loadu_si256(xq.values.as_ptr().add(xi * QK) as *const __m256i);
+                let xd = *xq.scales.get_unchecked(xi);
+                for c in 0..C {
+                    let xs = if signed { _mm256_sign_epi8(xv, wv[c]) } else { xv };
+                    let p = dot(aw[c], xs);
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xd * wd[c]), acc[r][c]);
+                }
+                if !signed {
+                    let xs = *xq.sums.get_unchecked(xi);
+                    for c in 0..C {
+                        offsets[r][c] += wm[c] * xs;
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..C {
+                *out.add((row0 + r) * n + col0 + c) = hsum(acc[r][c]) + offsets[r][c];
+            }
+        }
+    }
+
+    /// The AVX2 tile: `maddubs` then `madd` for the int8 dot product.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile<const R: usize, const C: usize>(
+        format: BlockFormat,
+        xq: &QuantizedRows,
+        w: &[u8],
+        nb: usize,
+        row0: usize,
+        col0: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        tile_with::<R, C>(format, xq, w, nb, row0, col0, out, n, |a, b| {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones)
+        })
+    }
+
+    /// The AVX-512 VNNI tile: one `vpdpbusd` per int8 dot product.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile_vnni<const R: usize, const C: usize>(
+        format: BlockFormat,
+        xq: &QuantizedRows,
+        w: &[u8],
+        nb: usize,
+        row0: usize,
+        col0: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        tile_with::<R, C>(format, xq, w, nb, row0, col0, out, n, |a, b| _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b))
+    }
+}
+
+/// Which inner product runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// Plain Rust: any CPU (the fallback, and the reference the fast paths are tested against).
+    Portable,
+    /// AVX2 + FMA.
+    Avx2,
+    /// AVX-512 VNNI.
+    Avx512Vnni,
+}
+
+/// The fastest path this CPU runs.
+pub fn best_path() -> Path {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+            return Path::Avx512Vnni;
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Path::Avx2;
+        }
+    }
+    Path::Portable
+}
+
+/// Whether this CPU has a SIMD path (without one, candle's own kernels are the better choice).
+pub fn available() -> bool {
+    best_path() != Path::Portable
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every worker writes a disjoint set of columns of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// `x [m, k] · wᵀ` for `format` weight blocks `w` of `n` rows of `k` values.
+pub fn matmul(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
+    matmul_with(format, x, m, k, w, n, best_path())
+}
+
+/// One column group (up to 4 weight rows) against every activation row, portable code.
+#[allow(clippy::too_many_arguments)]
+fn portable_columns(format: BlockFormat, xq: &QuantizedRows, w: &[u8], nb: usize, m: usize, col0: usize, cols: usize, out: OutPtr, n: usize) {
+    let bb = format.block_bytes();
+    for c in col0..col0 + cols {
+        for r in 0..m {
+            let mut total = 0f32;
+            for b in 0..nb {
+                let block = &w[(c * nb + b) * bb..(c * nb + b + 1) * bb];
+                let (d, mn) = scale_and_min(format, block);
+                let q = unpack(format, block);
+                let xi = r * nb + b;
+                let xs = &xq.values[xi * QK..(xi + 1) * QK];
+                let dot: i32 = q.iter().zip(xs).map(|(&a, &b)| a * b as i32).sum();
+                total += dot as f32 * d * xq.scales[xi] + mn * xq.sums[xi];
+            }
+            // SAFETY: this worker alone writes column c.
+            unsafe { *out.0.add(r * n + c) = total };
+        }
+    }
+}
+
+fn matmul_with(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: usize, path: Path) -> Vec<f32> {
+    assert_eq!(k % QK, 0);
+    assert_eq!(x.len(), m * k);
+    assert_eq!(w.len(), n * (k / QK) * format.block_bytes());
+    let nb = k / QK;
+    let xq = quantize_rows(x);
+    let mut out = vec![0f32; m * n];
+    let ptr = OutPtr(out.as_mut_ptr());
+    // Work items are groups of 4 weight rows (output columns); each covers every activation row.
+    let col_groups = n.div_ceil(4);
+    (0..col_groups).into_par_iter().with_min_len(8).for_each(|g| {
+        let ptr = ptr;
+        let col0 = g * 4;
+        let cols = 4.min(n - col0);
+        if path == Path::Portable {
+            return portable_columns(format, &xq, w, nb, m, col0, cols, ptr, n);
+        }
+        let full_rows = m / 4 * 4;
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the path's features were checked; indices stay inside x, w and out by construction.
+        unsafe {
+            macro_rules! run {
+                ($tile:ident) => {{
+                    for row0 in (0..full_rows).step_by(4) {
+                        if cols == 4 {
+                            x86::$tile::<4, 4>(format, &xq, w, nb, row0, col0, ptr.0, n)
+                        } else {
+                            for c in 0..cols {
+                                x86::$tile::<4, 1>(format, &xq, w, nb, row0, col0 + c, ptr.0, n)
+                            }
+                        }
+                    }
+                    // The last 1-3 rows still share each weight load across the 4 columns
+                    // (decode, one row, is all remainder).
+                    let rest = m - full_rows;
+                    if cols == 4 && rest > 0 {
+                        match rest {
+                            1 => x86::$tile::<1, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
+                            2 => x86::$tile::<2, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
+                            _ => x86::$tile::<3, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
+                        }
+                    } else {
+                        for row0 in full_rows..m {
+                            for c in 0..cols {
+                                x86::$tile::<1, 1>(format, &xq, w, nb, row0, col0 + c, ptr.0, n)
+                            }
+                        }
+                    }
+                }};
+            }
+            match path {
+                Path::Avx512Vnni => run!(tile_vnni),
+                _ => run!(tile),
+            }
+        }
+    });
+    out
+}
+
+/// The kernel as a candle op on `x [m, k]`, the weight captured with its format and shape.
+pub struct BlockMatMul<'a> {
+    /// The weight's block format.
+    pub format: BlockFormat,
+    /// Blocks of the `[n, k]` weight.
+    pub weight: &'a [u8],
+    /// Weight rows (output width).
+    pub n: usize,
+    /// Weight columns (input width).
+    pub k: usize,
+}
+
+impl CustomOp1 for BlockMatMul<'_> {
+    fn name(&self) -> &'static str {
+        "candlewick-int8-block-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(data) = storage else { candle_core::bail!("block matmul expects float32 input") };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("block matmul expects a contiguous input")
+        };
+        let (m, k) = layout.shape().dims2()?;
+        if k != self.k {
+            candle_core::bail!("block matmul: input width {k}, weight width {}", self.k)
+        }
+        let out = matmul(self.format, &data[start..end], m, k, self.weight, self.n);
+        Ok((CpuStorage::F32(out), Shape::from((m, self.n))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::{Device, Module, Tensor};
+
+    const FORMATS: [(GgmlDType, BlockFormat); 5] = [
+        (GgmlDType::Q4_0, BlockFormat::Q4_0),
+        (GgmlDType::Q4_1, BlockFormat::Q4_1),
+        (GgmlDType::Q5_0, BlockFormat::Q5_0),
+        (GgmlDType::Q5_1, BlockFormat::Q5_1),
+        (GgmlDType::Q8_0, BlockFormat::Q8_0),
+    ];
+
+    /// Every path this machine has, the portable one forced among them, agrees with candle's
+    /// quantized matmul (which rounds `s` to f16 for the offset formats: hence the tolerance
+    /// relative to the sum of the absolute products).
+    #[test]
+    fn every_path_equals_candles_quantized_matmul() {
+        let dev = Device::Cpu;
+        let mut paths = vec![Path::Portable];
+        if best_path() != Path::Portable {
+            paths.push(Path::Avx2);
+        }
+        if best_path() == Path::Avx512Vnni {
+            paths.push(Path::Avx512Vnni);
+        }
+        for (dtype, format) in FORMATS {
+            for (m, k, n) in [(1, 64, 5), (2, 64, 8), (3, 128, 12), (6, 96, 16), (7, 96, 9), (16, 640, 36), (33, 128, 4)] {
+                let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+                let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+                let q = QTensor::quantize(&w, dtype).unwrap();
+                assert_eq!(BlockFormat::of(q.dtype()), Some(format));
+                let data = q.data().unwrap().to_vec();
+                let magnitude = x.abs().unwrap().matmul(&q.dequantize(&dev).unwrap().abs().unwrap().t().unwrap()).unwrap();
+                let magnitude = magnitude.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let want = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
+                let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for &path in &paths {
+                    let got = matmul_with(format, &xs, m, k, &data, n, path);
+                    for ((a, b), s) in got.iter().zip(&want).zip(&magnitude) {
+                        assert!((a - b).abs() <= 1e-3 * s + 1e-4, "{format:?} ({m},{k},{n}) {path:?}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+}
