@@ -32,7 +32,7 @@ def run_candlewick(model, threads, lens, n_decode, python_loop):
     import candlewick as cw
 
     t = time.perf_counter()
-    rt = cw.ModelRuntime.load(model, device="cpu")
+    rt = cw.ModelRuntime.load(model, device="cpu", threads=threads)
     load = time.perf_counter() - t
     vocab = rt.model_info["vocab_size"]
     out = {"load_s": load, "runs": {}}

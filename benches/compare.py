@@ -46,27 +46,18 @@ def median_of(results, *path):
     return statistics.median(vals)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--lens", default="128,512")
-    ap.add_argument("--runtimes", default="candlewick,candlewick-py,llama.cpp")
-    ap.add_argument("--peer-python", default=os.environ.get("BENCH_PYTHON", sys.executable),
-                    help="interpreter with llama-cpp-python / transformers installed")
-    ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
-    args = ap.parse_args()
-    model = args.model or default_model()
-    lens = [int(x) for x in args.lens.split(",")]
-    runtimes = args.runtimes.split(",")
-    results = {r: [] for r in runtimes}
-    for i in range(args.runs):
-        for r in runtimes:
-            python = sys.executable if r.startswith("candlewick") else args.peer_python
-            results[r].append(run(r, python, model, args.threads, lens, args.decode_tokens))
-            print(f"run {i + 1}/{args.runs} {r}: done", file=sys.stderr)
+def cpu_name():
+    """The CPU's model name as the kernel reports it (the host differs between sessions)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def summarize(results, lens):
     summary = {}
     for r, rs in results.items():
         s = {"load_s": median_of(rs, "load_s"), "peak_rss_mb": median_of(rs, "peak_rss_mb")}
@@ -74,34 +65,82 @@ def main():
             for k in ("prefill_tps", "ttft_s", "decode_tps"):
                 s[f"{k}@{n}"] = median_of(rs, "runs", str(n), k)
         summary[r] = s
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "model": model,
-        "threads": args.threads,
-        "runs": args.runs,
-        "decode_tokens": args.decode_tokens,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.processor() or platform.platform()}",
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}, indent=2))
+    return summary
+
+
+def print_model(name, summary, lens):
     base = "llama.cpp" if "llama.cpp" in summary else None
     cols = ["load_s"] + [f"{k}@{n}" for n in lens for k in ("prefill_tps", "ttft_s", "decode_tps")] + ["peak_rss_mb"]
+    print(f"\n### {name}\n")
     print("| runtime | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for r, s in summary.items():
         print(f"| {r} | " + " | ".join(f"{s[c]:.3g}" for c in cols) + " |")
-    if base:
-        print()
-        print(f"ratios to {base} (higher is better for tok/s, lower for time and memory):")
-        for r, s in summary.items():
-            if r == base:
-                continue
-            parts = [f"{c} {s[c] / summary[base][c]:.2f}x" for c in cols]
-            print(f"  {r}: " + ", ".join(parts))
     if "candlewick" in summary and "candlewick-py" in summary:
         for n in lens:
             a, b = summary["candlewick-py"][f"decode_tps@{n}"], summary["candlewick"][f"decode_tps@{n}"]
-            print(f"Python-driven decode / Rust loop @{n}: {a / b:.3f}")
+            print(f"\nPython-driven decode / Rust loop @{n}: {a / b:.3f}")
+
+
+def ratio_table(per_model, lens, ours="candlewick", base="llama.cpp"):
+    """One row per model: candlewick / llama.cpp (tok/s: higher is better; load, memory: lower)."""
+    cols = [f"decode_tps@{n}" for n in lens] + [f"prefill_tps@{n}" for n in lens] + ["load_s", "peak_rss_mb"]
+    lines = ["| model | " + " | ".join(c.replace("_tps", "") for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, summary in per_model.items():
+        if ours in summary and base in summary:
+            lines.append(f"| {name} | " + " | ".join(f"{summary[ours][c] / summary[base][c]:.2f}x" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", default=None,
+                    help="a GGUF file or HF directory; repeat for several models in one run (default: Gemma 3 270M)")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--lens", default="128,512")
+    ap.add_argument("--runtimes", default="candlewick,candlewick-py,llama.cpp")
+    ap.add_argument("--peer-python", default=os.environ.get("BENCH_PYTHON", sys.executable),
+                    help="interpreter with llama-cpp-python / transformers installed")
+    ap.add_argument("--peer-build", default=os.environ.get("BENCH_PEER_BUILD", ""),
+                    help="how the peer was built (recorded with the result), e.g. its CMAKE_ARGS")
+    ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
+    args = ap.parse_args()
+    models = args.model or [default_model()]
+    lens = [int(x) for x in args.lens.split(",")]
+    runtimes = args.runtimes.split(",")
+    raw = {}
+    per_model = {}
+    for model in models:
+        results = {r: [] for r in runtimes}
+        for i in range(args.runs):
+            # Alternating run by run, so a change in the shared host's load hits every runtime.
+            for r in runtimes:
+                python = sys.executable if r.startswith("candlewick") else args.peer_python
+                results[r].append(run(r, python, model, args.threads, lens, args.decode_tokens))
+                print(f"{Path(model).name} run {i + 1}/{args.runs} {r}: done", file=sys.stderr)
+        raw[model] = results
+        per_model[Path(model).name] = summarize(results, lens)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "models": models,
+        "threads": args.threads,
+        "runs": args.runs,
+        "decode_tokens": args.decode_tokens,
+        "cpu": cpu_name(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "peer_build": args.peer_build,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "summary": per_model, "raw": raw}, indent=2))
+    print(f"CPU: {meta['cpu']} ({meta['machine']}), {args.threads} threads, medians of {args.runs} runs")
+    if args.peer_build:
+        print(f"peer build: {args.peer_build}")
+    for name, summary in per_model.items():
+        print_model(name, summary, lens)
+    print("\n### candlewick / llama.cpp\n")
+    print(ratio_table(per_model, lens))
 
 
 if __name__ == "__main__":
