@@ -359,8 +359,9 @@ impl PyGenerationStream {
     }
 
     /// Stops the generation where it stands; ``result`` then holds what was generated, its usage
-    /// and the finish reason ``"cancelled"`` (a stream that already ended keeps its own). Text
-    /// held back (a stop string's possible start) is dropped. Closing twice does nothing.
+    /// and the finish reason ``"cancelled"`` (a stream that already ended keeps its own).
+    /// ``result.text`` also has the text not yet yielded (a possible stop string's start, held
+    /// back). Closing twice does nothing.
     ///
     /// Example:
     ///     >>> s = rt.stream("Once upon a time", max_tokens=100)
@@ -371,7 +372,7 @@ impl PyGenerationStream {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let mut state = self.state.lock().map_err(poisoned)?;
         if let Some(generation) = state.as_mut() {
-            generation.cancel().map_err(|e| super::errors::text_err(e))?;
+            generation.cancel().map_err(super::errors::text_err)?;
         }
         self.finish(py, &mut state)
     }
