@@ -129,10 +129,10 @@ def test_chat_second_turn_reuses_the_cached_prefix(rt):
         rt.chat([{"role": "user", "content": "Hi"}])
     turn1 = [{"role": "user", "content": "Name a fruit."}]
     a = rt.chat(turn1, chat_template=TEMPLATE, max_tokens=8, temperature=0.0)
-    prompt1 = rt.tokenizer.apply_chat_template(turn1, chat_template=TEMPLATE, tokenize=True)
+    prompt1 = rt.tokenizer.apply_chat_template(turn1, chat_template=TEMPLATE, add_generation_prompt=True)
     turn2 = turn1 + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "And a color?"}]
     b = rt.chat(turn2, chat_template=TEMPLATE, max_tokens=8, temperature=0.0)
-    prompt2 = rt.tokenizer.apply_chat_template(turn2, chat_template=TEMPLATE, tokenize=True)
+    prompt2 = rt.tokenizer.apply_chat_template(turn2, chat_template=TEMPLATE, add_generation_prompt=True)
     assert prompt2[: len(prompt1)] == prompt1
     # Everything of turn 1 was held; only what follows it (reply and new turn) was prefilled.
     assert b.usage["cached_tokens"] >= len(prompt1)

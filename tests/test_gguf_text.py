@@ -503,7 +503,7 @@ def test_chat_template_equals_jinja2(templated, template, conversation, add_gene
     bos, eos = tok.id_to_token(tok.bos_id), tok.id_to_token(tok.eos_ids[0])
     assert (bos, eos) == ("<|bos|>", "<|eos|>")
     want = jinja_render(TEMPLATES[template], messages, add_generation_prompt, bos, eos)
-    got = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    got = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     assert got == want
     assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True) == tok.encode(
         want, add_special_tokens=False
@@ -515,14 +515,14 @@ def test_chat_template_extra_variables(templated):
     messages = CONVERSATIONS["multi turn"]
     want = jinja_render(LLAMA3_TEMPLATE, messages, True, "<|bos|>", "<|eos|>", date_string="01 Jan 2030")
     assert "01 Jan 2030" in want
-    assert tok.apply_chat_template(messages, add_generation_prompt=True, date_string="01 Jan 2030") == want
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, date_string="01 Jan 2030") == want
 
 
 def test_chat_template_passed_explicitly_overrides_the_files(templated):
     tok = templated["gemma3"]
     messages = CONVERSATIONS["multi turn"]
     want = jinja_render(CHATML_TEMPLATE, messages, True, "<|bos|>", "<|eos|>")
-    assert tok.apply_chat_template(messages, chat_template=CHATML_TEMPLATE) == want
+    assert tok.apply_chat_template(messages, chat_template=CHATML_TEMPLATE, add_generation_prompt=True, tokenize=False) == want
 
 
 @pytest.mark.parametrize(
@@ -595,14 +595,14 @@ def test_chat_template_tools_and_structured_content(tmp_path, add_generation_pro
     tok = cw.ModelRuntime.load(write_tiny_gguf(tmp_path / "tools.gguf", chat_template=TOOLS_TEMPLATE)).tokenizer
     want = jinja_render(TOOLS_TEMPLATE, STRUCTURED, add_generation_prompt, "<|bos|>", "<|eos|>", tools=TOOLS)
     assert '"default": null' in want and "für" in want
-    assert tok.apply_chat_template(STRUCTURED, add_generation_prompt=add_generation_prompt, tools=TOOLS) == want
+    assert tok.apply_chat_template(STRUCTURED, add_generation_prompt=add_generation_prompt, tools=TOOLS, tokenize=False) == want
     # Without tools the variable is None, as transformers passes it.
     want = jinja_render(TOOLS_TEMPLATE, STRUCTURED, add_generation_prompt, "<|bos|>", "<|eos|>")
-    assert tok.apply_chat_template(STRUCTURED, add_generation_prompt=add_generation_prompt) == want
+    assert tok.apply_chat_template(STRUCTURED, add_generation_prompt=add_generation_prompt, tokenize=False) == want
 
 
 def test_gemma_template_with_content_parts(templated):
     messages = STRUCTURED[:2]
     want = jinja_render(GEMMA3_TEMPLATE, messages, True, "<|bos|>", "<|eos|>")
     assert "<start_of_image>What is in" in want
-    assert templated["gemma3"].apply_chat_template(messages) == want
+    assert templated["gemma3"].apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == want

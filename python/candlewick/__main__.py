@@ -4,4 +4,6 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+# Tools that import every module (mypy's stubtest, pydoc) must not run the command line.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,9 +2,7 @@
 
 from collections.abc import Iterator, Mapping, Sequence
 from os import PathLike
-from typing import Any, Literal, TypedDict, final, overload
-
-from typing_extensions import Unpack
+from typing import Any, Literal, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +27,7 @@ __all__ = [
     "ObservationError",
     "ObservationRequest",
     "ObservationSet",
+    "RuntimeClosedError",
     "Session",
     "SessionCapabilities",
     "SessionSnapshot",
@@ -49,23 +48,6 @@ __all__ = [
     "save_control_vector",
 ]
 
-class _GenerateOptions(TypedDict, total=False):
-    """Keyword arguments of generate / stream / chat (defaults as llama-cpp-python's)."""
-
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    logit_bias: dict[int, float] | None
-    stop: str | Sequence[str] | None
-    seed: int | None
-    ignore_eos: bool
-    logprobs: int | bool | None
-
 class CandlewickError(Exception): ...
 class ArtifactError(CandlewickError): ...
 class UnsupportedError(CandlewickError): ...
@@ -75,6 +57,7 @@ class DeviceError(CandlewickError): ...
 class SessionError(CandlewickError): ...
 class TokenOutOfRangeError(SessionError): ...
 class ContextFullError(SessionError): ...
+class RuntimeClosedError(SessionError): ...
 class ObservationError(CandlewickError): ...
 class TokenizerError(CandlewickError): ...
 class InternalError(CandlewickError): ...
@@ -135,7 +118,19 @@ class Engine:
         interventions: Sequence[Intervention] | None = None,
         chat: bool = False,
         chat_template: str | None = None,
-        **kwargs: Any,
+        max_tokens: int | None = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | bool | None = None,
     ) -> EngineRequest: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -144,7 +139,8 @@ class Engine:
 class EngineRequest:
     """A request of an Engine: its events, and a way to cancel it."""
 
-    def next_event(self, timeout: float = 0.1) -> tuple[str, Any] | None: ...
+    def next_event(self, timeout: float = 0.1) -> tuple[str, Any] | None:
+        """``("text", (str, logprobs | None))``, ``("done", GenerationResult)``, ``("cancelled", None)`` or None."""
     def cancel(self) -> None: ...
 
 @final
@@ -282,12 +278,18 @@ class Tokenizer:
     def chat_template(self) -> str | None: ...
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
-        tokenize: bool = False,
+        conversation: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
         **kwargs: Any,
-    ) -> str | list[int]: ...
+    ) -> Any:
+        """The prompt: text (``tokenize=False``), ids, ``{"input_ids", "attention_mask"}``
+        (``return_dict=True``), or a list of those for a batch of conversations."""
 
 @final
 class GenerationResult:
@@ -298,7 +300,7 @@ class GenerationResult:
     @property
     def token_ids(self) -> list[int]: ...
     @property
-    def finish_reason(self) -> Literal["stop", "length", "eos"]: ...
+    def finish_reason(self) -> Literal["stop", "length", "eos", "cancelled"]: ...
     @property
     def usage(self) -> dict[str, Any]: ...
     @property
@@ -310,8 +312,13 @@ class GenerationStream:
 
     def __iter__(self) -> GenerationStream: ...
     def __next__(self) -> str: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> GenerationStream: ...
+    def __exit__(self, ty: object, value: object, tb: object, /) -> bool: ...
     @property
     def result(self) -> GenerationResult | None: ...
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None: ...
 
 @final
 class ModelRuntime:
@@ -325,6 +332,11 @@ class ModelRuntime:
         max_context: int | None = None,
         threads: int | None = None,
     ) -> ModelRuntime: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    def __enter__(self) -> ModelRuntime: ...
+    def __exit__(self, ty: object, value: object, tb: object, /) -> bool: ...
     @property
     def backend(self) -> Backend: ...
     @property
@@ -364,7 +376,22 @@ class ModelRuntime:
         interventions: Sequence[Intervention] | None = None,
     ) -> list[InspectedOutput]: ...
     def generate_batch(
-        self, prompts: Sequence[str | Sequence[int]], **kwargs: Unpack[_GenerateOptions]
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        max_tokens: int | None = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | bool | None = None,
     ) -> list[GenerationResult]: ...
     def fork(self) -> ModelRuntime: ...
     def unembed(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
@@ -382,13 +409,62 @@ class ModelRuntime:
     def cached_tokens(self) -> list[int]: ...
     @overload
     def generate(
-        self, prompt: str | Sequence[int], *, stream: Literal[False] = False, **kwargs: Unpack[_GenerateOptions]
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: Literal[False] = False,
+        max_tokens: int | None = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | bool | None = None,
     ) -> GenerationResult: ...
     @overload
     def generate(
-        self, prompt: str | Sequence[int], *, stream: Literal[True], **kwargs: Unpack[_GenerateOptions]
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: Literal[True],
+        max_tokens: int | None = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | bool | None = None,
     ) -> GenerationStream: ...
-    def stream(self, prompt: str | Sequence[int], **kwargs: Unpack[_GenerateOptions]) -> GenerationStream: ...
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | bool | None = None,
+    ) -> GenerationStream: ...
     @overload
     def chat(
         self,
@@ -396,7 +472,19 @@ class ModelRuntime:
         *,
         stream: Literal[False] = False,
         chat_template: str | None = None,
-        **kwargs: Unpack[_GenerateOptions],
+        max_tokens: int | None = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | bool | None = None,
     ) -> GenerationResult: ...
     @overload
     def chat(
@@ -405,5 +493,17 @@ class ModelRuntime:
         *,
         stream: Literal[True],
         chat_template: str | None = None,
-        **kwargs: Unpack[_GenerateOptions],
+        max_tokens: int | None = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | bool | None = None,
     ) -> GenerationStream: ...

@@ -26,11 +26,14 @@ class EngineRequest:
         self._ended = False
         self.result: Optional[GenerationResult] = None
         self.cancelled = False
+        #: With ``logprobs=N``: the log-probabilities of the tokens behind the piece last yielded.
+        self.logprobs: Optional[list[dict[str, Any]]] = None
 
     def _take(self, event) -> Optional[str]:
         kind, value = event
         if kind == "text":
-            return value
+            text, self.logprobs = value
+            return text
         self._ended = True
         if kind == "done":
             self.result = value

@@ -35,7 +35,8 @@ def add(point: str, vector, scale: float = 1.0, positions: Optional[Iterable[int
 
 def set(point: str, values, positions: Iterable[int]) -> Intervention:  # noqa: A001 - the issue's name
     """Activation patching: ``x[positions] = values`` (one row of the point's per-position shape per position)."""
-    return Intervention.set(point, _values("values", values), _positions(positions))
+    # None stays None, so the native call names the missing positions.
+    return Intervention.set(point, _values("values", values), _positions(positions))  # type: ignore[arg-type]
 
 
 def scale(point: str, index, factor: float, positions: Optional[Iterable[int]] = None) -> Intervention:

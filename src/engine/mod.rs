@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::core::{BackendSession, Intervention};
-use crate::generation::{step_together, GenerateOptions, Generation, GenerationResult};
+use crate::generation::{step_together, GenerateOptions, Generation, GenerationResult, TokenLogprobs};
 use crate::model::{Model, ModelError};
 
 /// Why the engine refused or failed a request.
@@ -49,8 +49,9 @@ impl Default for EngineOptions {
 /// What a request's handle receives, in order: text pieces, then one `Done` or `Failed`.
 #[derive(Debug)]
 pub enum EngineEvent {
-    /// Text that became final.
-    Text(String),
+    /// Text that became final, with the log-probabilities of the tokens behind it when they
+    /// were asked for.
+    Text(String, Option<Vec<TokenLogprobs>>),
     /// The finished generation.
     Done(GenerationResult),
     /// The request failed; nothing more follows.
@@ -328,8 +329,12 @@ impl Worker {
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {
             Ok(texts) => {
-                for (s, text) in self.slots.iter().zip(texts) {
-                    if !text.is_empty() && s.events.send(EngineEvent::Text(text)).is_err() {
+                for (s, text) in self.slots.iter_mut().zip(texts) {
+                    if text.is_empty() {
+                        continue;
+                    }
+                    let logprobs = s.generation.take_logprobs();
+                    if s.events.send(EngineEvent::Text(text, logprobs)).is_err() {
                         // The handle is gone: nobody reads this request any more.
                         s.cancel.store(true, Ordering::Relaxed);
                     }

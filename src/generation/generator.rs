@@ -45,15 +45,18 @@ pub enum FinishReason {
     Length,
     /// The model produced an end-of-sequence token.
     Eos,
+    /// The caller stopped the generation before it ended (a stream closed early).
+    Cancelled,
 }
 
 impl FinishReason {
-    /// The OpenAI-style name: `stop`, `length`, `eos`.
+    /// The OpenAI-style name: `stop`, `length`, `eos`, `cancelled`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Stop => "stop",
             Self::Length => "length",
             Self::Eos => "eos",
+            Self::Cancelled => "cancelled",
         }
     }
 }
@@ -75,11 +78,20 @@ pub struct GenerateOptions {
     pub logprobs: Option<usize>,
 }
 
+/// The default number of tokens to generate (a macro, not a constant, so that the Python
+/// signatures can spell the same literal that the defaults table below uses).
+#[macro_export]
+macro_rules! default_max_tokens {
+    () => {
+        256
+    };
+}
+
 /// The one table of generation defaults (llama-cpp-python's): every API and the CLI use it.
 impl Default for GenerateOptions {
     fn default() -> Self {
         Self {
-            max_tokens: 256,
+            max_tokens: crate::default_max_tokens!(),
             stop: Vec::new(),
             sampling: SamplingParams {
                 temperature: 0.8,
@@ -207,6 +219,8 @@ pub struct Generation {
     /// `Some(top)` when log-probabilities are reported.
     logprobs_top: Option<usize>,
     logprobs: Vec<TokenLogprobs>,
+    /// How many of `logprobs` `take_logprobs` has handed out.
+    logprobs_taken: usize,
 }
 
 /// The last row of a step's logits on the host, refusing NaN or infinite values.
@@ -281,6 +295,7 @@ impl Generation {
             started,
             logprobs_top: options.logprobs,
             logprobs: Vec::new(),
+            logprobs_taken: 0,
         })
     }
 
@@ -401,6 +416,30 @@ impl Generation {
                     self.finish = Some(FinishReason::Stop);
                 }
             }
+        }
+        let out = self.text[self.emitted.min(self.text.len())..].to_owned();
+        self.emitted = self.text.len();
+        Ok(out)
+    }
+
+    /// The log-probabilities of the tokens generated since the last call (`None` when they were
+    /// not asked for), so a stream can hand out each piece's tokens with the piece.
+    pub fn take_logprobs(&mut self) -> Option<Vec<TokenLogprobs>> {
+        self.logprobs_top?;
+        let new = self.logprobs[self.logprobs_taken..].to_vec();
+        self.logprobs_taken = self.logprobs.len();
+        Some(new)
+    }
+
+    /// Ends the generation where it stands (finish reason `Cancelled`) and returns the text held
+    /// back so far (a possible stop string's prefix, an incomplete character), now final.
+    pub fn cancel(&mut self) -> Result<String, TextError> {
+        if self.finish.is_some() {
+            return Ok(String::new());
+        }
+        self.finish = Some(FinishReason::Cancelled);
+        if let Some(rest) = self.detok.flush()? {
+            self.text.push_str(&rest);
         }
         let out = self.text[self.emitted.min(self.text.len())..].to_owned();
         self.emitted = self.text.len();

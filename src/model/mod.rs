@@ -12,7 +12,7 @@ pub use info::ModelInfo;
 use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult};
-use crate::text::{ChatTemplate, TextError, Tokenizer};
+use crate::text::{ChatRenderOptions, ChatTemplate, TemplateValue, TextError, Tokenizer};
 
 /// The runtime a model layer drives: the candle backend and its session.
 pub type Runtime = ModelRuntime<CandleBackend>;
@@ -153,6 +153,12 @@ impl Model {
         self.tokenizer.as_ref().map_err(|reason| ModelError::NoTokenizer { reason: reason.clone() })
     }
 
+    /// The model's own chat template, compiled once (None when it ships none, or one that does
+    /// not compile: using it then reports why).
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
     /// The model's description.
     pub fn info(&self) -> &ModelInfo {
         &self.info
@@ -171,45 +177,25 @@ impl Model {
         }
     }
 
-    /// Renders a conversation (JSON messages, plus extra template variables) through `template`
-    /// (a Jinja source) or else the model's own chat template.
+    /// Renders a conversation through `template` (a Jinja source) or else the model's own chat
+    /// template, with transformers' `apply_chat_template` options.
     pub fn render_chat(
         &self,
-        messages_json: &str,
-        add_generation_prompt: bool,
-        extra_json: Option<&str>,
+        messages: &TemplateValue,
+        options: &ChatRenderOptions,
         template: Option<&str>,
     ) -> Result<String, ModelError> {
-        let tokenizer = self.tokenizer()?;
-        let own;
-        let engine = match template {
-            Some(src) => {
-                own = ChatTemplate::new(
-                    src,
-                    tokenizer.bos_token().map(str::to_owned),
-                    tokenizer.eos_token().map(str::to_owned),
-                )?;
-                &own
-            }
-            None => match &self.chat_template {
-                Some(t) => t,
-                // Compiling again gives the template's own error, or says there is none.
-                None => {
-                    own = tokenizer.chat_template_engine().map_err(|e| match tokenizer.chat_template() {
-                        None => ModelError::NoChatTemplate,
-                        Some(_) => ModelError::Text(e),
-                    })?;
-                    &own
-                }
-            },
-        };
-        Ok(engine.render_json(messages_json, add_generation_prompt, extra_json)?)
+        self.tokenizer()?.render_chat(messages, options, template, self.chat_template.as_ref()).map_err(|e| match e {
+            TextError::NoChatTemplate => ModelError::NoChatTemplate,
+            e => ModelError::Text(e),
+        })
     }
 
-    /// The token ids of a conversation: the template writes the special tokens itself, as
-    /// transformers' `apply_chat_template` does.
-    pub fn chat_ids(&self, messages_json: &str, template: Option<&str>) -> Result<Vec<u32>, ModelError> {
-        let text = self.render_chat(messages_json, true, None, template)?;
+    /// The token ids of a conversation ending in an assistant turn's header: the template writes
+    /// the special tokens itself, as transformers' `apply_chat_template` does.
+    pub fn chat_ids(&self, messages: &TemplateValue, template: Option<&str>) -> Result<Vec<u32>, ModelError> {
+        let options = ChatRenderOptions { add_generation_prompt: true, ..ChatRenderOptions::default() };
+        let text = self.render_chat(messages, &options, template)?;
         Ok(self.tokenizer()?.encode(&text, false)?)
     }
 

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
 use super::errors::{catch_panic, model_err, CandlewickError, InternalError};
-use super::generation::{options_from_kwargs, to_result};
+use super::generation::{logprobs_to_py, to_result, Given, SamplingArgs};
 use super::intervention::{edits_of, PyIntervention};
 use super::runtime::PyModelRuntime;
 use crate::engine::{Engine, EngineError, EngineEvent, EngineOptions, RequestHandle};
@@ -38,7 +38,19 @@ pub struct PyEngine {
 
 #[pymethods]
 impl PyEngine {
-    /// An engine over `runtime`'s weights (shared, not copied).
+    /// An engine over a runtime's weights (shared, not copied).
+    ///
+    /// Args:
+    ///     runtime (ModelRuntime): the model to serve.
+    ///     max_batch_size (int): the most requests decoded together.
+    ///     max_queue (int): the most requests waiting; more raise ``QueueFullError``.
+    ///     max_kv_bytes (int | None): stop admitting requests while their caches hold this much.
+    ///
+    /// Returns:
+    ///     Engine: running in a background thread until ``close()``.
+    ///
+    /// Example:
+    ///     >>> engine = candlewick._native.Engine(rt, max_batch_size=8)
     #[new]
     #[pyo3(signature = (runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None))]
     fn new(
@@ -57,19 +69,68 @@ impl PyEngine {
         Ok(Self { inner: Mutex::new(Some(engine)), runtime })
     }
 
-    /// Queues token ids with sampling keywords and interventions; a full queue raises `QueueFullError`.
-    #[pyo3(signature = (prompt, *, interventions=None, chat=false, chat_template=None, **kwargs))]
-    fn submit(
+    #[doc = concat!(
+        "submit($self, prompt, *, interventions=None, chat=False, chat_template=None, ",
+        sampling_signature!(),
+        ")\n--\n"
+    )]
+    /// Queues a request; a full queue raises ``QueueFullError`` at once.
+    ///
+    /// Args:
+    ///     prompt (str | Sequence[int] | list[dict]): text, token ids, or (with ``chat``) messages.
+    ///     interventions (Sequence[Intervention] | None): this request's own edits.
+    ///     chat (bool): ``prompt`` is a conversation, rendered through the chat template.
+    ///     chat_template (str | None): a Jinja template to use instead of the model's.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     EngineRequest: the request's events and a way to cancel it.
+    ///
+    /// Example:
+    ///     >>> req = engine.submit("The capital of France is", max_tokens=16)
+    #[pyo3(text_signature = None, signature = (prompt, *, interventions=None, chat=false, chat_template=None,
+        max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+        presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
+        logprobs=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit<'py>(
         &self,
-        py: Python<'_>,
-        prompt: &Bound<'_, PyAny>,
-        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+        py: Python<'py>,
+        prompt: &Bound<'py, PyAny>,
+        interventions: Option<Vec<PyRef<'py, PyIntervention>>>,
         chat: bool,
         chat_template: Option<&str>,
-        kwargs: Option<&Bound<'_, PyDict>>,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyEngineRequest> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+        };
         let rt = self.runtime.get();
-        let opts = options_from_kwargs(&rt.lock()?.defaults().clone(), kwargs)?;
+        let opts = args.options(rt.lock()?.defaults())?;
         let ids = if chat { rt.chat_ids(py, prompt, chat_template)? } else { rt.prompt_ids(py, prompt)? };
         let edits = edits_of(interventions);
         let guard = self.inner.lock().map_err(|_| InternalError::new_err("engine poisoned"))?;
@@ -79,6 +140,9 @@ impl PyEngine {
     }
 
     /// Counters: submitted, finished, queued, running, generated_tokens, steps.
+    ///
+    /// Returns:
+    ///     dict[str, int]: the counters, with ``max_batch_size`` and ``max_queue``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let guard = self.inner.lock().map_err(|_| InternalError::new_err("engine poisoned"))?;
         let d = PyDict::new(py);
@@ -115,15 +179,29 @@ pub struct PyEngineRequest {
 
 #[pymethods]
 impl PyEngineRequest {
-    /// The next event, waiting at most `timeout` seconds (GIL released): `("text", str)`,
-    /// `("done", GenerationResult)`, `("cancelled", None)`, or None when nothing came in time;
-    /// a failed request raises its error.
+    /// The next event, waiting at most ``timeout`` seconds (GIL released); a failed request
+    /// raises its error.
+    ///
+    /// Args:
+    ///     timeout (float): seconds to wait.
+    ///
+    /// Returns:
+    ///     tuple | None: ``("text", (str, logprobs))`` (logprobs: the piece's tokens' entries, or
+    ///     None when not asked for), ``("done", GenerationResult)``, ``("cancelled", None)``, or
+    ///     None when nothing came in time.
+    ///
+    /// Example:
+    ///     >>> req.next_event(1.0)
+    ///     ('text', (' Paris', None))
     #[pyo3(signature = (timeout=0.1))]
     fn next_event<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Option<(&'static str, Bound<'py, PyAny>)>> {
         let wait = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
         match py.detach(|| self.handle.next_event(wait)) {
             None => Ok(None),
-            Some(EngineEvent::Text(t)) => Ok(Some(("text", t.into_pyobject(py)?.into_any()))),
+            Some(EngineEvent::Text(t, logprobs)) => {
+                let logprobs = logprobs.map(|l| logprobs_to_py(py, l)).transpose()?;
+                Ok(Some(("text", (t, logprobs).into_pyobject(py)?.into_any())))
+            }
             Some(EngineEvent::Done(r)) => Ok(Some(("done", Bound::new(py, to_result(py, r)?)?.into_any()))),
             Some(EngineEvent::Failed(e)) => Err(engine_err(e)),
             Some(EngineEvent::Cancelled) => Ok(Some(("cancelled", py.None().into_bound(py)))),
@@ -131,6 +209,9 @@ impl PyEngineRequest {
     }
 
     /// Stops the request at the engine's next step and frees its slot.
+    ///
+    /// Example:
+    ///     >>> req.cancel()
     fn cancel(&self) {
         self.handle.cancel();
     }

@@ -42,6 +42,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(candlewick, TokenOutOfRangeError, SessionError, "A token id outside the vocabulary.");
 pyo3::create_exception!(candlewick, ContextFullError, SessionError, "The step would run past the session's context.");
+pyo3::create_exception!(
+    candlewick,
+    RuntimeClosedError,
+    SessionError,
+    "The runtime was closed (``ModelRuntime.close()``, or the end of its ``with`` block); load the model again."
+);
 /// Holds the Python `ObservationError` apart from the core's Rust type of the same name.
 mod observation_exc {
     pyo3::create_exception!(
@@ -95,6 +101,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SessionError", py.get_type::<SessionError>())?;
     m.add("TokenOutOfRangeError", py.get_type::<TokenOutOfRangeError>())?;
     m.add("ContextFullError", py.get_type::<ContextFullError>())?;
+    m.add("RuntimeClosedError", py.get_type::<RuntimeClosedError>())?;
     m.add("ObservationError", py.get_type::<PyObservationError>())?;
     m.add("TokenizerError", py.get_type::<TokenizerError>())?;
     m.add("InvalidInterventionError", py.get_type::<InvalidInterventionError>())?;

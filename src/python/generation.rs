@@ -8,7 +8,7 @@ use pyo3::types::PyDict;
 
 use super::errors::{catch_panic, generation_err, model_err, GenerationOptionError, InternalError};
 use super::runtime::PyModelRuntime;
-use crate::generation::{GenerateOptions, Generation, GenerationResult};
+use crate::generation::{GenerateOptions, Generation, GenerationResult, TokenLogprobs};
 
 fn value_err(arg: &str, why: &str) -> PyErr {
     pyo3::exceptions::PyValueError::new_err(format!("{arg}: {why}"))
@@ -28,87 +28,128 @@ fn number(arg: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
     v.extract::<f64>().map(|x| x as f32).map_err(|_| type_err(arg, "a number", v))
 }
 
-/// Builds the options of `generate` / `stream` / `chat` from keyword arguments over the model's
-/// defaults; an unknown keyword is a TypeError, a value of the wrong kind or range names its argument.
-pub fn options_from_kwargs(
-    defaults: &GenerateOptions,
-    kwargs: Option<&Bound<'_, PyDict>>,
-) -> PyResult<GenerateOptions> {
-    let mut o = defaults.clone();
-    if let Some(kw) = kwargs {
-        for (k, v) in kw.iter() {
-            let key: String = k.extract()?;
-            let s = &mut o.sampling;
-            match key.as_str() {
-                // None: until the context is full (as llama-cpp-python).
-                "max_tokens" => o.max_tokens = if v.is_none() { usize::MAX } else { count("max_tokens", &v)? },
-                "temperature" => s.temperature = number("temperature", &v)?,
-                "top_k" => s.top_k = count("top_k", &v)?,
-                "top_p" => s.top_p = number("top_p", &v)?,
-                "min_p" => s.min_p = number("min_p", &v)?,
-                "repetition_penalty" => s.repetition_penalty = number("repetition_penalty", &v)?,
-                "presence_penalty" => s.presence_penalty = number("presence_penalty", &v)?,
-                "frequency_penalty" => s.frequency_penalty = number("frequency_penalty", &v)?,
-                // None or -1: a random seed.
-                "seed" => {
-                    s.seed = if v.is_none() {
-                        None
-                    } else {
-                        let n: i64 = v.extract().map_err(|_| type_err("seed", "an int", &v))?;
-                        match n {
-                            -1 => None,
-                            n if n >= 0 => Some(n as u64),
-                            n => return Err(value_err("seed", &format!("must be >= 0 or -1 (random), got {n}"))),
-                        }
-                    }
-                }
-                "logit_bias" => {
-                    s.logit_bias = Vec::new();
-                    if !v.is_none() {
-                        let d =
-                            v.cast::<PyDict>().map_err(|_| type_err("logit_bias", "a dict {token_id: bias}", &v))?;
-                        for (id, bias) in d.iter() {
-                            let id: i64 =
-                                id.extract().map_err(|_| type_err("logit_bias key", "an int token id", &id))?;
-                            let id = u32::try_from(id)
-                                .map_err(|_| value_err("logit_bias", &format!("{id} is not a token id")))?;
-                            s.logit_bias.push((id, number("logit_bias value", &bias)?));
-                        }
-                    }
-                }
-                "stop" => {
-                    o.stop = if v.is_none() {
-                        Vec::new()
-                    } else if let Ok(one) = v.extract::<String>() {
-                        vec![one]
-                    } else {
-                        v.extract::<Vec<String>>().map_err(|_| type_err("stop", "a string or a list of strings", &v))?
-                    }
-                }
-                "ignore_eos" => o.ignore_eos = v.extract().map_err(|_| type_err("ignore_eos", "a bool", &v))?,
-                // None: off; N: the chosen token's log-probability and the N most likely.
-                "logprobs" => {
-                    o.logprobs = if v.is_none() {
-                        None
-                    } else if let Ok(b) = v.cast::<pyo3::types::PyBool>() {
-                        b.is_true().then_some(0)
-                    } else {
-                        Some(count("logprobs", &v)?)
-                    }
-                }
-                other => {
-                    return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                        "unexpected keyword argument `{other}`"
-                    )))
-                }
-            }
-        }
-    }
-    o.sampling.validate().map_err(GenerationOptionError::new_err)?;
-    Ok(o)
+/// A keyword argument as given, told apart from one left out: `max_tokens=None` means "until
+/// the context is full", while leaving it out means the model's default.
+pub enum Given<'py> {
+    /// Not passed.
+    Omitted,
+    /// Passed (possibly `None`).
+    Value(Bound<'py, PyAny>),
 }
 
-/// The generation defaults every API uses (llama-cpp-python's), as a dict: the CLI shows these.
+impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Given::Value(obj.to_owned()))
+    }
+}
+
+/// The sampling keywords `generate`, `stream`, `chat`, `generate_batch` and `Engine.submit`
+/// share, as Python passed them; `None` (or left out) keeps the model's default.
+pub struct SamplingArgs<'py> {
+    /// The most tokens; `None`: until the context is full.
+    pub max_tokens: Given<'py>,
+    /// Softmax temperature; 0 is greedy.
+    pub temperature: Option<Bound<'py, PyAny>>,
+    /// Keep the k most likely tokens (0: all).
+    pub top_k: Option<Bound<'py, PyAny>>,
+    /// Nucleus sampling mass.
+    pub top_p: Option<Bound<'py, PyAny>>,
+    /// Drop tokens below this fraction of the most likely one's probability.
+    pub min_p: Option<Bound<'py, PyAny>>,
+    /// llama.cpp's repeat penalty.
+    pub repetition_penalty: Option<Bound<'py, PyAny>>,
+    /// OpenAI's presence penalty.
+    pub presence_penalty: Option<Bound<'py, PyAny>>,
+    /// OpenAI's frequency penalty.
+    pub frequency_penalty: Option<Bound<'py, PyAny>>,
+    /// `{token_id: bias}` added to the logits.
+    pub logit_bias: Option<Bound<'py, PyAny>>,
+    /// A string or strings that end generation.
+    pub stop: Option<Bound<'py, PyAny>>,
+    /// A seed; `None` or -1: random.
+    pub seed: Option<Bound<'py, PyAny>>,
+    /// Keep going past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// `N`: each token's log-probability and the N most likely alternatives.
+    pub logprobs: Option<Bound<'py, PyAny>>,
+}
+
+impl SamplingArgs<'_> {
+    /// The options these arguments ask for, over the model's `defaults`; a value of the wrong
+    /// kind or range names its argument.
+    pub fn options(&self, defaults: &GenerateOptions) -> PyResult<GenerateOptions> {
+        let mut o = defaults.clone();
+        match &self.max_tokens {
+            Given::Omitted => {}
+            // As in llama-cpp-python: until the context is full.
+            Given::Value(v) if v.is_none() => o.max_tokens = usize::MAX,
+            Given::Value(v) => o.max_tokens = count("max_tokens", v)?,
+        }
+        let s = &mut o.sampling;
+        let set = |slot: &mut f32, name: &str, v: &Option<Bound<'_, PyAny>>| -> PyResult<()> {
+            if let Some(v) = v.as_ref().filter(|v| !v.is_none()) {
+                *slot = number(name, v)?;
+            }
+            Ok(())
+        };
+        set(&mut s.temperature, "temperature", &self.temperature)?;
+        set(&mut s.top_p, "top_p", &self.top_p)?;
+        set(&mut s.min_p, "min_p", &self.min_p)?;
+        set(&mut s.repetition_penalty, "repetition_penalty", &self.repetition_penalty)?;
+        set(&mut s.presence_penalty, "presence_penalty", &self.presence_penalty)?;
+        set(&mut s.frequency_penalty, "frequency_penalty", &self.frequency_penalty)?;
+        if let Some(v) = self.top_k.as_ref().filter(|v| !v.is_none()) {
+            s.top_k = count("top_k", v)?;
+        }
+        if let Some(v) = self.seed.as_ref().filter(|v| !v.is_none()) {
+            let n: i64 = v.extract().map_err(|_| type_err("seed", "an int", v))?;
+            s.seed = match n {
+                -1 => None,
+                n if n >= 0 => Some(n as u64),
+                n => return Err(value_err("seed", &format!("must be >= 0 or -1 (random), got {n}"))),
+            };
+        }
+        if let Some(v) = self.logit_bias.as_ref().filter(|v| !v.is_none()) {
+            let d = v.cast::<PyDict>().map_err(|_| type_err("logit_bias", "a dict {token_id: bias}", v))?;
+            s.logit_bias = Vec::new();
+            for (id, bias) in d.iter() {
+                let id: i64 = id.extract().map_err(|_| type_err("logit_bias key", "an int token id", &id))?;
+                let id = u32::try_from(id).map_err(|_| value_err("logit_bias", &format!("{id} is not a token id")))?;
+                s.logit_bias.push((id, number("logit_bias value", &bias)?));
+            }
+        }
+        if let Some(v) = self.stop.as_ref().filter(|v| !v.is_none()) {
+            o.stop = if let Ok(one) = v.extract::<String>() {
+                vec![one]
+            } else {
+                v.extract::<Vec<String>>().map_err(|_| type_err("stop", "a string or a list of strings", v))?
+            };
+        }
+        o.ignore_eos = o.ignore_eos || self.ignore_eos;
+        if let Some(v) = self.logprobs.as_ref().filter(|v| !v.is_none()) {
+            o.logprobs = if let Ok(b) = v.cast::<pyo3::types::PyBool>() {
+                b.is_true().then_some(0)
+            } else {
+                Some(count("logprobs", v)?)
+            };
+        }
+        o.sampling.validate().map_err(GenerationOptionError::new_err)?;
+        Ok(o)
+    }
+}
+
+/// The generation defaults every API uses where a caller passes none (llama-cpp-python's), as
+/// a dict; the CLI shows these.
+///
+/// Returns:
+///     dict: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+///     ``repetition_penalty``, ``presence_penalty`` and ``frequency_penalty``.
+///
+/// Example:
+///     >>> candlewick._native.generation_defaults()["max_tokens"]
+///     256
 #[pyfunction]
 pub fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let o = GenerateOptions::default();
@@ -124,6 +165,11 @@ pub fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Python's `repr` of a string, so reprs read as Python, not Rust.
+pub fn py_repr(py: Python<'_>, s: &str) -> String {
+    pyo3::types::PyString::new(py, s).repr().map(|r| r.to_string()).unwrap_or_else(|_| format!("{s:?}"))
+}
+
 /// A finished generation: text, ids, why it ended and what it cost.
 #[pyclass(name = "GenerationResult", module = "candlewick._native", frozen, get_all)]
 pub struct PyGenerationResult {
@@ -131,7 +177,7 @@ pub struct PyGenerationResult {
     text: String,
     /// The generated token ids.
     token_ids: Vec<u32>,
-    /// `stop`, `length` or `eos`.
+    /// `stop`, `length`, `eos`, or `cancelled` for a stream closed early.
     finish_reason: &'static str,
     /// Token counts and timings.
     usage: Py<PyDict>,
@@ -141,14 +187,28 @@ pub struct PyGenerationResult {
 
 #[pymethods]
 impl PyGenerationResult {
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "GenerationResult(finish_reason={:?}, tokens={}, text={:?})",
-            self.finish_reason,
+            "GenerationResult(finish_reason={}, tokens={}, text={})",
+            py_repr(py, self.finish_reason),
             self.token_ids.len(),
-            self.text
+            py_repr(py, &self.text)
         )
     }
+}
+
+/// Per-token log-probabilities as Python dicts: `{"token", "logprob", "top_logprobs": [(id, logprob)]}`.
+pub fn logprobs_to_py(py: Python<'_>, steps: Vec<TokenLogprobs>) -> PyResult<Vec<Py<PyDict>>> {
+    steps
+        .into_iter()
+        .map(|t| {
+            let e = PyDict::new(py);
+            e.set_item("token", t.token)?;
+            e.set_item("logprob", t.logprob)?;
+            e.set_item("top_logprobs", t.top)?;
+            Ok(e.unbind())
+        })
+        .collect()
 }
 
 /// Converts a Rust result into its Python form.
@@ -164,21 +224,7 @@ pub fn to_result(py: Python<'_>, r: GenerationResult) -> PyResult<PyGenerationRe
     d.set_item("decode_seconds", u.decode_seconds)?;
     d.set_item("prefill_tokens_per_second", u.prefill_tokens_per_second())?;
     d.set_item("decode_tokens_per_second", u.decode_tokens_per_second())?;
-    let logprobs = r
-        .logprobs
-        .map(|steps| {
-            steps
-                .into_iter()
-                .map(|t| {
-                    let e = PyDict::new(py);
-                    e.set_item("token", t.token)?;
-                    e.set_item("logprob", t.logprob)?;
-                    e.set_item("top_logprobs", t.top)?;
-                    Ok(e.unbind())
-                })
-                .collect::<PyResult<Vec<_>>>()
-        })
-        .transpose()?;
+    let logprobs = r.logprobs.map(|steps| logprobs_to_py(py, steps)).transpose()?;
     Ok(PyGenerationResult {
         text: r.text,
         token_ids: r.token_ids,
@@ -225,12 +271,29 @@ pub fn run_to_end(
     to_result(py, result)
 }
 
-/// An iterator of text pieces; `result` holds the whole generation once it is exhausted.
+/// An iterator of text pieces, each final (never a broken character or a stop string's start).
+///
+/// ``result`` holds the whole generation (text, finish reason, usage) once the stream ends, or
+/// once ``close()`` stops it early; ``logprobs`` holds the log-probabilities of the tokens
+/// behind the piece last yielded when ``logprobs=N`` was asked for. A stream is a context
+/// manager that closes itself.
+///
+/// Example:
+///     >>> with rt.stream("The capital of France is", max_tokens=8, logprobs=2) as s:
+///     ...     for piece in s:
+///     ...         print(piece, s.logprobs)
+///     >>> s.result.finish_reason
+///     'length'
 #[pyclass(name = "GenerationStream", module = "candlewick._native", frozen)]
 pub struct PyGenerationStream {
     runtime: Py<PyModelRuntime>,
     state: Mutex<Option<Generation>>,
     result: Mutex<Option<Py<PyGenerationResult>>>,
+    logprobs: Mutex<Option<Vec<Py<PyDict>>>>,
+}
+
+fn poisoned<T>(_: T) -> PyErr {
+    InternalError::new_err("generation stream poisoned")
 }
 
 impl PyGenerationStream {
@@ -243,7 +306,28 @@ impl PyGenerationStream {
     ) -> PyResult<Self> {
         let rt = runtime.get();
         let generation = py.detach(|| catch_panic(|| rt.lock()?.start_generation(&prompt, opts).map_err(model_err)))?;
-        Ok(Self { runtime: runtime.clone().unbind(), state: Mutex::new(Some(generation)), result: Mutex::new(None) })
+        Ok(Self {
+            runtime: runtime.clone().unbind(),
+            state: Mutex::new(Some(generation)),
+            result: Mutex::new(None),
+            logprobs: Mutex::new(None),
+        })
+    }
+
+    /// Keeps the finished generation's result and drops its state.
+    fn finish(&self, py: Python<'_>, state: &mut Option<Generation>) -> PyResult<()> {
+        if let Some(generation) = state.take() {
+            let result = to_result(py, generation.result())?;
+            *self.result.lock().map_err(poisoned)? = Some(Py::new(py, result)?);
+        }
+        Ok(())
+    }
+
+    /// Records the log-probabilities behind the piece about to be yielded.
+    fn keep_logprobs(&self, py: Python<'_>, generation: &mut Generation) -> PyResult<()> {
+        let taken = generation.take_logprobs().map(|l| logprobs_to_py(py, l)).transpose()?;
+        *self.logprobs.lock().map_err(poisoned)? = taken;
+        Ok(())
     }
 }
 
@@ -254,36 +338,76 @@ impl PyGenerationStream {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<String> {
-        let mut state = self.state.lock().map_err(|_| InternalError::new_err("generation stream poisoned"))?;
+        let mut state = self.state.lock().map_err(poisoned)?;
         let Some(generation) = state.as_mut() else {
             return Err(PyStopIteration::new_err(()));
         };
         let rt = self.runtime.get();
         loop {
             if generation.finish_reason().is_some() {
-                let result = to_result(py, generation.result())?;
-                *self.result.lock().map_err(|_| InternalError::new_err("generation stream poisoned"))? =
-                    Some(Py::new(py, result)?);
-                *state = None;
+                self.finish(py, &mut state)?;
                 return Err(PyStopIteration::new_err(()));
             }
             let piece =
                 py.detach(|| catch_panic(|| generation.step(rt.lock()?.runtime_mut()).map_err(generation_err)))?;
             if !piece.is_empty() {
+                self.keep_logprobs(py, generation)?;
                 return Ok(piece);
             }
             py.check_signals()?;
         }
     }
 
-    /// The finished generation (None until the stream is exhausted).
+    /// Stops the generation where it stands; ``result`` then holds what was generated, its usage
+    /// and the finish reason ``"cancelled"`` (a stream that already ended keeps its own).
+    /// ``result.text`` also has the text not yet yielded (a possible stop string's start, held
+    /// back). Closing twice does nothing.
+    ///
+    /// Example:
+    ///     >>> s = rt.stream("Once upon a time", max_tokens=100)
+    ///     >>> first = next(s)
+    ///     >>> s.close()
+    ///     >>> s.result.finish_reason, s.result.usage["completion_tokens"]
+    ///     ('cancelled', 1)
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let mut state = self.state.lock().map_err(poisoned)?;
+        if let Some(generation) = state.as_mut() {
+            generation.cancel().map_err(super::errors::text_err)?;
+        }
+        self.finish(py, &mut state)
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// The finished generation (None until the stream ends or is closed).
     #[getter]
     fn result(&self, py: Python<'_>) -> PyResult<Option<Py<PyGenerationResult>>> {
-        Ok(self
-            .result
-            .lock()
-            .map_err(|_| InternalError::new_err("generation stream poisoned"))?
-            .as_ref()
-            .map(|r| r.clone_ref(py)))
+        Ok(self.result.lock().map_err(poisoned)?.as_ref().map(|r| r.clone_ref(py)))
+    }
+
+    /// With ``logprobs=N``: the log-probabilities of the tokens behind the piece last yielded
+    /// (entries as in ``GenerationResult.logprobs``); None otherwise. Tokens whose text is
+    /// still held back come with a later piece; ``result.logprobs`` has every token's.
+    #[getter]
+    fn logprobs(&self, py: Python<'_>) -> PyResult<Option<Vec<Py<PyDict>>>> {
+        Ok(self.logprobs.lock().map_err(poisoned)?.as_ref().map(|l| l.iter().map(|d| d.clone_ref(py)).collect()))
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        let running = self.state.lock().map_err(poisoned)?.is_some();
+        Ok(format!("GenerationStream({})", if running { "running" } else { "ended" }))
     }
 }

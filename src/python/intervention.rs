@@ -2,6 +2,8 @@
 
 use pyo3::prelude::*;
 
+use super::generation::py_repr;
+
 use crate::core::{EditOp, Intervention};
 
 /// One edit of a named point (build it with `candlewick.interventions.add/set/scale/project_out`).
@@ -27,7 +29,19 @@ fn positions_of(positions: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
 
 #[pymethods]
 impl PyIntervention {
-    /// Steering: `x + scale · vector` (vector: the point's last dimension or its per-position shape, flattened).
+    /// Steering: ``x + scale * vector``.
+    ///
+    /// Args:
+    ///     point (str): the point's dotted name.
+    ///     vector (Sequence[float]): the point's last dimension, or its per-position shape flattened.
+    ///     scale (float): multiplies the vector.
+    ///     positions (Sequence[int] | None): absolute positions to edit; None: every position.
+    ///
+    /// Returns:
+    ///     Intervention: the edit.
+    ///
+    /// Example:
+    ///     >>> Intervention.add("model.layers.6.output", direction, scale=4.0)
     #[staticmethod]
     #[pyo3(signature = (point, vector, scale=1.0, positions=None))]
     fn add(point: String, vector: Vec<f32>, scale: f32, positions: Option<Vec<i64>>) -> PyResult<Self> {
@@ -35,7 +49,18 @@ impl PyIntervention {
         Ok(Self { inner: Intervention { point, op, positions: positions_of(positions)? } })
     }
 
-    /// Patching: `x[positions] = values` (values: one flattened row per position).
+    /// Patching: ``x[positions] = values``.
+    ///
+    /// Args:
+    ///     point (str): the point's dotted name.
+    ///     values (Sequence[float]): one flattened row per position.
+    ///     positions (Sequence[int]): the absolute positions to overwrite.
+    ///
+    /// Returns:
+    ///     Intervention: the edit.
+    ///
+    /// Example:
+    ///     >>> Intervention.set("model.layers.2.output", clean_row, positions=[4])
     #[staticmethod]
     #[pyo3(signature = (point, values, positions))]
     fn set(point: String, values: Vec<f32>, positions: Vec<i64>) -> PyResult<Self> {
@@ -43,7 +68,19 @@ impl PyIntervention {
         Ok(Self { inner: Intervention { point, op, positions: positions_of(Some(positions))? } })
     }
 
-    /// Scales units (heads, neurons, channels) by `factor`; 0 ablates.
+    /// Scales units (heads, neurons, channels) by a factor; 0 ablates.
+    ///
+    /// Args:
+    ///     point (str): the point's dotted name.
+    ///     index (Sequence[int]): the units along the point's unit axis (heads for ``attention.heads``).
+    ///     factor (float): the multiplier.
+    ///     positions (Sequence[int] | None): absolute positions to edit; None: every position.
+    ///
+    /// Returns:
+    ///     Intervention: the edit.
+    ///
+    /// Example:
+    ///     >>> Intervention.scale("model.layers.3.attention.heads", [2], 0.0)
     #[staticmethod]
     #[pyo3(signature = (point, index, factor, positions=None))]
     fn scale(point: String, index: Vec<i64>, factor: f32, positions: Option<Vec<i64>>) -> PyResult<Self> {
@@ -54,7 +91,18 @@ impl PyIntervention {
         Ok(Self { inner: Intervention { point, op, positions: positions_of(positions)? } })
     }
 
-    /// Directional ablation: `x − (x · d̂) d̂`.
+    /// Directional ablation: ``x - (x . d) d`` with ``d`` the unit direction.
+    ///
+    /// Args:
+    ///     point (str): the point's dotted name.
+    ///     direction (Sequence[float]): the direction to remove (normalised here).
+    ///     positions (Sequence[int] | None): absolute positions to edit; None: every position.
+    ///
+    /// Returns:
+    ///     Intervention: the edit.
+    ///
+    /// Example:
+    ///     >>> Intervention.project_out("model.layers.6.output", refusal_direction)
     #[staticmethod]
     #[pyo3(signature = (point, direction, positions=None))]
     fn project_out(point: String, direction: Vec<f32>, positions: Option<Vec<i64>>) -> PyResult<Self> {
@@ -114,18 +162,18 @@ impl PyIntervention {
         self.inner == other.inner
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         let pos = match &self.inner.positions {
             Some(p) => format!(", positions={p:?}"),
             None => String::new(),
         };
         let detail = match &self.inner.op {
-            EditOp::Add { vector, scale } => format!("vector=<{} values>, scale={scale}", vector.len()),
+            EditOp::Add { vector, scale } => format!("vector=<{} values>, scale={scale:?}", vector.len()),
             EditOp::Set { values } => format!("values=<{} values>", values.len()),
-            EditOp::Scale { index, factor } => format!("index={index:?}, factor={factor}"),
+            EditOp::Scale { index, factor } => format!("index={index:?}, factor={factor:?}"),
             EditOp::ProjectOut { direction } => format!("direction=<{} values>", direction.len()),
         };
-        format!("Intervention.{}({:?}, {detail}{pos})", self.inner.op.name(), self.inner.point)
+        format!("Intervention.{}({}, {detail}{pos})", self.inner.op.name(), py_repr(py, &self.inner.point))
     }
 }
 
@@ -134,8 +182,19 @@ pub fn edits_of(list: Option<Vec<PyRef<'_, PyIntervention>>>) -> Vec<Interventio
     list.map(|l| l.iter().map(|i| i.inner.clone()).collect()).unwrap_or_default()
 }
 
-/// Writes `{layer: vector}` (layers counting from 1, as llama.cpp's) as a control vector GGUF
-/// that llama.cpp and `ModelRuntime.load_control_vector` load.
+/// Writes ``{layer: vector}`` (layers counting from 1, as llama.cpp's) as a control vector GGUF
+/// that llama.cpp and ``ModelRuntime.load_control_vector`` load.
+///
+/// Args:
+///     path (str | os.PathLike): the file to write.
+///     directions (dict[int, Sequence[float]]): one hidden-size vector per layer.
+///     model_hint (str): the architecture name llama.cpp checks (``general.architecture``).
+///
+/// Returns:
+///     None
+///
+/// Example:
+///     >>> candlewick._native.save_control_vector("happy.gguf", {7: list(direction)})
 #[pyfunction]
 #[pyo3(signature = (path, directions, model_hint=""))]
 pub fn save_control_vector(

@@ -1,5 +1,43 @@
 //! The PyO3 layer: a thin binding of the core, one file per domain.
 
+/// The sampling keywords of `generate`, `stream`, `chat`, `generate_batch` and `Engine.submit`
+/// as their text signatures show them; `None` keeps the model's default (`generation_defaults()`).
+macro_rules! sampling_signature {
+    () => {
+        concat!(
+            "max_tokens=",
+            crate::default_max_tokens!(),
+            ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
+            "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
+            "ignore_eos=False, logprobs=None"
+        )
+    };
+}
+
+/// The `Args:` entries of the sampling keywords, for the docstrings of the methods that take them.
+macro_rules! sampling_args_doc {
+    () => {
+        concat!(
+            "    max_tokens (int | None): the most tokens to generate (default ",
+            crate::default_max_tokens!(),
+            "); None: until the context is full.\n",
+            "    temperature (float | None): softmax temperature; 0 picks the most likely token.\n",
+            "    top_k (int | None): keep the k most likely tokens (0: all).\n",
+            "    top_p (float | None): keep the smallest set of tokens whose probability reaches p.\n",
+            "    min_p (float | None): drop tokens below this fraction of the best one's probability.\n",
+            "    repetition_penalty (float | None): llama.cpp's repeat penalty (1: off).\n",
+            "    presence_penalty (float | None): OpenAI's presence penalty (0: off).\n",
+            "    frequency_penalty (float | None): OpenAI's frequency penalty (0: off).\n",
+            "    logit_bias (dict[int, float] | None): added to the logits of these token ids.\n",
+            "    stop (str | list[str] | None): text that ends generation (not returned).\n",
+            "    seed (int | None): the sampling seed; None or -1: random.\n",
+            "    ignore_eos (bool): keep generating past end-of-sequence tokens.\n",
+            "    logprobs (int | None): N: report each token's log-probability and the N most likely\n",
+            "        alternatives. The sampling defaults (None) are ``generation_defaults()``."
+        )
+    };
+}
+
 mod engine;
 mod errors;
 mod generation;

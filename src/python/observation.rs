@@ -3,6 +3,8 @@
 use numpy::ndarray::{ArrayD, IxDyn};
 use numpy::PyArray;
 use pyo3::prelude::*;
+
+use super::generation::py_repr;
 use pyo3::types::{PyDict, PyList};
 
 use super::errors::{observation_err, InternalError};
@@ -17,12 +19,30 @@ pub struct PyObservationRequest {
 #[pymethods]
 impl PyObservationRequest {
     /// Every point the model offers.
+    ///
+    /// Returns:
+    ///     ObservationRequest: a request for all points.
+    ///
+    /// Example:
+    ///     >>> rt.inspect_prefill([2, 651], ObservationRequest.all()).observations.keys()[:1]
+    ///     ['model.embed_tokens']
     #[staticmethod]
     fn all() -> Self {
         Self { inner: core::ObservationRequest::all() }
     }
 
-    /// The points under each prefix (whole dotted segments); an empty list selects nothing.
+    /// The points under each prefix; prefixes match whole dotted segments, so
+    /// ``model.layers.2`` selects ``model.layers.2.output`` but not ``model.layers.20.output``.
+    ///
+    /// Args:
+    ///     prefixes (Sequence[str]): dotted prefixes; an empty list selects nothing.
+    ///
+    /// Returns:
+    ///     ObservationRequest: the request.
+    ///
+    /// Example:
+    ///     >>> ObservationRequest.select(["model.layers.2"]).matches("model.layers.20.output")
+    ///     False
     #[staticmethod]
     fn select(prefixes: Vec<String>) -> PyResult<Self> {
         let sel = prefixes.into_iter().map(ObservationSelector::Prefix);
@@ -30,6 +50,16 @@ impl PyObservationRequest {
     }
 
     /// Exactly the named points.
+    ///
+    /// Args:
+    ///     paths (Sequence[str]): full observation paths.
+    ///
+    /// Returns:
+    ///     ObservationRequest: the request.
+    ///
+    /// Example:
+    ///     >>> ObservationRequest.exact(["model.logits"]).matches("model.logits")
+    ///     True
     #[staticmethod]
     fn exact(paths: Vec<String>) -> PyResult<Self> {
         let sel = paths.into_iter().map(ObservationSelector::Exact);
@@ -55,17 +85,36 @@ impl PyObservationRequest {
         self.inner.is_all()
     }
 
-    /// Whether `path` is selected.
+    /// Whether a path is selected.
+    ///
+    /// Args:
+    ///     path (str): an observation path.
+    ///
+    /// Returns:
+    ///     bool: whether this request selects it.
+    ///
+    /// Example:
+    ///     >>> ObservationRequest.select(["model.layers.2"]).matches("model.layers.2.output")
+    ///     True
     fn matches(&self, path: &str) -> bool {
         self.inner.matches(path)
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         if self.inner.is_all() {
             return "ObservationRequest.all()".into();
         }
-        let parts: Vec<String> = self.selectors().into_iter().map(|(k, p)| format!("{k}:{p}")).collect();
-        format!("ObservationRequest({})", parts.join(", "))
+        let list = |kind: &str| {
+            let paths: Vec<String> =
+                self.selectors().into_iter().filter(|(k, _)| *k == kind).map(|(_, p)| py_repr(py, &p)).collect();
+            paths.join(", ")
+        };
+        let (select, exact) = (list("prefix"), list("exact"));
+        match (select.is_empty(), exact.is_empty()) {
+            (false, true) => format!("ObservationRequest.select([{select}])"),
+            (true, false) => format!("ObservationRequest.exact([{exact}])"),
+            _ => format!("ObservationRequest(select=[{select}], exact=[{exact}])"),
+        }
     }
 }
 
@@ -95,21 +144,41 @@ impl PyObservationSet {
     }
 
     /// The paths, in path order.
+    ///
+    /// Returns:
+    ///     list[str]: the observation paths held.
     fn keys(&self) -> Vec<String> {
         self.keys.clone()
     }
 
     /// The values, in path order.
+    ///
+    /// Returns:
+    ///     list: read-only float32 arrays (or scalars).
     fn values<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         self.keys.iter().map(|k| self.__getitem__(py, k)).collect()
     }
 
-    /// `(path, value)` pairs, in path order.
+    /// ``(path, value)`` pairs, in path order.
+    ///
+    /// Returns:
+    ///     list[tuple[str, Any]]: the pairs.
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
         self.keys.iter().map(|k| Ok((k.clone(), self.__getitem__(py, k)?))).collect()
     }
 
-    /// The value at `path`, or `default`.
+    /// The value at a path, or a default.
+    ///
+    /// Args:
+    ///     path (str): an observation path.
+    ///     default (Any): what to return when the path is not held.
+    ///
+    /// Returns:
+    ///     Any: the array, scalar or default.
+    ///
+    /// Example:
+    ///     >>> obs.get("model.norm") is not None
+    ///     True
     #[pyo3(signature = (path, default=None))]
     fn get<'py>(
         &self,
@@ -120,8 +189,9 @@ impl PyObservationSet {
         Ok(self.values.bind(py).get_item(path)?.or(default))
     }
 
-    fn __repr__(&self) -> String {
-        format!("ObservationSet({} points: {})", self.keys.len(), self.keys.join(", "))
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let keys: Vec<String> = self.keys.iter().map(|k| py_repr(py, k)).collect();
+        format!("ObservationSet([{}])", keys.join(", "))
     }
 }
 

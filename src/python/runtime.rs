@@ -12,12 +12,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
 use super::errors::{
-    backend_err, catch_panic, model_err, runtime_err, InternalError, SessionError, TokenOutOfRangeError,
+    backend_err, catch_panic, model_err, runtime_err, InternalError, RuntimeClosedError, SessionError,
+    TokenOutOfRangeError,
 };
-use super::generation::{options_from_kwargs, run_to_end, PyGenerationStream};
+use super::generation::{py_repr, run_to_end, Given, PyGenerationResult, PyGenerationStream, SamplingArgs};
 use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
-use super::text::{to_json, PyTokenizer};
+use super::text::{conversation, PyTokenizer};
 use crate::backend::session::CandleCompletion;
 use crate::backend::session::SessionSnapshot;
 use crate::backend::StepOutput;
@@ -29,11 +30,42 @@ use crate::model::{Model, ModelOptions, Prompt};
 
 static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
 
-/// A loaded model, the backend that prepared it and its one session.
+/// A loaded model, the backend that prepared it and its one session (the KV cache).
+///
+/// Load one with ``ModelRuntime.load``; step it with ``prefill`` / ``decode``, generate with
+/// ``generate`` / ``stream`` / ``chat``, inspect with ``inspect_prefill`` / ``trace``. A runtime
+/// is a context manager: leaving the ``with`` block (or ``close()``) frees the model.
+///
+/// Example:
+///     >>> with candlewick.ModelRuntime.load(path) as rt:
+///     ...     print(rt.generate("The capital of France is", max_tokens=8).text)
 #[pyclass(name = "ModelRuntime", module = "candlewick._native", frozen)]
 pub struct PyModelRuntime {
-    pub(crate) inner: Mutex<Model>,
+    /// `None` once closed.
+    pub(crate) inner: Mutex<Option<Model>>,
     pub(crate) id: u64,
+}
+
+/// The locked model of an open runtime.
+pub(crate) struct ModelGuard<'a>(MutexGuard<'a, Option<Model>>);
+
+impl std::ops::Deref for ModelGuard<'_> {
+    type Target = Model;
+
+    fn deref(&self) -> &Model {
+        // A guard is only made over an open runtime, and closing needs the same lock.
+        self.0.as_ref().expect("a ModelGuard holds an open model")
+    }
+}
+
+impl std::ops::DerefMut for ModelGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Model {
+        self.0.as_mut().expect("a ModelGuard holds an open model")
+    }
+}
+
+fn closed_err() -> PyErr {
+    RuntimeClosedError::new_err("this ModelRuntime was closed; load the model again to use it")
 }
 
 /// Converts Python token ids, refusing negatives with the same error as ids past the vocabulary.
@@ -79,25 +111,40 @@ pub fn extract_ids(arg: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 impl PyModelRuntime {
     /// Locks the model. After an internal error (a Rust panic mid-step) the lock is poisoned:
     /// the session may be half-updated, so every call but `session.reset()` says so.
-    pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, Model>> {
-        self.inner.lock().map_err(|_| {
+    pub(crate) fn lock(&self) -> PyResult<ModelGuard<'_>> {
+        let guard = self.inner.lock().map_err(|_| {
             InternalError::new_err(
                 "the runtime stopped after an internal error; call session.reset() to start over with an empty session",
             )
-        })
+        })?;
+        if guard.is_none() {
+            return Err(closed_err());
+        }
+        Ok(ModelGuard(guard))
     }
 
     /// Locks the model even after an internal error, clearing it by resetting the session.
-    fn lock_and_recover(&self) -> MutexGuard<'_, Model> {
-        match self.inner.lock() {
+    fn lock_and_recover(&self) -> PyResult<ModelGuard<'_>> {
+        let mut guard = match self.inner.lock() {
             Ok(g) => g,
             Err(poisoned) => {
                 let mut g = poisoned.into_inner();
-                g.runtime_mut().session_mut().reset();
+                if let Some(m) = g.as_mut() {
+                    m.runtime_mut().session_mut().reset();
+                }
                 self.inner.clear_poison();
                 g
             }
+        };
+        match guard.as_mut() {
+            Some(_) => Ok(ModelGuard(guard)),
+            None => Err(closed_err()),
         }
+    }
+
+    /// A runtime owning `model`.
+    fn wrap(model: Model) -> Self {
+        Self { inner: Mutex::new(Some(model)), id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed) }
     }
 
     /// Token ids of a prompt given as text (encoded with special tokens) or as ids.
@@ -116,10 +163,7 @@ impl PyModelRuntime {
         messages: &Bound<'_, PyAny>,
         template: Option<&str>,
     ) -> PyResult<Vec<u32>> {
-        if messages.is_none() {
-            return Err(pyo3::exceptions::PyTypeError::new_err("messages must be a list of {role, content} dicts"));
-        }
-        let messages = to_json(py, messages)?;
+        let messages = conversation("messages", messages)?;
         py.detach(|| catch_panic(|| self.lock()?.chat_ids(&messages, template).map_err(model_err)))
     }
 
@@ -153,7 +197,24 @@ fn non_negative(arg: &str, v: Option<i64>) -> PyResult<Option<usize>> {
 
 #[pymethods]
 impl PyModelRuntime {
-    /// Loads a Hugging Face directory or GGUF file onto a device (GIL released while loading).
+    /// Loads a Hugging Face directory or a GGUF file onto a device (the GIL is released while
+    /// loading).
+    ///
+    /// Args:
+    ///     path (str | os.PathLike): a GGUF file, or a directory with config.json, safetensors
+    ///         weights and tokenizer.json.
+    ///     device (str): ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"metal"`` or ``"auto"`` (the best
+    ///         this build has).
+    ///     dtype (str | None): ``"f32"``, ``"f16"`` or ``"bf16"``; None keeps a GGUF quantized and
+    ///         runs a checkpoint in float32 on the CPU.
+    ///     max_context (int | None): the session's context in tokens; None: the model's trained
+    ///         context.
+    ///
+    /// Returns:
+    ///     ModelRuntime: the loaded model with an empty session.
+    ///
+    /// Example:
+    ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None))]
     fn load(
@@ -171,14 +232,64 @@ impl PyModelRuntime {
             threads: non_negative("threads", threads)?,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
-        Ok(Self { inner: Mutex::new(model), id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed) })
+        Ok(Self::wrap(model))
     }
 
-    /// A new runtime over the same weights (only a new KV cache costs memory) whose session starts
-    /// as a copy of this one's: tokens, position, cache and kept interventions.
+    /// Frees the model: its session, and its weights once no fork or engine shares them. Later
+    /// calls raise ``RuntimeClosedError``; closing twice does nothing.
+    ///
+    /// Example:
+    ///     >>> rt.close()
+    ///     >>> rt.generate("Hi")  # raises candlewick.RuntimeClosedError
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let model = match self.inner.lock() {
+            Ok(mut g) => g.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        self.inner.clear_poison();
+        // Dropping the weights can take a moment: other Python threads run meanwhile.
+        py.detach(move || drop(model));
+        Ok(())
+    }
+
+    /// Whether ``close()`` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        match self.inner.lock() {
+            Ok(g) => g.is_none(),
+            Err(poisoned) => poisoned.into_inner().is_none(),
+        }
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyResult<PyRef<'_, Self>> {
+        slf.lock()?;
+        Ok(slf)
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// A new runtime over the same weights (only a new KV cache costs memory) whose session
+    /// starts as a copy of this one's: tokens, position, cache and kept interventions.
+    ///
+    /// Returns:
+    ///     ModelRuntime: the fork; stepping either leaves the other as it was.
+    ///
+    /// Example:
+    ///     >>> child = rt.fork()
+    ///     >>> child.session.position == rt.session.position
+    ///     True
     fn fork(&self, py: Python<'_>) -> PyResult<Self> {
         let model = py.detach(|| catch_panic(|| self.lock()?.fork().map_err(model_err)))?;
-        Ok(Self { inner: Mutex::new(model), id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed) })
+        Ok(Self::wrap(model))
     }
 
     /// The backend this runtime's session runs through (a view bound to this runtime).
@@ -205,7 +316,7 @@ impl PyModelRuntime {
         })
     }
 
-    /// Architecture, sizes, weight types, dtype and context of the loaded model.
+    /// Architecture, sizes, weight types, dtype and context of the loaded model (a dict).
     #[getter]
     fn model_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let info = self.lock()?.info().clone();
@@ -233,7 +344,21 @@ impl PyModelRuntime {
         Ok(d)
     }
 
-    /// Appends tokens at the current position; logits of the last one (or of all, on request).
+    /// Appends tokens at the session's position and computes their logits.
+    ///
+    /// Args:
+    ///     tokens (Sequence[int]): token ids to append.
+    ///     all_logits (bool): return every position's logits, not only the last one's.
+    ///     interventions (Sequence[Intervention] | None): edits for this step only, on top of
+    ///         the kept ones.
+    ///
+    /// Returns:
+    ///     Submission: ``.wait()`` gives the ``StepOutput`` (logits ``[rows, vocab]``).
+    ///
+    /// Example:
+    ///     >>> out = rt.prefill([2, 651, 6037]).wait()
+    ///     >>> out.logits.shape
+    ///     (1, 262144)
     #[pyo3(signature = (tokens, all_logits=false, interventions=None))]
     fn prefill(
         &self,
@@ -249,7 +374,18 @@ impl PyModelRuntime {
         self.wrap_output(py, sub.output, Some(sub.completion))
     }
 
-    /// Appends tokens and returns logits for each of them.
+    /// Appends tokens and computes the logits of each of them.
+    ///
+    /// Args:
+    ///     tokens (Sequence[int]): token ids to append (usually one).
+    ///     interventions (Sequence[Intervention] | None): edits for this step only.
+    ///
+    /// Returns:
+    ///     Submission: ``.wait()`` gives the ``StepOutput``, one logits row per token.
+    ///
+    /// Example:
+    ///     >>> rt.decode([9079]).wait().logits.shape
+    ///     (1, 262144)
     #[pyo3(signature = (tokens, interventions=None))]
     fn decode(
         &self,
@@ -262,7 +398,17 @@ impl PyModelRuntime {
         self.wrap_output(py, sub.output, Some(sub.completion))
     }
 
-    /// Brings an output of this runtime to the host: `model.logits`.
+    /// Brings an output of this runtime to the host as an observation set.
+    ///
+    /// Args:
+    ///     output (StepOutput): an output of this runtime.
+    ///
+    /// Returns:
+    ///     ObservationSet: ``{"model.logits": array}``.
+    ///
+    /// Example:
+    ///     >>> rt.observe_output(rt.decode([9079]).wait())["model.logits"].shape
+    ///     (1, 262144)
     fn observe_output(&self, py: Python<'_>, output: &Bound<'_, PyStepOutput>) -> PyResult<PyObservationSet> {
         let output = output.get();
         if output.runtime_id != self.id {
@@ -273,7 +419,21 @@ impl PyModelRuntime {
         to_python(py, set)
     }
 
-    /// A prefill that also returns the requested observation points (default: all).
+    /// A prefill that also returns the requested observation points.
+    ///
+    /// Args:
+    ///     tokens (Sequence[int]): token ids to append.
+    ///     request (ObservationRequest | None): which points; None: all of them.
+    ///     all_logits (bool): return every position's logits.
+    ///     interventions (Sequence[Intervention] | None): edits for this step only.
+    ///
+    /// Returns:
+    ///     InspectedOutput: ``.output`` and ``.observations`` (path -> numpy array).
+    ///
+    /// Example:
+    ///     >>> r = rt.inspect_prefill([2, 651], candlewick.ObservationRequest.select(["model.layers.1"]))
+    ///     >>> r.observations["model.layers.1.output"].shape
+    ///     (2, 640)
     #[pyo3(signature = (tokens, request=None, all_logits=false, interventions=None))]
     fn inspect_prefill(
         &self,
@@ -292,7 +452,19 @@ impl PyModelRuntime {
         self.inspected(py, r)
     }
 
-    /// A decode that also returns the requested observation points (default: all).
+    /// A decode that also returns the requested observation points.
+    ///
+    /// Args:
+    ///     tokens (Sequence[int]): token ids to append.
+    ///     request (ObservationRequest | None): which points; None: all of them.
+    ///     interventions (Sequence[Intervention] | None): edits for this step only.
+    ///
+    /// Returns:
+    ///     InspectedOutput: ``.output`` and ``.observations``.
+    ///
+    /// Example:
+    ///     >>> rt.inspect_decode([9079]).observations["model.norm"].shape
+    ///     (1, 640)
     #[pyo3(signature = (tokens, request=None, interventions=None))]
     fn inspect_decode(
         &self,
@@ -308,8 +480,21 @@ impl PyModelRuntime {
         self.inspected(py, r)
     }
 
-    /// Runs `tokens` on a fresh context (every row's logits and the requested points, default
-    /// all) with the kept interventions plus `interventions`, leaving the session as it was.
+    /// Runs ``tokens`` on a fresh context with the kept interventions plus ``interventions``,
+    /// leaving the session as it was.
+    ///
+    /// Args:
+    ///     tokens (Sequence[int]): the whole input.
+    ///     request (ObservationRequest | None): which points; None: all of them.
+    ///     interventions (Sequence[Intervention] | None): edits for this run only.
+    ///
+    /// Returns:
+    ///     InspectedOutput: every row's logits and the requested points.
+    ///
+    /// Example:
+    ///     >>> r = rt.trace([2, 651, 6037], interventions=[iv.scale("model.layers.3.attention.heads", [2], 0.0)])
+    ///     >>> rt.unembed(r.observations["model.layers.5.output"]).shape
+    ///     (3, 262144)
     #[pyo3(signature = (tokens, request=None, interventions=None))]
     fn trace(
         &self,
@@ -324,8 +509,20 @@ impl PyModelRuntime {
         self.inspected(py, r)
     }
 
-    /// Runs each token list on a fresh context of its own, as `trace` does, and returns one
-    /// inspected output per list; the session is left as it was.
+    /// Runs each token list on a fresh context of its own, as ``trace`` does; the session is
+    /// left as it was.
+    ///
+    /// Args:
+    ///     prompts (Sequence[Sequence[int]]): one token list per run.
+    ///     request (ObservationRequest | None): which points; None: all of them.
+    ///     interventions (Sequence[Intervention] | None): edits for every run.
+    ///
+    /// Returns:
+    ///     list[InspectedOutput]: one per token list.
+    ///
+    /// Example:
+    ///     >>> [r.output.num_tokens for r in rt.trace_batch([[2, 651], [2, 651, 6037]])]
+    ///     [2, 3]
     #[pyo3(signature = (prompts, request=None, interventions=None))]
     fn trace_batch(
         &self,
@@ -352,17 +549,58 @@ impl PyModelRuntime {
         outs.into_iter().map(|r| self.inspected(py, r)).collect()
     }
 
-    /// Generates from every prompt (texts or token lists) at once, the unfinished ones decoding
-    /// together in one batched step; returns one `GenerationResult` per prompt. Each gets what
-    /// `generate` would give it alone; the session is left as it was.
-    #[pyo3(signature = (prompts, **kwargs))]
-    fn generate_batch(
+    #[doc = concat!("generate_batch($self, prompts, *, ", sampling_signature!(), ")\n--\n")]
+    /// Generates from every prompt at once, the unfinished ones decoding together in one
+    /// batched step. Each gets what ``generate`` would give it alone; the session is left as it
+    /// was.
+    ///
+    /// Args:
+    ///     prompts (Sequence[str | Sequence[int]]): texts or token lists.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     list[GenerationResult]: one per prompt.
+    ///
+    /// Example:
+    ///     >>> [r.text for r in rt.generate_batch(["Hello", "Bonjour"], max_tokens=4, temperature=0)]
+    #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
+        top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate_batch<'py>(
         &self,
-        py: Python<'_>,
-        prompts: Vec<Bound<'_, PyAny>>,
-        kwargs: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<Vec<super::generation::PyGenerationResult>> {
-        let opts = options_from_kwargs(&self.lock()?.defaults().clone(), kwargs)?;
+        py: Python<'py>,
+        prompts: Vec<Bound<'py, PyAny>>,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<PyGenerationResult>> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+        };
+        let opts = args.options(self.lock()?.defaults())?;
         let prompts = prompts
             .iter()
             .map(|p| match p.extract::<String>() {
@@ -375,7 +613,16 @@ impl PyModelRuntime {
     }
 
     /// The logit lens: the final norm, the output projection and any soft-capping applied to
-    /// a float32 `[T, hidden]` array, on the model's own (quantized) weights.
+    /// hidden states, on the model's own (quantized) weights.
+    ///
+    /// Args:
+    ///     x (numpy.ndarray): float32 ``[T, hidden]``, e.g. a residual-stream observation.
+    ///
+    /// Returns:
+    ///     numpy.ndarray: float32 logits ``[T, vocab]``.
+    ///
+    /// Example:
+    ///     >>> rt.unembed(r.observations["model.layers.5.output"]).argmax(-1)
     fn unembed<'py>(
         &self,
         py: Python<'py>,
@@ -390,21 +637,34 @@ impl PyModelRuntime {
         Ok(PyArray::from_owned_array(py, arr))
     }
 
-    /// The interventions kept on for every later step, generation included.
+    /// The interventions kept on for every later step, generation included; setting a list
+    /// validates it first (a bad one changes nothing), ``[]`` turns them off.
     #[getter]
     fn get_interventions(&self) -> PyResult<Vec<PyIntervention>> {
         Ok(self.lock()?.runtime().interventions().into_iter().map(|inner| PyIntervention { inner }).collect())
     }
 
-    /// Keeps `interventions` on (validated first: a bad one changes nothing); `[]` turns them off.
     #[setter]
     fn set_interventions(&self, interventions: Option<Vec<PyRef<'_, PyIntervention>>>) -> PyResult<()> {
         let edits = edits_of(interventions);
         self.lock()?.runtime_mut().set_interventions(edits).map_err(runtime_err)
     }
 
-    /// Reads a llama.cpp control vector (GGUF) and adds its edits to `interventions`, with
-    /// llama.cpp's `--control-vector-scaled FILE SCALE` and `--control-vector-layer-range` meaning.
+    /// Reads a llama.cpp control vector (GGUF) and adds its edits to ``interventions``, with
+    /// llama.cpp's ``--control-vector-scaled FILE SCALE`` and ``--control-vector-layer-range``
+    /// meaning.
+    ///
+    /// Args:
+    ///     path (str | os.PathLike): the control-vector GGUF.
+    ///     scale (float): multiplies every direction.
+    ///     layer_range (tuple[int, int] | None): the first and last layer (counting from 1)
+    ///         to apply it to; None: all.
+    ///
+    /// Returns:
+    ///     list[Intervention]: the edits added.
+    ///
+    /// Example:
+    ///     >>> rt.load_control_vector("happy.gguf", scale=0.8)
     #[pyo3(signature = (path, scale=1.0, layer_range=None))]
     fn load_control_vector(
         &self,
@@ -426,8 +686,18 @@ impl PyModelRuntime {
         Ok(edits.into_iter().map(|inner| PyIntervention { inner }).collect())
     }
 
-    /// A context manager that keeps `interventions` on inside a `with` block, then puts back
-    /// what was kept before.
+    /// A context manager that keeps ``interventions`` on inside a ``with`` block, then puts
+    /// back what was kept before.
+    ///
+    /// Args:
+    ///     interventions (Sequence[Intervention]): the edits to keep on inside the block.
+    ///
+    /// Returns:
+    ///     InterventionScope: use it in a ``with`` statement.
+    ///
+    /// Example:
+    ///     >>> with rt.intervene([iv.add("model.layers.6.output", direction, scale=4.0)]):
+    ///     ...     rt.generate("Today I feel", max_tokens=20)
     fn intervene(slf: &Bound<'_, Self>, interventions: Vec<PyRef<'_, PyIntervention>>) -> PyInterventionScope {
         PyInterventionScope {
             runtime: slf.clone().unbind(),
@@ -436,22 +706,72 @@ impl PyModelRuntime {
         }
     }
 
-    /// The model's tokenizer.
+    /// The model's tokenizer, with its chat template.
     #[getter]
     fn tokenizer(&self) -> PyResult<PyTokenizer> {
-        Ok(PyTokenizer { inner: self.lock()?.tokenizer().map_err(model_err)?.clone() })
+        let model = self.lock()?;
+        Ok(PyTokenizer {
+            inner: model.tokenizer().map_err(model_err)?.clone(),
+            template: model.chat_template().cloned(),
+        })
     }
 
-    /// Generates from a prompt (text or ids); with `stream=True` returns an iterator of text pieces.
-    #[pyo3(signature = (prompt, *, stream=false, **kwargs))]
+    #[doc = concat!("generate($self, prompt, *, stream=False, ", sampling_signature!(), ")\n--\n")]
+    /// Generates text from a prompt; a new prompt that shares a prefix with what the session
+    /// holds prefills only the rest. Ctrl-C stops it within one step.
+    ///
+    /// Args:
+    ///     prompt (str | Sequence[int]): text (encoded with the model's special tokens) or ids.
+    ///     stream (bool): return a ``GenerationStream`` of text pieces instead of the result.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     GenerationResult: ``text``, ``token_ids``, ``finish_reason``, ``usage`` and
+    ///     ``logprobs`` (or a ``GenerationStream`` with ``stream=True``).
+    ///
+    /// Example:
+    ///     >>> r = rt.generate("The capital of France is", max_tokens=16, temperature=0.7, seed=1)
+    ///     >>> r.finish_reason, r.usage["completion_tokens"]
+    ///     ('length', 16)
+    #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
+        top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None))]
+    #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         slf: &Bound<'py, Self>,
         prompt: &Bound<'py, PyAny>,
         stream: bool,
-        kwargs: Option<&Bound<'py, PyDict>>,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+        };
         let py = slf.py();
-        let opts = options_from_kwargs(&slf.get().lock()?.defaults().clone(), kwargs)?;
+        let opts = args.options(slf.get().lock()?.defaults())?;
         let ids = slf.get().prompt_ids(py, prompt)?;
         if stream {
             return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
@@ -459,31 +779,119 @@ impl PyModelRuntime {
         Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any())
     }
 
+    #[doc = concat!("stream($self, prompt, *, ", sampling_signature!(), ")\n--\n")]
     /// Generates from a prompt, yielding text pieces as they become final.
-    #[pyo3(signature = (prompt, **kwargs))]
-    fn stream(
-        slf: &Bound<'_, Self>,
-        prompt: &Bound<'_, PyAny>,
-        kwargs: Option<&Bound<'_, PyDict>>,
+    ///
+    /// Args:
+    ///     prompt (str | Sequence[int]): text (encoded with the model's special tokens) or ids.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     GenerationStream: an iterator of ``str`` pieces; ``.logprobs`` holds the last piece's
+    ///     log-probabilities, ``.result`` the whole generation once it ends or is closed.
+    ///
+    /// Example:
+    ///     >>> for piece in rt.stream("def fibonacci(n):", max_tokens=64, stop=["\n\n"]):
+    ///     ...     print(piece, end="", flush=True)
+    #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
+        top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn stream<'py>(
+        slf: &Bound<'py, Self>,
+        prompt: &Bound<'py, PyAny>,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyGenerationStream> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+        };
         let py = slf.py();
-        let opts = options_from_kwargs(&slf.get().lock()?.defaults().clone(), kwargs)?;
+        let opts = args.options(slf.get().lock()?.defaults())?;
         let ids = slf.get().prompt_ids(py, prompt)?;
         PyGenerationStream::start(py, slf, ids, opts)
     }
 
-    /// Answers a conversation (a list of `{"role", "content"}` dicts) through the chat template
-    /// (or `chat_template`, a Jinja source, for models that ship none).
-    #[pyo3(signature = (messages, *, stream=false, chat_template=None, **kwargs))]
+    #[doc = concat!("chat($self, messages, *, stream=False, chat_template=None, ", sampling_signature!(), ")\n--\n")]
+    /// Answers a conversation through the model's chat template (base models such as the
+    /// default Gemma 3 270M ship none: pass ``chat_template``, or use an instruction-tuned model).
+    ///
+    /// Args:
+    ///     messages (Sequence[dict]): ``{"role", "content"}`` dicts; a content may be a string
+    ///         or a list of ``{"type": "text", "text": ...}`` parts, as OpenAI clients send it.
+    ///     stream (bool): return a ``GenerationStream`` of text pieces instead of the result.
+    ///     chat_template (str | None): a Jinja template to use instead of the model's.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     GenerationResult: the assistant's answer (or a ``GenerationStream`` with ``stream=True``).
+    ///
+    /// Example:
+    ///     >>> rt.chat([{"role": "user", "content": "Hi!"}], max_tokens=32).text
+    #[pyo3(text_signature = None, signature = (messages, *, stream=false, chat_template=None,
+        max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+        presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
+        logprobs=None))]
+    #[allow(clippy::too_many_arguments)]
     fn chat<'py>(
         slf: &Bound<'py, Self>,
         messages: &Bound<'py, PyAny>,
         stream: bool,
         chat_template: Option<&str>,
-        kwargs: Option<&Bound<'py, PyDict>>,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+        };
         let py = slf.py();
-        let opts = options_from_kwargs(&slf.get().lock()?.defaults().clone(), kwargs)?;
+        let opts = args.options(slf.get().lock()?.defaults())?;
         let ids = slf.get().chat_ids(py, messages, chat_template)?;
         if stream {
             return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
@@ -492,23 +900,41 @@ impl PyModelRuntime {
     }
 
     /// The token ids the session holds, oldest first.
+    ///
+    /// Returns:
+    ///     list[int]: the ids in the KV cache.
+    ///
+    /// Example:
+    ///     >>> rt.prefill([2, 651]).wait(); rt.cached_tokens()
+    ///     [2, 651]
     fn cached_tokens(&self) -> PyResult<Vec<u32>> {
         Ok(self.lock()?.runtime().session().tokens().to_vec())
     }
 
     /// Every observation path the loaded model offers.
+    ///
+    /// Returns:
+    ///     list[str]: dotted paths such as ``model.layers.0.attention.pattern``.
+    ///
+    /// Example:
+    ///     >>> rt.observation_points()[:2]
+    ///     ['model.embed_tokens', 'model.layers.0.input']
     fn observation_points(&self) -> PyResult<Vec<String>> {
         Ok(self.lock()?.runtime().observation_points())
     }
 
-    fn __repr__(&self) -> PyResult<String> {
-        let m = self.lock()?;
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let m = match self.lock() {
+            Ok(m) => m,
+            Err(e) if e.is_instance_of::<RuntimeClosedError>(py) => return Ok("ModelRuntime(closed)".into()),
+            Err(e) => return Err(e),
+        };
         let (info, s) = (m.info(), m.runtime().session());
         Ok(format!(
-            "ModelRuntime({} layers={} on {}, position {}/{})",
-            info.architecture,
+            "ModelRuntime(architecture={}, num_layers={}, device={}, position={}, max_context={})",
+            py_repr(py, &info.architecture),
             info.num_layers,
-            info.device,
+            py_repr(py, &info.device),
             s.position(),
             s.max_context()
         ))
@@ -536,13 +962,20 @@ impl PyBackend {
     }
 
     /// Every device this build can run on, with the dtypes each computes in.
+    ///
+    /// Returns:
+    ///     list[tuple[str, list[str]]]: ``(device, dtypes)`` pairs.
+    ///
+    /// Example:
+    ///     >>> rt.backend.devices()[0][0]
+    ///     'cpu'
     fn devices(&self) -> PyResult<Vec<(String, Vec<String>)>> {
         let devs = self.runtime.get().lock()?.runtime().backend().devices().map_err(backend_err)?;
         Ok(devs.into_iter().map(|(d, c)| (d.to_string(), c.dtypes)).collect())
     }
 
-    fn __repr__(&self) -> PyResult<String> {
-        Ok(format!("Backend({} on {})", self.name()?, self.device()?))
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!("Backend(name={}, device={})", py_repr(py, &self.name()?), py_repr(py, &self.device()?)))
     }
 }
 
@@ -572,28 +1005,58 @@ impl PySession {
         Ok(self.runtime.get().lock()?.runtime().session().cache_bytes())
     }
 
-    /// Rewinds the cache to its first `n` tokens.
+    /// Rewinds the cache to its first ``n`` tokens.
+    ///
+    /// Args:
+    ///     n (int): how many tokens to keep (at most the position).
+    ///
+    /// Returns:
+    ///     None
+    ///
+    /// Example:
+    ///     >>> rt.session.truncate(4); rt.session.position
+    ///     4
     fn truncate(&self, n: i64) -> PyResult<()> {
         let n = non_negative("n", Some(n))?.unwrap_or(0);
         self.runtime.get().lock()?.runtime_mut().session_mut().truncate(n).map_err(backend_err)
     }
 
-    /// Copies the session's tokens and KV cache; `restore` puts them back exactly.
+    /// Copies the session's tokens and KV cache; ``restore`` puts them back exactly.
+    ///
+    /// Returns:
+    ///     SessionSnapshot: the copy (``save()`` writes it to a file).
+    ///
+    /// Example:
+    ///     >>> snap = rt.session.snapshot()
     fn snapshot(&self, py: Python<'_>) -> PyResult<PySessionSnapshot> {
         let rt = self.runtime.get();
         let snap = py.detach(|| catch_panic(|| rt.lock()?.runtime().session().snapshot().map_err(backend_err)))?;
         Ok(PySessionSnapshot { inner: Arc::new(snap) })
     }
 
-    /// Puts a snapshot's tokens and cache back; one of another model is an error that changes nothing.
+    /// Puts a snapshot's tokens and cache back; one of another model is an error that changes
+    /// nothing.
+    ///
+    /// Args:
+    ///     snapshot (SessionSnapshot): a snapshot of a runtime of the same model.
+    ///
+    /// Returns:
+    ///     None
+    ///
+    /// Example:
+    ///     >>> rt.session.restore(snap)
     fn restore(&self, py: Python<'_>, snapshot: PyRef<'_, PySessionSnapshot>) -> PyResult<()> {
         let (rt, snap) = (self.runtime.get(), Arc::clone(&snapshot.inner));
         py.detach(|| catch_panic(|| rt.lock()?.runtime_mut().session_mut().restore(&snap).map_err(backend_err)))
     }
 
     /// Empties the cache; after an internal error this also gives back a working session.
+    ///
+    /// Example:
+    ///     >>> rt.session.reset(); rt.session.position
+    ///     0
     fn reset(&self) -> PyResult<()> {
-        self.runtime.get().lock_and_recover().runtime_mut().session_mut().reset();
+        self.runtime.get().lock_and_recover()?.runtime_mut().session_mut().reset();
         Ok(())
     }
 
@@ -615,10 +1078,14 @@ pub struct PySessionCapabilities {
 #[pymethods]
 impl PySessionCapabilities {
     fn __repr__(&self) -> String {
+        let b = |v: bool| if v { "True" } else { "False" };
         format!(
             "SessionCapabilities(persistent_cache={}, output_observation={}, activation_inspection={}, \
              activation_intervention={})",
-            self.persistent_cache, self.output_observation, self.activation_inspection, self.activation_intervention
+            b(self.persistent_cache),
+            b(self.output_observation),
+            b(self.activation_inspection),
+            b(self.activation_intervention)
         )
     }
 }
@@ -653,11 +1120,11 @@ impl PyStepOutput {
     }
 
     fn __repr__(&self) -> String {
+        let dims = self.inner.logits.dims().iter().map(usize::to_string).collect::<Vec<_>>();
+        let shape = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
         format!(
-            "StepOutput(start_position={}, num_tokens={}, logits={:?})",
-            self.inner.start_position,
-            self.inner.num_tokens,
-            self.inner.logits.dims()
+            "StepOutput(start_position={}, num_tokens={}, logits_shape={shape})",
+            self.inner.start_position, self.inner.num_tokens
         )
     }
 }
@@ -671,7 +1138,10 @@ pub struct PySubmission {
 
 #[pymethods]
 impl PySubmission {
-    /// Whether the step's work has finished.
+    /// Whether the step's work has finished (without waiting).
+    ///
+    /// Returns:
+    ///     bool: True once the output can be read.
     fn is_complete(&self) -> PyResult<bool> {
         match &self.completion {
             Some(c) => c.is_complete().map_err(backend_err),
@@ -680,6 +1150,13 @@ impl PySubmission {
     }
 
     /// Waits for the step and returns its output.
+    ///
+    /// Returns:
+    ///     StepOutput: the step's logits.
+    ///
+    /// Example:
+    ///     >>> rt.prefill([2, 651]).wait().num_tokens
+    ///     2
     fn wait(&self, py: Python<'_>) -> PyResult<Py<PyStepOutput>> {
         if let Some(c) = self.completion.clone() {
             py.detach(|| c.wait()).map_err(backend_err)?;
@@ -759,13 +1236,31 @@ pub struct PySessionSnapshot {
 
 #[pymethods]
 impl PySessionSnapshot {
-    /// Writes the snapshot to `path` (a safetensors file with a version, the model's
-    /// fingerprint and a checksum; docs/snapshots.md).
+    /// Writes the snapshot to a file (safetensors with a version, the model's fingerprint and
+    /// a checksum; docs/snapshots.md).
+    ///
+    /// Args:
+    ///     path (str | os.PathLike): the file to write.
+    ///
+    /// Returns:
+    ///     None
+    ///
+    /// Example:
+    ///     >>> rt.session.snapshot().save("s.cwsnap")
     fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         py.detach(|| self.inner.save(&path)).map_err(backend_err)
     }
 
-    /// Reads a snapshot written by `save`; a damaged or truncated file is an `ArtifactError`.
+    /// Reads a snapshot written by ``save``; a damaged or truncated file is an ``ArtifactError``.
+    ///
+    /// Args:
+    ///     path (str | os.PathLike): the file to read.
+    ///
+    /// Returns:
+    ///     SessionSnapshot: restorable onto a runtime of the same model.
+    ///
+    /// Example:
+    ///     >>> rt.session.restore(SessionSnapshot.load("s.cwsnap"))
     #[staticmethod]
     fn load(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
         let snap =
@@ -791,7 +1286,11 @@ impl PySessionSnapshot {
         self.inner.fingerprint()
     }
 
-    fn __repr__(&self) -> String {
-        format!("SessionSnapshot(position={}, model={})", self.inner.tokens().len(), self.inner.fingerprint())
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "SessionSnapshot(position={}, fingerprint={})",
+            self.inner.tokens().len(),
+            py_repr(py, self.inner.fingerprint())
+        )
     }
 }

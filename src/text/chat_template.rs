@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use minijinja::syntax::SyntaxConfig;
-use minijinja::value::{from_args, Kwargs, Rest, Value, ValueOrKwargs};
+use minijinja::value::{from_args, Kwargs, Rest, Value, ValueKind, ValueOrKwargs};
 use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
@@ -247,6 +247,9 @@ pub struct ChatTemplate {
     env: Arc<Environment<'static>>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// Whether the template iterates a message's `content` itself (OpenAI-style parts); when it
+    /// does not, text parts are joined into one string before rendering.
+    reads_content_parts: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -290,7 +293,54 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, neutralize_generation_tags(source)).map_err(template_error)?;
-        Ok(Self { env: Arc::new(env), bos_token, eos_token })
+        Ok(Self { env: Arc::new(env), bos_token, eos_token, reads_content_parts: iterates_content(source) })
+    }
+
+    /// Renders a conversation as transformers' `apply_chat_template` does (`continue_final_message`
+    /// included). Message contents given as OpenAI-style parts (`[{"type": "text", "text": ...}]`)
+    /// reach templates that iterate them unchanged and are joined into one string for the others.
+    pub fn render_conversation(
+        &self,
+        messages: &TemplateValue,
+        options: &ChatRenderOptions,
+    ) -> Result<String, TextError> {
+        if options.continue_final_message && options.add_generation_prompt {
+            return Err(template_msg(
+                "continue_final_message and add_generation_prompt are not compatible: use \
+                 continue_final_message to continue the final message and add_generation_prompt to start a new \
+                 assistant message",
+            ));
+        }
+        let messages = if self.reads_content_parts { messages.0.clone() } else { flatten_content_parts(&messages.0)? };
+        let extra = match &options.extra {
+            Some(extra) => extra_pairs(extra.0.clone())?,
+            None => Vec::new(),
+        };
+        let rendered = self.render_value(messages.clone(), options.add_generation_prompt, extra)?;
+        if !options.continue_final_message {
+            return Ok(rendered);
+        }
+        let last = messages.try_iter().ok().and_then(|it| it.last()).and_then(|m| m.get_attr("content").ok());
+        let text = last.and_then(|c| match c.as_str() {
+            Some(s) => Some(s.to_owned()),
+            None => c
+                .try_iter()
+                .ok()?
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .find_map(|part| part.get_attr("text").ok().and_then(|t| t.as_str().map(str::to_owned))),
+        });
+        let text = text.ok_or_else(|| {
+            template_msg("continue_final_message is set but the final message has no text to continue")
+        })?;
+        let text = text.trim();
+        match rendered.rfind(text) {
+            Some(at) => Ok(rendered[..at + text.len()].to_owned()),
+            None => Err(template_msg(
+                "continue_final_message is set but the final message does not appear in the rendered chat",
+            )),
+        }
     }
 
     /// Renders a plain conversation.
@@ -393,13 +443,141 @@ impl ChatTemplate {
     }
 }
 
+/// How to render a conversation: transformers' `apply_chat_template` arguments.
+#[derive(Debug, Clone, Default)]
+pub struct ChatRenderOptions {
+    /// End with the header of a new assistant turn.
+    pub add_generation_prompt: bool,
+    /// Leave the final message open (no end-of-turn), for the model to continue it.
+    pub continue_final_message: bool,
+    /// Extra template variables (`tools`, `documents`, `enable_thinking`...): a map.
+    pub extra: Option<TemplateValue>,
+}
+
+/// A value handed to a chat template (messages, tools, extra variables), built directly from
+/// the caller's data or parsed from JSON; map keys keep the order they were given in, as
+/// Python dicts do, because templates iterate them.
+#[derive(Debug, Clone)]
+pub struct TemplateValue(Value);
+
+impl TemplateValue {
+    /// `None`.
+    pub fn none() -> Self {
+        Self(Value::from(()))
+    }
+
+    /// A boolean.
+    pub fn bool(v: bool) -> Self {
+        Self(Value::from(v))
+    }
+
+    /// An integer.
+    pub fn int(v: i64) -> Self {
+        Self(Value::from(v))
+    }
+
+    /// A float.
+    pub fn float(v: f64) -> Self {
+        Self(Value::from(v))
+    }
+
+    /// A string.
+    pub fn string(v: impl Into<String>) -> Self {
+        Self(Value::from(v.into()))
+    }
+
+    /// A list.
+    pub fn list(items: Vec<TemplateValue>) -> Self {
+        Self(Value::from(items.into_iter().map(|v| v.0).collect::<Vec<_>>()))
+    }
+
+    /// A map, keys in the given order.
+    pub fn map(pairs: Vec<(String, TemplateValue)>) -> Self {
+        Self(Value::from_pairs(pairs.into_iter().map(|(k, v)| (Value::from(k), v.0)).collect::<Vec<_>>()))
+    }
+
+    /// Parses JSON text, keeping every object's key order.
+    pub fn from_json(json: &str) -> Result<Self, TextError> {
+        serde_json::from_str::<OrderedValue>(json)
+            .map(|o| Self(o.0))
+            .map_err(|e| template_msg(format!("cannot parse chat JSON: {e}")))
+    }
+}
+
+impl From<&[ChatMessage]> for TemplateValue {
+    fn from(messages: &[ChatMessage]) -> Self {
+        Self(Value::from(messages.iter().map(ChatMessage::to_value).collect::<Vec<_>>()))
+    }
+}
+
+fn template_msg(message: impl Into<String>) -> TextError {
+    TextError::Template { message: message.into() }
+}
+
+/// Whether a template loops over a message's `content` (`for part in message['content']`, as
+/// the templates of multimodal and recent chat models do, reading `{"type": "text", ...}`
+/// parts): vLLM's test for templates that take OpenAI-style content.
+fn iterates_content(source: &str) -> bool {
+    let is_ident = |c: char| c.is_alphanumeric() || c == '_';
+    [".content", "['content']", "[\"content\"]"].iter().any(|pattern| {
+        source.match_indices(pattern).any(|(at, _)| {
+            let before = &source[..at];
+            let owner = before.trim_end_matches(is_ident);
+            if owner.len() == before.len() {
+                return false;
+            }
+            let head = owner.trim_end();
+            head.len() < owner.len()
+                && head.strip_suffix("in").is_some_and(|h| h.ends_with(|c: char| c.is_whitespace()))
+        })
+    })
+}
+
+/// The messages with every content given as text parts joined into one string (parts separated
+/// by a newline, as vLLM does), for templates that only read string contents.
+fn flatten_content_parts(messages: &Value) -> Result<Value, TextError> {
+    let Ok(iter) = messages.try_iter() else { return Ok(messages.clone()) };
+    let mut out = Vec::new();
+    for message in iter {
+        let content = message.get_attr("content").unwrap_or(Value::UNDEFINED);
+        if message.kind() != ValueKind::Map || content.kind() != ValueKind::Seq {
+            out.push(message);
+            continue;
+        }
+        let mut texts = Vec::new();
+        for part in content.try_iter().map_err(|e| template_msg(e.to_string()))? {
+            let kind = part.get_attr("type").ok().and_then(|t| t.as_str().map(str::to_owned));
+            match (kind.as_deref(), part.get_attr("text").ok().and_then(|t| t.as_str().map(str::to_owned))) {
+                (Some("text"), Some(text)) => texts.push(text),
+                (Some(other), _) if other != "text" => {
+                    return Err(template_msg(format!(
+                        "a message content part of type `{other}` cannot be rendered: this model reads text only"
+                    )))
+                }
+                _ => return Err(template_msg("a message content part must be {\"type\": \"text\", \"text\": str}")),
+            }
+        }
+        let mut pairs = Vec::new();
+        for key in message.try_iter().map_err(|e| template_msg(e.to_string()))? {
+            let value = if key.as_str() == Some("content") {
+                Value::from(texts.join("\n"))
+            } else {
+                message.get_item(&key).unwrap_or(Value::UNDEFINED)
+            };
+            pairs.push((key, value));
+        }
+        out.push(Value::from_pairs(pairs));
+    }
+    Ok(Value::from(out))
+}
+
 /// The entries of an `extra` object; `null` means none.
 fn extra_pairs(extra: Value) -> Result<Vec<(String, Value)>, TextError> {
     if extra.is_none() || extra.is_undefined() {
         return Ok(Vec::new());
     }
     let not_object = || TextError::Template { message: "extra template variables must be a JSON object".into() };
-    if extra.kind() != minijinja::value::ValueKind::Map {
+    if extra.kind() != ValueKind::Map {
         return Err(not_object());
     }
     let mut pairs = Vec::new();
@@ -613,5 +791,59 @@ n={{ ns.count }}"#;
         let t = ChatTemplate::new("{% if foo %}x{% endif %}{{ bar }}ok", None, None).unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "ok");
         assert!(matches!(ChatTemplate::new("{% if %}", None, None), Err(TextError::Template { .. })));
+    }
+
+    fn parts_conversation() -> TemplateValue {
+        let part = |t: &str| {
+            TemplateValue::map(vec![
+                ("type".into(), TemplateValue::string("text")),
+                ("text".into(), TemplateValue::string(t)),
+            ])
+        };
+        TemplateValue::list(vec![TemplateValue::map(vec![
+            ("role".into(), TemplateValue::string("user")),
+            ("content".into(), TemplateValue::list(vec![part("Hi"), part("there")])),
+        ])])
+    }
+
+    #[test]
+    fn templates_that_iterate_content_are_told_apart() {
+        assert!(iterates_content("{% for item in message['content'] %}"));
+        assert!(iterates_content("{%- for p in m.content -%}"));
+        assert!(iterates_content("{% for c in msg[\"content\"] | selectattr('type') %}"));
+        assert!(!iterates_content("{{ message['content'] | trim }}"));
+        assert!(!iterates_content("{% if message.content is string %}{% set content = message.content %}{% endif %}"));
+        assert!(!iterates_content("{% for m in messages %}{{ m.content }}{% endfor %}"));
+    }
+
+    #[test]
+    fn content_parts_are_joined_for_templates_that_read_strings() {
+        let plain = ChatTemplate::new("{% for m in messages %}[{{ m.content }}]{% endfor %}", None, None).unwrap();
+        let opts = ChatRenderOptions::default();
+        assert_eq!(plain.render_conversation(&parts_conversation(), &opts).unwrap(), "[Hi\nthere]");
+        let iterating = ChatTemplate::new(
+            "{% for message in messages %}{% for p in message['content'] %}<{{ p.text }}>{% endfor %}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(iterating.render_conversation(&parts_conversation(), &opts).unwrap(), "<Hi><there>");
+        let image = TemplateValue::from_json(r#"[{"role": "user", "content": [{"type": "image_url"}]}]"#).unwrap();
+        let err = plain.render_conversation(&image, &opts).unwrap_err().to_string();
+        assert!(err.contains("image_url"), "{err}");
+    }
+
+    #[test]
+    fn continue_final_message_cuts_after_the_last_message() {
+        let t = ChatTemplate::new("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}", None, None)
+            .unwrap();
+        let conv = TemplateValue::from_json(
+            r#"[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am "}]"#,
+        )
+        .unwrap();
+        let opts = ChatRenderOptions { continue_final_message: true, ..ChatRenderOptions::default() };
+        assert_eq!(t.render_conversation(&conv, &opts).unwrap(), "<user>Hi</s><assistant>Hello, I am");
+        let both = ChatRenderOptions { add_generation_prompt: true, ..opts };
+        assert!(t.render_conversation(&conv, &both).is_err());
     }
 }

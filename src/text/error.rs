@@ -83,7 +83,10 @@ pub enum TextError {
     },
 
     /// A chat template was requested but the model ships none.
-    #[error("the model has no chat template (neither tokenizer_config.json nor GGUF tokenizer.chat_template)")]
+    #[error(
+        "the model has no chat template (neither tokenizer_config.json nor GGUF tokenizer.chat_template); pass \
+         one (chat_template=...) or use a chat model"
+    )]
     NoChatTemplate,
 
     /// A file is not a readable GGUF.

@@ -15,7 +15,7 @@ mod tokenizer;
 #[cfg(test)]
 mod tests;
 
-pub use chat_template::{ChatMessage, ChatTemplate};
+pub use chat_template::{ChatMessage, ChatRenderOptions, ChatTemplate, TemplateValue};
 pub use detokenizer::IncrementalDecoder;
 pub use error::TextError;
 pub use tokenizer::Tokenizer;

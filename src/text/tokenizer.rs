@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file;
 use serde_json::Value as Json;
 
-use super::chat_template::ChatTemplate;
+use super::chat_template::{ChatRenderOptions, ChatTemplate, TemplateValue};
 use super::error::TextError;
 use super::gguf::tokenizer_from_gguf;
 
@@ -304,6 +304,31 @@ impl Tokenizer {
     pub fn chat_template_engine(&self) -> Result<ChatTemplate, TextError> {
         let source = self.chat_template.as_deref().ok_or(TextError::NoChatTemplate)?;
         ChatTemplate::new(source, self.bos_token.clone(), self.eos_token.clone())
+    }
+
+    /// Renders a conversation through `source` (a Jinja template the caller gives), else through
+    /// `compiled` (this tokenizer's template, compiled once by its owner), else through this
+    /// tokenizer's own template; the one place that chooses which template renders a chat.
+    pub fn render_chat(
+        &self,
+        messages: &TemplateValue,
+        options: &ChatRenderOptions,
+        source: Option<&str>,
+        compiled: Option<&ChatTemplate>,
+    ) -> Result<String, TextError> {
+        let own;
+        let template = match (source, compiled) {
+            (Some(src), _) => {
+                own = ChatTemplate::new(src, self.bos_token.clone(), self.eos_token.clone())?;
+                &own
+            }
+            (None, Some(t)) => t,
+            (None, None) => {
+                own = self.chat_template_engine()?;
+                &own
+            }
+        };
+        template.render_conversation(messages, options)
     }
 
     /// The BOS token's text (what chat templates see as `bos_token`).

@@ -174,8 +174,6 @@ class Server:
                 raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias") from None
         lp = body.get("logprobs")
         if lp:
-            if body.get("stream"):
-                raise ApiError(400, "logprobs with stream are not supported yet", param="logprobs")
             if "messages" in body:  # chat: logprobs is a flag, top_logprobs the count
                 top = body.get("top_logprobs") or 0
             else:  # completions: logprobs is the count
@@ -192,20 +190,26 @@ class Server:
         """A result's log-probabilities in the OpenAI shape of the endpoint."""
         if result.logprobs is None:
             return None
+        return self.logprobs_json(result.logprobs, chat)
+
+    def logprobs_json(self, entries: list, chat: bool, offset: int = 0) -> dict:
+        """Log-probability entries (``GenerationResult.logprobs``) in the OpenAI shape: chat's
+        ``{"content": [...]}`` or completions' parallel lists, text offsets counted from
+        ``offset`` (where these tokens start in the completion)."""
         if chat:
             def entry(tok, lp):
                 text = self.piece(tok)
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
             return {"content": [{**entry(e["token"], e["logprob"]),
                                  "top_logprobs": [entry(t, lp) for t, lp in e["top_logprobs"]]}
-                                for e in result.logprobs]}
-        tokens = [self.piece(e["token"]) for e in result.logprobs]
-        offsets, at = [], 0
+                                for e in entries]}
+        tokens = [self.piece(e["token"]) for e in entries]
+        offsets, at = [], offset
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in result.logprobs],
-                "top_logprobs": [{self.piece(t): lp for t, lp in e["top_logprobs"]} for e in result.logprobs],
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self.piece(t): lp for t, lp in e["top_logprobs"]} for e in entries],
                 "text_offset": offsets}
 
     def interventions(self, body: dict) -> list:
@@ -354,12 +358,12 @@ def build_app(server: Server) -> Starlette:
     async def stream(reqs, rid, chat, include_usage, extension):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i, text=None, reason=None, role=False):
+        def chunk(i, text=None, reason=None, role=False, logprobs=None):
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
             return {"id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
                     "choices": [choice]}
 
@@ -376,13 +380,23 @@ def build_app(server: Server) -> Starlette:
                     yield sse(chunk(i, role=True))
             results = []
             for i, r in enumerate(reqs):
+                # Each piece carries the log-probabilities of the tokens behind it; tokens whose
+                # text never became a piece (a stop string, an end of sequence) come with the end.
+                sent, at = 0, 0
                 async for piece in r:
-                    yield sse(chunk(i, text=piece))
+                    lp = None
+                    if r.logprobs is not None:
+                        lp = server.logprobs_json(r.logprobs, chat, at)
+                        sent += len(r.logprobs)
+                    at += len(piece)
+                    yield sse(chunk(i, text=piece, logprobs=lp))
                 if r.result is None:
                     return
                 results.append(r.result)
                 server.metrics.record(r.result.usage)
-                yield sse(chunk(i, reason=finish(r.result)))
+                rest = r.result.logprobs[sent:] if r.result.logprobs is not None else []
+                lp = server.logprobs_json(rest, chat, at) if rest else None
+                yield sse(chunk(i, reason=finish(r.result), logprobs=lp))
             if include_usage:
                 last = {"id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
                         "choices": [], "usage": usage_of(results)}

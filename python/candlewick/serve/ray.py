@@ -15,7 +15,7 @@ prefill of the shared prefix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 def application(model: str, replicas: int = 2, api_key: Optional[str] = None, max_batch_size: int = 8,
@@ -38,16 +38,14 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
                         chat_template=chat_template)
         return build_app(server)
 
-    options = {"num_replicas": replicas}
+    options: dict[str, Any] = {"num_replicas": replicas}
     if num_cpus is not None:
         options["ray_actor_options"] = {"num_cpus": num_cpus}
 
-    @serve.deployment(**options)
-    @serve.ingress(build)
-    class CandlewickReplica:
-        """One replica: a model and its engine behind the OpenAI routes."""
-
-    return CandlewickReplica.bind()
+    # Built with type() rather than a class statement inside this function: mypy's stubtest
+    # takes a local class for a module attribute that is missing at run time.
+    replica = type("CandlewickReplica", (), {"__doc__": "One replica: a model and its engine behind the OpenAI routes."})
+    return serve.deployment(**options)(serve.ingress(build)(replica)).bind()
 
 
 def run(model: str, host: str = "127.0.0.1", port: int = 8000, address: Optional[str] = None,
