@@ -209,6 +209,10 @@ impl PyModelRuntime {
     ///         runs a checkpoint in float32 on the CPU.
     ///     max_context (int | None): the session's context in tokens; None: the model's trained
     ///         context.
+    ///     threads (int | None): CPU compute threads; None keeps the process's count (one per
+    ///         physical core unless ``CANDLE_NUM_THREADS``/``RAYON_NUM_THREADS`` say otherwise).
+    ///         Process-wide: the first load fixes it, and a later load asking another count
+    ///         raises ``ValueError``.
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.
