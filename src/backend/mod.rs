@@ -205,7 +205,12 @@ impl CandleBackend {
 
     /// The configuration of an opened GGUF file, whose header the caller may have read the
     /// tokenizer from first (one read of the header serves both).
-    pub fn gguf_config(&self, path: &Path, mut weights: GgufWeights, options: &LoadOptions) -> Result<CandleModelConfig> {
+    pub fn gguf_config(
+        &self,
+        path: &Path,
+        mut weights: GgufWeights,
+        options: &LoadOptions,
+    ) -> Result<CandleModelConfig> {
         let md = Metadata::new(weights.metadata());
         let embed = weights
             .shape("token_embd.weight")
@@ -241,7 +246,10 @@ impl CandleBackend {
 
 fn validate_context(max_context: usize) -> Result<()> {
     if max_context == 0 {
-        return Err(CandleError::InvalidOption { option: "max_context", reason: "max_context must be positive".into() });
+        return Err(CandleError::InvalidOption {
+            option: "max_context",
+            reason: "max_context must be positive".into(),
+        });
     }
     Ok(())
 }

@@ -100,7 +100,9 @@ impl Model {
         // The tokenizer first: its conversion's temporaries are freed (and handed back to the
         // OS) before the weights arrive, so the two never add up in the peak resident size.
         let (tokenizer, runtime) = match format {
-            ArtifactFormat::HuggingFace => (load_tokenizer(|| Tokenizer::from_hf_dir(path)), ModelRuntime::load(backend, path, &load)?),
+            ArtifactFormat::HuggingFace => {
+                (load_tokenizer(|| Tokenizer::from_hf_dir(path)), ModelRuntime::load(backend, path, &load)?)
+            }
             ArtifactFormat::Gguf => {
                 // One read of the header serves the tokenizer and the weights.
                 let artifact = |source| ModelLoadError::Artifact { path: path.display().to_string(), source };

@@ -9,6 +9,8 @@
 //! we take llama.cpp's split rules or refuse.
 
 use std::cmp::Ordering;
+
+use rayon::prelude::*;
 use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file::Value;
@@ -353,26 +355,37 @@ fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
             order.push(t.as_str());
         }
     }
-    let mut merges: Vec<(f64, u32, u32, &str, &str)> = Vec::new();
-    let mut local: Vec<(u32, u32, &str, &str)> = Vec::new();
-    for &token in &order {
-        let score = last[token].1;
-        local.clear();
-        for (at, _) in token.char_indices().skip(1) {
-            let (l, r) = token.split_at(at);
-            if let Some(&(li, _)) = last.get(l) {
-                if let Some(&(ri, _)) = last.get(r) {
-                    local.push((li, ri, l, r));
+    // Tokens are independent until the final sort: split them over the threads, keeping order.
+    let per_task = order.len().div_ceil(rayon::current_num_threads().max(1) * 4).max(1024);
+    let parts: Vec<Vec<(f64, u32, u32, &str, &str)>> = order
+        .par_chunks(per_task)
+        .map(|tokens| {
+            let mut merges = Vec::new();
+            let mut local: Vec<(u32, u32, &str, &str)> = Vec::new();
+            for &token in tokens {
+                let score = last[token].1;
+                local.clear();
+                for (at, _) in token.char_indices().skip(1) {
+                    let (l, r) = token.split_at(at);
+                    if let Some(&(li, _)) = last.get(l) {
+                        if let Some(&(ri, _)) = last.get(r) {
+                            local.push((li, ri, l, r));
+                        }
+                    }
                 }
+                // Each split has its own left piece, so the (left id, right id) keys are distinct.
+                local.sort_unstable_by_key(|&(li, ri, _, _)| (li, ri));
+                merges.extend(
+                    local.iter().map(|&(_, _, l, r)| (score, l.chars().count() as u32, r.chars().count() as u32, l, r)),
+                );
             }
-        }
-        // Each split has its own left piece, so the (left id, right id) keys are distinct.
-        local.sort_unstable_by_key(|&(li, ri, _, _)| (li, ri));
-        merges.extend(local.iter().map(|&(_, _, l, r)| (score, l.chars().count() as u32, r.chars().count() as u32, l, r)));
-    }
+            merges
+        })
+        .collect();
+    let mut merges = parts.concat();
     // Python compares floats numerically (-0.0 == 0.0), which `partial_cmp` matches; the sort is
-    // stable like `sorted(..., reverse=True)`.
-    merges.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+    // stable like `sorted(..., reverse=True)` (rayon's `par_sort_by` is stable too).
+    merges.par_sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
     merges.into_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
 }
 
@@ -407,12 +420,7 @@ fn build_err(what: &str) -> impl Fn(tokenizers::Error) -> TextError + '_ {
     move |e| TextError::tokenizer(format!("building the {what} from GGUF metadata"), e)
 }
 
-fn bpe(
-    vocab: &Vocab,
-    merges: Vec<(String, String)>,
-    unk: Option<&str>,
-    byte_fallback: bool,
-) -> Result<BPE, TextError> {
+fn bpe(vocab: &Vocab, merges: Vec<(String, String)>, unk: Option<&str>, byte_fallback: bool) -> Result<BPE, TextError> {
     let mut builder =
         BPE::builder().vocab_and_merges(vocab.clone(), merges).fuse_unk(byte_fallback).byte_fallback(byte_fallback);
     if let Some(unk) = unk {

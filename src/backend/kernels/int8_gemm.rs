@@ -269,7 +269,9 @@ mod x86 {
         out: *mut f32,
         n: usize,
     ) {
-        tile_with::<R, C>(format, xq, w, nb, row0, col0, out, n, |a, b| _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b))
+        tile_with::<R, C>(format, xq, w, nb, row0, col0, out, n, |a, b| {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b)
+        })
     }
 }
 
@@ -316,7 +318,17 @@ pub fn matmul(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: u
 
 /// One column group (up to 4 weight rows) against every activation row, portable code.
 #[allow(clippy::too_many_arguments)]
-fn portable_columns(format: BlockFormat, xq: &QuantizedRows, w: &[u8], nb: usize, m: usize, col0: usize, cols: usize, out: OutPtr, n: usize) {
+fn portable_columns(
+    format: BlockFormat,
+    xq: &QuantizedRows,
+    w: &[u8],
+    nb: usize,
+    m: usize,
+    col0: usize,
+    cols: usize,
+    out: OutPtr,
+    n: usize,
+) {
     let bb = format.block_bytes();
     for c in col0..col0 + cols {
         for r in 0..m {
@@ -454,13 +466,16 @@ mod tests {
             paths.push(Path::Avx512Vnni);
         }
         for (dtype, format) in FORMATS {
-            for (m, k, n) in [(1, 64, 5), (2, 64, 8), (3, 128, 12), (6, 96, 16), (7, 96, 9), (16, 640, 36), (33, 128, 4)] {
+            for (m, k, n) in
+                [(1, 64, 5), (2, 64, 8), (3, 128, 12), (6, 96, 16), (7, 96, 9), (16, 640, 36), (33, 128, 4)]
+            {
                 let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
                 let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
                 let q = QTensor::quantize(&w, dtype).unwrap();
                 assert_eq!(BlockFormat::of(q.dtype()), Some(format));
                 let data = q.data().unwrap().to_vec();
-                let magnitude = x.abs().unwrap().matmul(&q.dequantize(&dev).unwrap().abs().unwrap().t().unwrap()).unwrap();
+                let magnitude =
+                    x.abs().unwrap().matmul(&q.dequantize(&dev).unwrap().abs().unwrap().t().unwrap()).unwrap();
                 let magnitude = magnitude.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 let want = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
                 let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();

@@ -109,8 +109,7 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (DEQUANTIZED_GEMM_ROWS, 256), &dev).unwrap();
         let want = x.matmul(&q.dequantize(&dev).unwrap().t().unwrap()).unwrap();
         let via_linear = Linear::new(QMatMul::from_qtensor(q).unwrap(), None).forward(&x).unwrap();
-        let QMatMul::QTensor(q) = QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q5K).unwrap()).unwrap()
-        else {
+        let QMatMul::QTensor(q) = QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q5K).unwrap()).unwrap() else {
             panic!("Q5_K stays quantized")
         };
         let in_slabs = dequantized_matmul_in_slabs(&x, &q, 256 * 7).unwrap();
