@@ -359,6 +359,8 @@ fn matmul_with(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: 
     // Work items are groups of 4 weight rows (output columns); each covers every activation row.
     let col_groups = n.div_ceil(4);
     (0..col_groups).into_par_iter().with_min_len(8).for_each(|g| {
+        // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
+        #[allow(clippy::redundant_locals)]
         let ptr = ptr;
         let col0 = g * 4;
         let cols = 4.min(n - col0);
