@@ -6,19 +6,26 @@
 //! with `q` in 0..32, which a Q8_0 block stores exactly as `d * q'` with `q' = q - 16`: same
 //! scale, same products, so the numbers do not change — only the kernel that computes them.
 
-use candle_core::quantized::{ggml_file, GgmlDType, QTensor};
+use candle_core::quantized::k_quants::BlockQ8_0;
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
 const QK: usize = 32;
 const Q5_0_BYTES: usize = 2 + 4 + QK / 2;
 const Q8_0_BYTES: usize = 2 + QK;
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == Q8_0_BYTES);
 
 /// Re-encodes Q5_0 blocks as Q8_0 blocks with identical values (in parallel: it is a
 /// noticeable part of loading a model stored mostly as Q5_0).
 pub fn q5_0_to_q8_0(src: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; src.len() / Q5_0_BYTES * Q8_0_BYTES];
+    q5_0_into_q8_0(src, &mut out);
+    out
+}
+
+/// [`q5_0_to_q8_0`] into `out`, which holds exactly as many Q8_0 blocks as `src` Q5_0 ones.
+fn q5_0_into_q8_0(src: &[u8], out: &mut [u8]) {
     use rayon::prelude::*;
-    let blocks = src.len() / Q5_0_BYTES;
-    let mut out = vec![0u8; blocks * Q8_0_BYTES];
     const PER_TASK: usize = 4096;
     out.par_chunks_mut(PER_TASK * Q8_0_BYTES).zip(src.par_chunks(PER_TASK * Q5_0_BYTES)).for_each(|(dst, src)| {
         for (o, block) in dst.chunks_exact_mut(Q8_0_BYTES).zip(src.chunks_exact(Q5_0_BYTES)) {
@@ -36,7 +43,6 @@ pub fn q5_0_to_q8_0(src: &[u8]) -> Vec<u8> {
             }
         }
     });
-    out
 }
 
 /// A tensor in the fastest lossless encoding candle runs: Q5_0 becomes Q8_0, others stay.
@@ -48,13 +54,25 @@ pub fn fast_encoding(q: QTensor, device: &Device) -> candle_core::Result<QTensor
     if q.dtype() != GgmlDType::Q5_0 || !device.is_cpu() {
         return Ok(q);
     }
-    let bytes = q5_0_to_q8_0(&q.data()?);
-    ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &bytes, q.shape().dims().to_vec(), device)
+    // Written straight into the new tensor's blocks: no intermediate byte buffer to copy from.
+    let src = q.data()?;
+    let blocks = src.len() / Q5_0_BYTES;
+    let mut out: Vec<BlockQ8_0> = Vec::with_capacity(blocks);
+    // SAFETY: a Q8_0 block is plain data (a half and 32 bytes), valid when all zero; every byte
+    // is then overwritten by the re-encoding.
+    unsafe {
+        std::ptr::write_bytes(out.as_mut_ptr(), 0, blocks);
+        out.set_len(blocks);
+        let bytes = std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, blocks * Q8_0_BYTES);
+        q5_0_into_q8_0(&src, bytes);
+    }
+    QTensor::new(QStorage::Cpu(Box::new(out)), q.shape().dims().to_vec())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::quantized::ggml_file;
     use candle_core::{Device, Tensor};
 
     #[test]
