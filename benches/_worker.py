@@ -32,7 +32,8 @@ def run_candlewick(model, threads, lens, n_decode, python_loop):
     import candlewick as cw
 
     t = time.perf_counter()
-    rt = cw.ModelRuntime.load(model, device="cpu", threads=threads)
+    # benches/device_check.sh measures the same thing on a GPU.
+    rt = cw.ModelRuntime.load(model, device=os.environ.get("CANDLEWICK_BENCH_DEVICE", "cpu"), threads=threads)
     load = time.perf_counter() - t
     vocab = rt.model_info["vocab_size"]
     out = {"load_s": load, "runs": {}}
