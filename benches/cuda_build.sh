@@ -66,7 +66,9 @@ fi
 if [ "$what" = all ] || [ "$what" = wheel ]; then
     command -v maturin >/dev/null || { echo "maturin is needed for the wheel (pip install maturin)" >&2; exit 1; }
     t=$SECONDS
-    nice -n 19 maturin build --release --features python,cuda -i "$PYTHON" -o dist-cuda
+    # The CUDA libraries stay outside the wheel (the driver cannot be bundled at all, and cuBLAS
+    # alone is ~500 MB): they come from the nvidia-* wheels or the system at run time.
+    nice -n 19 maturin build --release --features python,cuda --auditwheel skip -i "$PYTHON" -o dist-cuda
     echo "maturin build --features python,cuda: $((SECONDS - t)) s"
 fi
 echo "total: $((SECONDS - start)) s (CUDA_ROOT=${CUDA_ROOT:-system}, compute cap $CUDA_COMPUTE_CAP)"
