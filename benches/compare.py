@@ -29,7 +29,7 @@ def default_model():
 
 def run(runtime, python, model, threads, lens, n_decode):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-    cmd = [python, str(HERE / "_worker.py"), runtime, model, str(threads), ",".join(map(str, lens)), str(n_decode)]
+    cmd = [python, str(HERE / "_worker.py"), runtime.split("[")[0], model, str(threads), ",".join(map(str, lens)), str(n_decode)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:
         raise RuntimeError(f"{runtime} failed:\n{p.stderr[-2000:]}")
@@ -105,11 +105,19 @@ def main():
                     help="interpreter with llama-cpp-python / transformers installed")
     ap.add_argument("--peer-build", default=os.environ.get("BENCH_PEER_BUILD", ""),
                     help="how the peer was built (recorded with the result), e.g. its CMAKE_ARGS")
+    ap.add_argument("--candlewick-python", action="append", default=[], metavar="LABEL=PYTHON",
+                    help="also run candlewick under another interpreter, i.e. another build of it "
+                         "(the portable wheel beside the native one), as row candlewick[LABEL]")
     ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
     args = ap.parse_args()
     models = args.model or [default_model()]
     lens = [int(x) for x in args.lens.split(",")]
-    runtimes = args.runtimes.split(",")
+    runtimes = [r for r in args.runtimes.split(",") if r]
+    pythons = {}
+    for spec in args.candlewick_python:
+        label, python = spec.split("=", 1)
+        runtimes.append(f"candlewick[{label}]")
+        pythons[runtimes[-1]] = python
     raw = {}
     per_model = {}
     for model in models:
@@ -117,7 +125,7 @@ def main():
         for i in range(args.runs):
             # Alternating run by run, so a change in the shared host's load hits every runtime.
             for r in runtimes:
-                python = sys.executable if r.startswith("candlewick") else args.peer_python
+                python = pythons.get(r) or (sys.executable if r.startswith("candlewick") else args.peer_python)
                 results[r].append(run(r, python, model, args.threads, lens, args.decode_tokens))
                 print(f"{Path(model).name} run {i + 1}/{args.runs} {r}: done", file=sys.stderr)
         raw[model] = results

@@ -11,6 +11,9 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("CANDLEWICK_FIXTURES", REPO.parent / "shared" / "fixtures"))
 TINY = FIXTURES / "tiny"
 CASES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
+# The device of the `runtime` fixture (and so of every test that takes it): benches/device_check.sh
+# sets `cuda` to hold a GPU build to the same references; everything else stays on the CPU.
+DEVICE = os.environ.get("CANDLEWICK_TEST_DEVICE", "cpu")
 
 
 def rel_l2(a, r):
@@ -41,7 +44,7 @@ def ref(case):
 def runtime(case):
     import candlewick
 
-    return candlewick.ModelRuntime.load(TINY / case, device="cpu")
+    return candlewick.ModelRuntime.load(TINY / case, device=DEVICE)
 
 
 @pytest.fixture(scope="session")

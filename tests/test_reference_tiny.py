@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import candlewick
-from conftest import TINY, rel_l2
+from conftest import DEVICE, TINY, rel_l2
 
 TOL = 1e-4
 
@@ -82,7 +82,7 @@ def test_submission_and_observe_output(runtime, ref):
 
 @pytest.mark.parametrize("dtype,bound", [("bf16", 2e-2), ("f16", 5e-3)])
 def test_half_precision_stays_within_stated_bound(case, ref, dtype, bound):
-    rt = candlewick.ModelRuntime.load(TINY / case, device="cpu", dtype=dtype)
+    rt = candlewick.ModelRuntime.load(TINY / case, device=DEVICE, dtype=dtype)
     assert rt.model_info["dtype"] == dtype
     logits = rt.prefill(ref["input_ids"].tolist(), all_logits=True).wait().logits
     for row, (a, r) in enumerate(zip(logits, ref["model.logits"])):
@@ -95,6 +95,6 @@ def test_model_info_describes_the_checkpoint(runtime, case):
     assert info["vocab_size"] == 512 and info["hidden_size"] == 64
     assert info["num_layers"] == (4 if case == "gemma3" else 3)
     assert info["max_context"] == info["context_length"] == 512
-    assert info["dtype"] == "f32" and info["device"] == "cpu"
+    assert info["dtype"] == "f32" and info["device"] == DEVICE.split(":")[0]
     caps = runtime.capabilities
     assert caps.persistent_cache and caps.output_observation and caps.activation_inspection

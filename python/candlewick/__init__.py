@@ -39,6 +39,7 @@ from ._native import (
     UnsupportedError,
     UnsupportedTensorTypeError,
     __version__,
+    build_info,
 )
 from . import _native, interventions
 from ._native import QueueFullError
@@ -90,6 +91,7 @@ __all__ = [
     "UnsupportedError",
     "UnsupportedTensorTypeError",
     "__version__",
+    "build_info",
     "interventions",
     "save_control_vector",
     "Engine",

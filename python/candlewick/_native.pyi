@@ -44,6 +44,7 @@ __all__ = [
     "UnsupportedError",
     "UnsupportedTensorTypeError",
     "__version__",
+    "build_info",
     "generation_defaults",
     "save_control_vector",
 ]
@@ -97,6 +98,7 @@ class Intervention:
     def index(self) -> list[int] | None: ...
     def __eq__(self, other: object, /) -> bool: ...
 
+def build_info() -> dict[str, Any]: ...
 def generation_defaults() -> dict[str, Any]: ...
 def save_control_vector(
     path: str | PathLike[str], directions: Mapping[int, Sequence[float]], model_hint: str = ""

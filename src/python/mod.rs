@@ -38,6 +38,7 @@ macro_rules! sampling_args_doc {
     };
 }
 
+mod build_info;
 mod engine;
 mod errors;
 mod generation;
@@ -72,6 +73,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("QueueFullError", m.py().get_type::<engine::QueueFullError>())?;
     m.add_function(wrap_pyfunction!(intervention::save_control_vector, m)?)?;
     m.add_function(wrap_pyfunction!(generation::generation_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info::build_info, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -8,6 +8,25 @@ pub mod int8_gemm;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
+/// The SIMD features this build was compiled for: what the compiler may use in every loop it
+/// vectorizes, and what code gated by `cfg(target_feature)` assumes (candle's f16 conversions).
+/// candle 0.11's quantized dot products and repacked kernels, and our int8 GEMM, check the CPU
+/// at run time instead, so a portable wheel (x86-64-v3: avx2, fma, f16c, no avx512f) still takes
+/// their AVX-512 VNNI paths where the CPU has them.
+pub fn compiled_cpu_features() -> Vec<&'static str> {
+    #[allow(unused_mut)]
+    let mut out = Vec::new();
+    macro_rules! feature {
+        ($($f:literal),*) => {$(
+            if cfg!(target_feature = $f) {
+                out.push($f);
+            }
+        )*};
+    }
+    feature!("sse4.1", "sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "neon");
+    out
+}
+
 /// From this many rows on, Q8_0 weights go through the tiled kernel (`int8_gemm.rs`); below it,
 /// candle's row-by-row kernel is faster. Measured on Gemma 3 270M, batched decode of 2 / 4 / 8
 /// sequences (aggregate tok/s relative to one sequence, AMD EPYC, 2 threads): tiled 0.75–0.91 /

@@ -1,0 +1,43 @@
+//! What this build is and which kernels it picks on this machine.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::backend::device;
+use crate::backend::kernels::{self, int8_gemm};
+
+/// How this build was made and what it runs on this machine, as a dict: a wheel built for
+/// another CPU, or without CUDA, otherwise shows only as a slower or refused run.
+///
+/// Returns:
+///     dict: ``version``; ``features`` (``"cuda"``, ``"metal"``: the devices compiled in);
+///     ``cpu_target_features`` (the SIMD features the compiler could assume, e.g. no
+///     ``avx512f`` in the portable x86-64-v3 wheel); ``int8_kernel`` (the inner product our
+///     quantized GEMM chose on this CPU at run time: ``"avx512vnni"``, ``"avx2"`` or
+///     ``"portable"``); ``devices`` (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
+///
+/// Example:
+///     >>> candlewick.build_info()["devices"]
+///     ['cpu:0']
+#[pyfunction]
+pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    let features: Vec<&str> = [(cfg!(feature = "cuda"), "cuda"), (cfg!(feature = "metal"), "metal")]
+        .into_iter()
+        .filter(|f| f.0)
+        .map(|f| f.1)
+        .collect();
+    d.set_item("features", features)?;
+    d.set_item("cpu_target_features", kernels::compiled_cpu_features())?;
+    let kernel = match int8_gemm::best_path() {
+        int8_gemm::Path::Avx512Vnni => "avx512vnni",
+        int8_gemm::Path::Avx2 => "avx2",
+        int8_gemm::Path::Portable => "portable",
+    };
+    d.set_item("int8_kernel", kernel)?;
+    let devices: Vec<String> =
+        device::available_devices().into_iter().map(|(d, _)| format!("{}:{}", d.kind, d.ordinal)).collect();
+    d.set_item("devices", devices)?;
+    Ok(d)
+}
