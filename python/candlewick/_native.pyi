@@ -24,6 +24,7 @@ __all__ = [
     "Intervention",
     "InterventionScope",
     "InvalidInterventionError",
+    "InvalidOptionError",
     "ModelRuntime",
     "NonFiniteLogitsError",
     "ObservationError",
@@ -81,6 +82,7 @@ class InternalError(CandlewickError): ...
 class InvalidInterventionError(CandlewickError): ...
 class GenerationOptionError(CandlewickError): ...
 class NonFiniteLogitsError(SessionError): ...
+class InvalidOptionError(CandlewickError, ValueError): ...
 
 @final
 class Intervention:
@@ -323,6 +325,7 @@ class ModelRuntime:
         device: str = "auto",
         dtype: str | None = None,
         max_context: int | None = None,
+        quantize: str | None = None,
     ) -> ModelRuntime: ...
     @property
     def backend(self) -> Backend: ...

@@ -101,6 +101,16 @@ pub enum CandleError {
         /// Why.
         reason: String,
     },
+    /// An option given a value it does not take.
+    #[error("invalid {argument}=`{value}`: accepted values are {accepted}")]
+    InvalidOption {
+        /// The option's name, as the caller spells it.
+        argument: &'static str,
+        /// The value given.
+        value: String,
+        /// The values it takes.
+        accepted: String,
+    },
     /// An observation request that the model cannot serve.
     #[error(transparent)]
     Observation(#[from] ObservationError),

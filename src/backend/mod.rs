@@ -13,6 +13,7 @@ pub mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 
 use crate::core::{
@@ -54,6 +55,8 @@ pub struct LoadOptions {
     pub dtype: Option<DType>,
     /// Context size of the session; `None` uses the model's trained context.
     pub max_context: Option<usize>,
+    /// Quantize the matmul weights and embeddings to this type at load (a GGUF is de-quantized first).
+    pub quantize: Option<GgmlDType>,
 }
 
 /// Parses `f32`, `f16`, `bf16` (and their long names).
@@ -115,6 +118,8 @@ pub struct CandleModelConfig {
     pub max_context: usize,
     /// The artifact's format.
     pub format: ArtifactFormat,
+    /// The block type to quantize matmul weights and embeddings to at load, if any.
+    pub quantize: Option<GgmlDType>,
 }
 
 /// A decoder ready to run, with the context its session will get; sessions share its weights.
@@ -139,7 +144,7 @@ impl BackendProvider for CandleBackend {
     }
 
     fn prepare_model(&self, config: CandleModelConfig) -> Result<PreparedModel<CandleModel>> {
-        let loader = WeightLoader::new(config.weights.as_ref(), config.dtype, &self.device);
+        let loader = WeightLoader::new(config.weights.as_ref(), config.dtype, &self.device).quantizing(config.quantize);
         let decoder = Decoder::load(config.arch, &loader, config.naming)?;
         // Every capability below is implemented by CandleSession for every decoder.
         Ok(PreparedModel::new(
@@ -192,13 +197,15 @@ impl CandleBackend {
             dtype,
             max_context,
             format: ArtifactFormat::HuggingFace,
+            quantize: options.quantize,
         })
     }
 
     fn load_gguf(&self, path: &Path, options: &LoadOptions) -> Result<CandleModelConfig> {
         // Without a dtype the weights stay quantized and activations run in float32; a dtype
-        // de-quantizes every weight at load (f32 for exact comparison with a reference).
-        let weights = GgufWeights::open(path, options.dtype.is_some())?;
+        // de-quantizes every weight at load (f32 for exact comparison with a reference). Quantizing
+        // at load starts from de-quantized weights, as llama-quantize --allow-requantize does.
+        let weights = GgufWeights::open(path, options.dtype.is_some() || options.quantize.is_some())?;
         let md = Metadata::new(weights.metadata());
         let embed = weights
             .shape("token_embd.weight")
@@ -216,6 +223,7 @@ impl CandleBackend {
             dtype: options.dtype.unwrap_or(DType::F32),
             max_context,
             format: ArtifactFormat::Gguf,
+            quantize: options.quantize,
         })
     }
 

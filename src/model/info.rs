@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::backend::weights::quantize::QuantizeReport;
 use crate::backend::ArtifactFormat;
 use crate::core::{BackendProvider, BackendSession};
 use crate::model::Runtime;
@@ -48,6 +49,8 @@ pub struct ModelInfo {
     pub path: String,
     /// The device the model runs on (`cpu`, `cuda:0`, ...).
     pub device: String,
+    /// What quantization at load did (`None` when it was not asked for).
+    pub quantized_at_load: Option<QuantizeReport>,
 }
 
 impl ModelInfo {
@@ -77,6 +80,7 @@ impl ModelInfo {
             format: format.name(),
             path: path.display().to_string(),
             device: rt.backend().descriptor().device.to_string(),
+            quantized_at_load: decoder.quantized_at_load().cloned(),
         }
     }
 

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 pub use info::ModelInfo;
 
+use crate::backend::weights::quantize::parse_quantize;
 use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, LoadOptions};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult};
@@ -58,11 +59,14 @@ pub struct ModelOptions {
     pub dtype: Option<String>,
     /// Context size of the session; `None` uses the model's trained context.
     pub max_context: Option<usize>,
+    /// Quantize matmul weights and embeddings at load: `q8_0`, `q4_k`, ... (see
+    /// `backend::weights::quantize::ACCEPTED`); `None` keeps the checkpoint's types.
+    pub quantize: Option<String>,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        Self { device: "auto".into(), dtype: None, max_context: None }
+        Self { device: "auto".into(), dtype: None, max_context: None, quantize: None }
     }
 }
 
@@ -90,11 +94,12 @@ impl Model {
     pub fn load(path: &Path, options: &ModelOptions) -> Result<Self, ModelError> {
         let format = ArtifactFormat::detect(path)?;
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
+        let quantize = options.quantize.as_deref().map(parse_quantize).transpose()?;
         let backend = CandleBackend::new(&options.device)?;
         // The tokenizer first: its conversion's temporaries are freed (and handed back to the
         // OS) before the weights arrive, so the two never add up in the peak resident size.
         let tokenizer = load_tokenizer(path, format);
-        let load = LoadOptions { dtype, max_context: options.max_context };
+        let load = LoadOptions { dtype, max_context: options.max_context, quantize };
         let runtime = ModelRuntime::load(backend, path, &load)?;
         let info = ModelInfo::describe(&runtime, path, format);
         // A template that does not compile is reported when chat is used, not at load.

@@ -155,17 +155,27 @@ fn non_negative(arg: &str, v: Option<i64>) -> PyResult<Option<usize>> {
 impl PyModelRuntime {
     /// Loads a Hugging Face directory or GGUF file onto a device (GIL released while loading).
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, quantize=None))]
     fn load(
         py: Python<'_>,
         path: PathBuf,
         device: &str,
         dtype: Option<String>,
         max_context: Option<i64>,
+        quantize: Option<String>,
     ) -> PyResult<Self> {
-        let options =
-            ModelOptions { device: device.to_owned(), dtype, max_context: non_negative("max_context", max_context)? };
+        let options = ModelOptions {
+            device: device.to_owned(),
+            dtype,
+            max_context: non_negative("max_context", max_context)?,
+            quantize,
+        };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
+        if let Some(report) = &model.info().quantized_at_load {
+            // Quantization changes what runs, so say what it did where Python logging sees it.
+            let logger = py.import("logging")?.call_method1("getLogger", ("candlewick",))?;
+            logger.call_method1("info", ("%s: %s", path.display().to_string(), report.summary()))?;
+        }
         Ok(Self { inner: Mutex::new(model), id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed) })
     }
 
@@ -224,6 +234,19 @@ impl PyModelRuntime {
         d.set_item("format", info.format)?;
         d.set_item("path", &info.path)?;
         d.set_item("device", &info.device)?;
+        let quantized = match &info.quantized_at_load {
+            Some(r) => {
+                let q = PyDict::new(py);
+                q.set_item("requested", &r.requested)?;
+                q.set_item("tensors", r.quantized.clone())?;
+                q.set_item("notes", r.notes.clone())?;
+                q.set_item("dense", r.dense.clone())?;
+                q.set_item("summary", r.summary())?;
+                Some(q)
+            }
+            None => None,
+        };
+        d.set_item("quantized_at_load", quantized)?;
         Ok(d)
     }
 
