@@ -3,6 +3,7 @@
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own,
 //! our tiled Q8_0 GEMM, or a dense GEMM over de-quantized slabs.
 
+pub mod dense;
 pub mod q8_0;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -17,6 +18,9 @@ pub const Q8_0_TILED_ROWS: usize = 4;
 /// `x [rows, in] · Wᵀ` for a dense or quantized weight, float32 in and out.
 pub fn matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
     match weight {
+        // One row streams the weights once: our GEMV reaches the bandwidth, candle's GEMM does not.
+        QMatMul::Tensor(w) | QMatMul::TensorF16(w) if dense::takes(x, w) => dense::matmul(x, w),
+        QMatMul::Tensor(w) | QMatMul::TensorF16(w) if dense::widens(x, w) => dense::widened_matmul(x, w),
         // Half-precision weights multiply half-precision inputs; the result rejoins the
         // float32 residual stream, which keeps long residual sums accurate.
         QMatMul::Tensor(w) | QMatMul::TensorF16(w) if w.dtype() != x.dtype() => {
