@@ -163,3 +163,40 @@ def test_gemma_requantized_to_q8_0_within_quantized_bounds(gemma_requantized, na
     assert np.median(errs) <= Q_MEDIAN_TOL
     assert good_overlap >= Q_TOP5_MIN_FRACTION
     assert len(misses) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The dense kernels: the portable fallback, forced, against the fast path
+# --------------------------------------------------------------------------------------------
+
+_DECODE_ROWS = """
+import sys, numpy as np, candlewick as cw
+from safetensors.numpy import load_file
+case, dtype = sys.argv[1], sys.argv[2]
+ref = load_file(f"{sys.argv[3]}/{case}/reference.safetensors")
+rt = cw.ModelRuntime.load(f"{sys.argv[3]}/{case}", device="cpu", dtype=dtype)
+rows = [rt.prefill(ref["input_ids"].tolist()).wait().logits[-1]]
+rows += [rt.decode([g]).wait().logits[-1] for g in ref["greedy_ids"].tolist()]
+np.save(sys.stdout.buffer, np.stack(rows))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_forced_portable_dense_kernels_equal_the_fast_ones(dtype):
+    import io
+    import os
+
+    def rows(kernels):
+        env = dict(os.environ, CANDLEWICK_DENSE_KERNELS=kernels)
+        p = subprocess.run([sys.executable, "-c", _DECODE_ROWS, "gemma3", dtype, str(TINY)], capture_output=True,
+                           env=env, timeout=300)
+        assert p.returncode == 0, p.stderr.decode()
+        return np.load(io.BytesIO(p.stdout))
+
+    fast, portable, candle = rows("auto"), rows("portable"), rows("candle")
+    # The same exact products summed in another order: equal up to float32 rounding, which a
+    # half-precision activation can turn into one unit of its last place.
+    for k, (a, b) in enumerate(zip(fast, portable)):
+        assert rel_l2(a, b) <= 1e-3, f"{dtype} decode row {k}: {rel_l2(a, b):.2e}"
+    for k, (a, b) in enumerate(zip(fast, candle)):
+        assert rel_l2(a, b) <= DENSE_TOL[dtype], f"{dtype} vs candle's matmul, row {k}"
