@@ -172,23 +172,23 @@ pub fn gemv(x: &[f32], w: Weight<'_>, out: &mut [f32], isa: Isa) {
     match w {
         Weight::F32(w) => {
             assert_eq!(w.len(), k * out.len(), "weight shape");
-            par_rows(out, k, |rows, o| kernel_f32(x, &w[rows * k..], k, o, isa));
+            par_rows(out, |rows, o| kernel_f32(x, &w[rows * k..], k, o, isa));
         }
         Weight::Bf16(w) => {
             assert_eq!(w.len(), k * out.len(), "weight shape");
             let xh: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-            par_rows(out, k, |rows, o| kernel_bf16(&xh, &w[rows * k..], k, o, isa));
+            par_rows(out, |rows, o| kernel_bf16(&xh, &w[rows * k..], k, o, isa));
         }
         Weight::F16(w) => {
             assert_eq!(w.len(), k * out.len(), "weight shape");
             let xh: Vec<f32> = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-            par_rows(out, k, |rows, o| kernel_f16(&xh, &w[rows * k..], k, o, isa));
+            par_rows(out, |rows, o| kernel_f16(&xh, &w[rows * k..], k, o, isa));
         }
     }
 }
 
 /// Runs `f(first_row, out_chunk)` over chunks of the output in parallel.
-fn par_rows(out: &mut [f32], _k: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+fn par_rows(out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
     let tasks = rayon::current_num_threads() * TASKS_PER_THREAD;
     let rows = out.len().div_ceil(tasks).max(MIN_ROWS_PER_TASK);
     out.par_chunks_mut(rows).enumerate().for_each(|(i, o)| f(i * rows, o));
