@@ -88,8 +88,10 @@ def test_tensor_of_unsupported_type(llama_copy):
 
 
 def test_unknown_dtype():
-    with pytest.raises(cw.SessionError, match="f64"):
+    # An argument error: a ValueError as well as a CandlewickError, naming the accepted values.
+    with pytest.raises(cw.InvalidOptionError, match="dtype=`f64`.*f32, f16, bf16") as e:
         cw.ModelRuntime.load(LLAMA, dtype="f64")
+    assert isinstance(e.value, ValueError)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", "metal", "tpu", "cuda:x"])

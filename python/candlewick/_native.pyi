@@ -22,6 +22,7 @@ __all__ = [
     "Intervention",
     "InterventionScope",
     "InvalidInterventionError",
+    "InvalidOptionError",
     "ModelRuntime",
     "NonFiniteLogitsError",
     "ObservationError",
@@ -65,6 +66,7 @@ class InternalError(CandlewickError): ...
 class InvalidInterventionError(CandlewickError): ...
 class GenerationOptionError(CandlewickError): ...
 class NonFiniteLogitsError(SessionError): ...
+class InvalidOptionError(CandlewickError, ValueError): ...
 
 @final
 class Intervention:
@@ -333,6 +335,7 @@ class ModelRuntime:
         dtype: str | None = None,
         max_context: int | None = None,
         threads: int | None = None,
+        quantize: str | None = None,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
     @property

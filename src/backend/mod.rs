@@ -14,6 +14,7 @@ pub mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 
 use crate::core::{
@@ -56,6 +57,8 @@ pub struct LoadOptions {
     pub dtype: Option<DType>,
     /// Context size of the session; `None` uses the model's trained context.
     pub max_context: Option<usize>,
+    /// Quantize the matmul weights and embeddings to this type at load (a GGUF is de-quantized first).
+    pub quantize: Option<GgmlDType>,
 }
 
 /// Parses `f32`, `f16`, `bf16` (and their long names).
@@ -66,8 +69,9 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
         "bf16" | "bfloat16" => DType::BF16,
         other => {
             return Err(CandleError::InvalidOption {
-                option: "dtype",
-                reason: format!("dtype `{other}` is not one of f32, f16, bf16"),
+                argument: "dtype",
+                value: other.to_owned(),
+                accepted: "f32, f16, bf16".into(),
             })
         }
     })
@@ -117,6 +121,8 @@ pub struct CandleModelConfig {
     pub max_context: usize,
     /// The artifact's format.
     pub format: ArtifactFormat,
+    /// The block type to quantize matmul weights and embeddings to at load, if any.
+    pub quantize: Option<GgmlDType>,
 }
 
 /// A decoder ready to run, with the context its session will get; sessions share its weights.
@@ -141,7 +147,7 @@ impl BackendProvider for CandleBackend {
     }
 
     fn prepare_model(&self, config: CandleModelConfig) -> Result<PreparedModel<CandleModel>> {
-        let loader = WeightLoader::new(config.weights.as_ref(), config.dtype, &self.device);
+        let loader = WeightLoader::new(config.weights.as_ref(), config.dtype, &self.device).quantizing(config.quantize);
         let decoder = Decoder::load(config.arch, &loader, config.naming)?;
         // Every capability below is implemented by CandleSession for every decoder.
         Ok(PreparedModel::new(
@@ -194,13 +200,16 @@ impl CandleBackend {
             dtype,
             max_context,
             format: ArtifactFormat::HuggingFace,
+            quantize: options.quantize,
         })
     }
 
     fn load_gguf(&self, path: &Path, options: &LoadOptions) -> Result<CandleModelConfig> {
         // Without a dtype the weights stay quantized and activations run in float32; a dtype
-        // de-quantizes every weight at load (f32 for exact comparison with a reference).
-        self.gguf_config(path, GgufWeights::open(path, options.dtype.is_some())?, options)
+        // de-quantizes every weight at load (f32 for exact comparison with a reference). Quantizing
+        // at load starts from de-quantized weights, as llama-quantize --allow-requantize does.
+        let dequantize = options.dtype.is_some() || options.quantize.is_some();
+        self.gguf_config(path, GgufWeights::open(path, dequantize)?, options)
     }
 
     /// The configuration of an opened GGUF file, whose header the caller may have read the
@@ -231,6 +240,7 @@ impl CandleBackend {
             dtype: options.dtype.unwrap_or(DType::F32),
             max_context,
             format: ArtifactFormat::Gguf,
+            quantize: options.quantize,
         })
     }
 
@@ -247,8 +257,9 @@ impl CandleBackend {
 fn validate_context(max_context: usize) -> Result<()> {
     if max_context == 0 {
         return Err(CandleError::InvalidOption {
-            option: "max_context",
-            reason: "max_context must be positive".into(),
+            argument: "max_context",
+            value: max_context.to_string(),
+            accepted: "positive token counts".into(),
         });
     }
     Ok(())

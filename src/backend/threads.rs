@@ -22,8 +22,9 @@ pub fn configure(requested: Option<usize>) -> Result<usize> {
     if let Some(n) = requested {
         if n == 0 || n > MAX_THREADS {
             return Err(CandleError::InvalidOption {
-                option: "threads",
-                reason: format!("threads must be between 1 and {MAX_THREADS}, got {n}"),
+                argument: "threads",
+                value: n.to_string(),
+                accepted: format!("1 to {MAX_THREADS}"),
             });
         }
     }
@@ -31,10 +32,11 @@ pub fn configure(requested: Option<usize>) -> Result<usize> {
     if let Some(current) = *fixed {
         return match requested {
             Some(n) if n != current => Err(CandleError::InvalidOption {
-                option: "threads",
-                reason: format!(
-                    "threads={n} asked for, but this process already computes with {current} threads \
-                     (fixed by the first model loaded; candle's thread pool cannot be resized)"
+                argument: "threads",
+                value: n.to_string(),
+                accepted: format!(
+                    "only {current}: this process already computes with {current} threads, fixed by the first \
+                     model loaded (candle's thread pool cannot be resized)"
                 ),
             }),
             _ => Ok(current),

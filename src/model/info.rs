@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::backend::weights::quantize::QuantizeReport;
 use crate::backend::ArtifactFormat;
 use crate::core::{BackendProvider, BackendSession};
 use crate::model::Runtime;
@@ -50,6 +51,8 @@ pub struct ModelInfo {
     pub device: String,
     /// CPU threads computing (process-wide).
     pub threads: usize,
+    /// What quantization at load did (`None` when it was not asked for).
+    pub quantized_at_load: Option<QuantizeReport>,
 }
 
 impl ModelInfo {
@@ -80,6 +83,7 @@ impl ModelInfo {
             path: path.display().to_string(),
             device: rt.backend().descriptor().device.to_string(),
             threads,
+            quantized_at_load: decoder.quantized_at_load().cloned(),
         }
     }
 

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 pub use info::ModelInfo;
 
+use crate::backend::weights::quantize::parse_quantize;
 use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult};
@@ -61,11 +62,14 @@ pub struct ModelOptions {
     /// CPU compute threads; `None` keeps the process's count (by default one per physical core).
     /// Process-wide: the first load fixes it (see `backend::threads`).
     pub threads: Option<usize>,
+    /// Quantize matmul weights and embeddings at load: `q8_0`, `q4_k`, ... (see
+    /// `backend::weights::quantize::ACCEPTED`); `None` keeps the checkpoint's types.
+    pub quantize: Option<String>,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        Self { device: "auto".into(), dtype: None, max_context: None, threads: None }
+        Self { device: "auto".into(), dtype: None, max_context: None, threads: None, quantize: None }
     }
 }
 
@@ -95,8 +99,9 @@ impl Model {
         // Before anything computes: the pools are sized at their first use.
         let threads = crate::backend::threads::configure(options.threads)?;
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
+        let quantize = options.quantize.as_deref().map(parse_quantize).transpose()?;
         let backend = CandleBackend::new(&options.device)?;
-        let load = LoadOptions { dtype, max_context: options.max_context };
+        let load = LoadOptions { dtype, max_context: options.max_context, quantize };
         // The tokenizer first: its conversion's temporaries are freed (and handed back to the
         // OS) before the weights arrive, so the two never add up in the peak resident size.
         let (tokenizer, runtime) = match format {
@@ -106,7 +111,7 @@ impl Model {
             ArtifactFormat::Gguf => {
                 // One read of the header serves the tokenizer and the weights.
                 let artifact = |source| ModelLoadError::Artifact { path: path.display().to_string(), source };
-                let weights = GgufWeights::open(path, dtype.is_some()).map_err(artifact)?;
+                let weights = GgufWeights::open(path, dtype.is_some() || quantize.is_some()).map_err(artifact)?;
                 let tokenizer = load_tokenizer(|| Tokenizer::from_gguf(weights.metadata()));
                 let config = backend.gguf_config(path, weights, &load).map_err(artifact)?;
                 (tokenizer, ModelRuntime::prepare(backend, config)?)

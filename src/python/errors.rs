@@ -89,9 +89,30 @@ pyo3::create_exception!(
     "A failure inside candlewick or candle (a bug: please report it)."
 );
 
+/// `InvalidOptionError(CandlewickError, ValueError)`: a bad option value is both a candlewick
+/// error and what Python code catches as `ValueError`; `create_exception!` takes one base only.
+static INVALID_OPTION: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
+
+fn invalid_option_type(py: Python<'_>) -> PyResult<&Bound<'_, pyo3::types::PyType>> {
+    INVALID_OPTION
+        .get_or_try_init(py, || {
+            let bases = (py.get_type::<CandlewickError>(), py.get_type::<pyo3::exceptions::PyValueError>());
+            let ns = pyo3::types::PyDict::new(py);
+            ns.set_item(
+                "__doc__",
+                "An option was given a value it does not take (names the option and the accepted values).",
+            )?;
+            ns.set_item("__module__", "candlewick")?;
+            let t = py.get_type::<pyo3::types::PyType>().call1(("InvalidOptionError", bases, ns))?;
+            Ok(t.cast_into::<pyo3::types::PyType>()?.unbind())
+        })
+        .map(|t| t.bind(py))
+}
+
 /// Registers the exception classes on the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    m.add("InvalidOptionError", invalid_option_type(py)?)?;
     m.add("CandlewickError", py.get_type::<CandlewickError>())?;
     m.add("ArtifactError", py.get_type::<ArtifactError>())?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
@@ -128,7 +149,10 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::TokenOutOfRange { .. } => TokenOutOfRangeError::new_err(msg),
         CandleError::ContextFull { .. } => ContextFullError::new_err(msg),
         CandleError::InvalidInput { .. } => SessionError::new_err(msg),
-        CandleError::InvalidOption { .. } => pyo3::exceptions::PyValueError::new_err(msg),
+        CandleError::InvalidOption { .. } => Python::attach(|py| match invalid_option_type(py) {
+            Ok(t) => PyErr::from_type(t.clone(), msg),
+            Err(e) => e,
+        }),
         CandleError::Observation(_) => PyObservationError::new_err(msg),
         CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),
         CandleError::Candle { .. } => InternalError::new_err(msg),

@@ -213,6 +213,8 @@ impl PyModelRuntime {
     ///         physical core unless ``CANDLE_NUM_THREADS``/``RAYON_NUM_THREADS`` say otherwise).
     ///         Process-wide: the first load fixes it, and a later load asking another count
     ///         raises ``ValueError``.
+    ///     quantize (str | None): quantize the matmul weights at load (``"q8_0"``, ``"q4_k"``, ...;
+    ///         a GGUF is de-quantized first; docs/cpu.md); None keeps the checkpoint's types.
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.
@@ -220,7 +222,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None))]
     fn load(
         py: Python<'_>,
         path: PathBuf,
@@ -228,14 +230,21 @@ impl PyModelRuntime {
         dtype: Option<String>,
         max_context: Option<i64>,
         threads: Option<i64>,
+        quantize: Option<String>,
     ) -> PyResult<Self> {
         let options = ModelOptions {
             device: device.to_owned(),
             dtype,
             max_context: non_negative("max_context", max_context)?,
             threads: non_negative("threads", threads)?,
+            quantize,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
+        if let Some(report) = &model.info().quantized_at_load {
+            // Quantization changes what runs, so say what it did where Python logging sees it.
+            let logger = py.import("logging")?.call_method1("getLogger", ("candlewick",))?;
+            logger.call_method1("info", ("%s: %s", path.display().to_string(), report.summary()))?;
+        }
         Ok(Self::wrap(model))
     }
 
@@ -345,6 +354,19 @@ impl PyModelRuntime {
         d.set_item("path", &info.path)?;
         d.set_item("device", &info.device)?;
         d.set_item("threads", info.threads)?;
+        let quantized = match &info.quantized_at_load {
+            Some(r) => {
+                let q = PyDict::new(py);
+                q.set_item("requested", &r.requested)?;
+                q.set_item("tensors", r.quantized.clone())?;
+                q.set_item("notes", r.notes.clone())?;
+                q.set_item("dense", r.dense.clone())?;
+                q.set_item("summary", r.summary())?;
+                Some(q)
+            }
+            None => None,
+        };
+        d.set_item("quantized_at_load", quantized)?;
         Ok(d)
     }
 

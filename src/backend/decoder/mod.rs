@@ -22,6 +22,7 @@ use rope::Rope;
 use crate::backend::config::{ArchConfig, LayerConfig};
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::kv_cache::KvCache;
+use crate::backend::weights::quantize::QuantizeReport;
 use crate::backend::weights::WeightLoader;
 use crate::core::{LayerPoint, Point};
 
@@ -68,6 +69,8 @@ pub struct Decoder {
     /// Identifies the model (architecture, weight types and a sample of the weights), so a
     /// snapshot is never restored onto another one.
     fingerprint: String,
+    /// What quantization at load did, when it was asked for.
+    quantized_at_load: Option<QuantizeReport>,
 }
 
 impl Decoder {
@@ -88,7 +91,7 @@ impl Decoder {
             Ok(Linear::new(weight, bias))
         };
         let embed_name = name(Slot::Embed, 0, "weight");
-        let embed = w.embedding(&embed_name, c.vocab_size, h)?;
+        let embed = w.embedding(&embed_name, c.vocab_size, h, c.tie_word_embeddings)?;
 
         let mut variants: Vec<(LayerConfig, Rope)> = Vec::new();
         let mut blocks = Vec::with_capacity(c.num_layers());
@@ -148,7 +151,7 @@ impl Decoder {
         let lm_head = if c.tie_word_embeddings {
             embed.as_linear().ctx(|| format!("tying the output projection to `{embed_name}`"))?
         } else {
-            Linear::new(w.matmul(&head_name, c.vocab_size, h)?, None)
+            Linear::new(w.output(&head_name, c.vocab_size, h)?, None)
         };
         let mut decoder = Self {
             norm: norm(Slot::FinalNorm, 0, h)?,
@@ -161,6 +164,7 @@ impl Decoder {
             device: w.device().clone(),
             config,
             fingerprint: String::new(),
+            quantized_at_load: w.quantize_report(),
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
         Ok(decoder)
@@ -216,6 +220,11 @@ impl Decoder {
             *by_type.entry(ty).or_insert(0) += n;
         }
         by_type
+    }
+
+    /// What quantization at load did (`None` when none was asked for).
+    pub fn quantized_at_load(&self) -> Option<&QuantizeReport> {
+        self.quantized_at_load.as_ref()
     }
 
     /// The dtype activations run in.

@@ -3,6 +3,7 @@
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own,
 //! our tiled int8 GEMM over ggml's 32-value block formats, or a dense GEMM over de-quantized slabs.
 
+pub mod dense;
 pub mod int8_gemm;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -36,6 +37,9 @@ pub const Q8_0_TILED_ROWS: usize = 4;
 /// `x [rows, in] · Wᵀ` for a dense or quantized weight, float32 in and out.
 pub fn matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
     match weight {
+        // One row streams the weights once: our GEMV reaches the bandwidth, candle's GEMM does not.
+        QMatMul::Tensor(w) | QMatMul::TensorF16(w) if dense::takes(x, w) => dense::matmul(x, w),
+        QMatMul::Tensor(w) | QMatMul::TensorF16(w) if dense::widens(x, w) => dense::widened_matmul(x, w),
         // Half-precision weights multiply half-precision inputs; the result rejoins the
         // float32 residual stream, which keeps long residual sums accurate.
         QMatMul::Tensor(w) | QMatMul::TensorF16(w) if w.dtype() != x.dtype() => {

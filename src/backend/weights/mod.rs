@@ -1,11 +1,16 @@
 //! Where weights come from: a checkpoint format behind one small interface.
 
 pub mod gguf;
+pub mod quantize;
 pub mod requant;
 pub mod safetensors;
 
-use candle_core::quantized::QMatMul;
+use std::sync::{Arc, Mutex};
+
+use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Tensor};
+
+use quantize::{QuantizeReport, WeightRole};
 
 use crate::backend::decoder::layers::Embedding;
 use crate::backend::error::{CandleContext, CandleError, Result};
@@ -33,12 +38,39 @@ pub struct WeightLoader<'a> {
     source: &'a dyn WeightSource,
     dtype: DType,
     device: &'a Device,
+    /// The requested quantization at load and what it has done so far.
+    quantize: Option<(GgmlDType, Mutex<QuantizeReport>)>,
 }
 
 impl<'a> WeightLoader<'a> {
     /// A loader producing `dtype` tensors on `device`.
     pub fn new(source: &'a dyn WeightSource, dtype: DType, device: &'a Device) -> Self {
-        Self { source, dtype, device }
+        Self { source, dtype, device, quantize: None }
+    }
+
+    /// The same loader, quantizing matmul weights and embeddings to `dtype` as they load.
+    pub fn quantizing(mut self, dtype: Option<GgmlDType>) -> Self {
+        self.quantize = dtype.map(|d| (d, Mutex::new(QuantizeReport::new(d))));
+        self
+    }
+
+    /// What quantization at load did, when it was asked for.
+    pub fn quantize_report(&self) -> Option<QuantizeReport> {
+        self.quantize.as_ref().map(|(_, r)| r.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// `name` quantized for `role` when quantization was asked for and its rows fit a block type.
+    fn quantized(&self, name: &str, role: WeightRole) -> Result<Option<candle_core::quantized::QTensor>> {
+        let Some((base, report)) = &self.quantize else { return Ok(None) };
+        let cols = self.source.shape(name).and_then(|s| s.last().copied()).unwrap_or(0);
+        let decision = quantize::decide(*base, role, cols);
+        let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
+        if let quantize::Decision::Dense { reason } = decision {
+            report.dense.insert(name.to_owned(), reason);
+            return Ok(None);
+        }
+        let dense = self.source.dense(name, DType::F32, self.device)?;
+        quantize::apply(name, &dense, decision, self.device, &mut report)
     }
 
     /// The dtype activations run in.
@@ -76,16 +108,35 @@ impl<'a> WeightLoader<'a> {
         self.source.dense(name, DType::F32, self.device)
     }
 
-    /// A `[rows, cols]` embedding table, quantized where the checkpoint is.
-    pub fn embedding(&self, name: &str, rows: usize, cols: usize) -> Result<Embedding> {
+    /// A `[rows, cols]` embedding table (`tied` when it is also the output projection),
+    /// quantized where the checkpoint is or quantization at load asks.
+    pub fn embedding(&self, name: &str, rows: usize, cols: usize, tied: bool) -> Result<Embedding> {
         self.check(name, &[rows, cols])?;
+        if let Some(q) = self.quantized(name, WeightRole::TokenEmbedding { tied })? {
+            return Ok(Embedding::Quantized(Arc::new(q)));
+        }
         self.source.embedding(name, self.dtype, self.device)
     }
 
-    /// A `[out, in]` matmul weight, quantized where the checkpoint is.
+    /// A `[out, in]` projection weight, quantized where the checkpoint is or quantization at load asks.
     pub fn matmul(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<QMatMul> {
+        self.matmul_as(name, out_dim, in_dim, WeightRole::Projection)
+    }
+
+    /// The `[vocab, hidden]` output projection (untied), quantized as `matmul`, with llama.cpp's output type.
+    pub fn output(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<QMatMul> {
+        self.matmul_as(name, out_dim, in_dim, WeightRole::Output)
+    }
+
+    fn matmul_as(&self, name: &str, out_dim: usize, in_dim: usize, role: WeightRole) -> Result<QMatMul> {
         self.check(name, &[out_dim, in_dim])?;
-        self.source.matmul(name, self.dtype, self.device)
+        match self.quantized(name, role)? {
+            Some(q) => {
+                let q = requant::fast_encoding(q, self.device).ctx(|| format!("re-encoding `{name}`"))?;
+                QMatMul::from_arc(Arc::new(q)).ctx(|| format!("preparing matmul weight `{name}`"))
+            }
+            None => self.source.matmul(name, self.dtype, self.device),
+        }
     }
 }
 
