@@ -163,4 +163,6 @@ def test_forks_share_the_weights(gguf_rt):
     for f in forks:
         f.prefill([2, 100, 200, 300])
     grown = rss_bytes() - before - loaded
-    assert grown < 0.10 * loaded, (grown, loaded)
+    # A copy of the weights would add `loaded` per fork (4x in all); what four forks add is their
+    # own KV caches (64 positions at least), logits and allocator arenas.
+    assert grown < 0.25 * loaded, (grown, loaded)

@@ -296,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
                         help="quantize matmul weights at load: q8_0, q4_k, q4_0, ... (as llama-quantize)")
     common.add_argument("--max-context", type=positive, default=None)
     common.add_argument("--threads", "-t", type=positive, default=None,
-                        help="CPU threads (default: one per core)")
+                        help="CPU threads (default: one per physical core)")
     common.add_argument("--verbose", "-v", action="store_true")
     common.add_argument("--quiet", "-q", action="store_true", help="no statistics on stderr")
     sample = argparse.ArgumentParser(add_help=False)
@@ -354,6 +354,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--control-vector", action="append", metavar="NAME=FILE[:SCALE]",
                    help="a llama.cpp control vector requests can name (repeatable)")
     v.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
+    v.add_argument("--threads", "-t", type=positive, default=None,
+                   help="CPU threads per server (per replica under --ray; default: one per core)")
     v.add_argument("--ray", action="store_true", help="serve from replicas under Ray Serve (pip install 'candlewick[ray]')")
     v.add_argument("--replicas", type=int, default=2, help="replicas under --ray")
     v.add_argument("--ray-address", default=None, help="an existing Ray cluster to join (default: start a local one)")
