@@ -6,17 +6,19 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Tensor, D};
 
 use crate::backend::config::Activation;
+use crate::backend::kernels::interleaved::Interleaved;
+use crate::backend::kernels::Weight;
 
 /// `x Wᵀ + b` with a dense or quantized weight.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: QMatMul,
+    weight: Weight,
     bias: Option<Tensor>,
 }
 
 impl Linear {
     /// A linear map from its weight and optional bias.
-    pub fn new(weight: QMatMul, bias: Option<Tensor>) -> Self {
+    pub fn new(weight: Weight, bias: Option<Tensor>) -> Self {
         Self { weight, bias }
     }
 
@@ -74,6 +76,8 @@ pub enum Embedding {
     Dense(Tensor),
     /// A quantized `[vocab, hidden]` table whose rows are de-quantized on lookup.
     Quantized(Arc<QTensor>),
+    /// A table in `interleaved`'s tiles (the output projection's layout when tied).
+    Interleaved(Arc<Interleaved>),
 }
 
 impl Embedding {
@@ -82,6 +86,7 @@ impl Embedding {
         match self {
             Self::Dense(t) => (dtype_name(t.dtype()), t.elem_count()),
             Self::Quantized(q) => (ggml_name(q.dtype()), q.shape().elem_count()),
+            Self::Interleaved(q) => (ggml_name(q.format().dtype()), q.shape().0 * q.shape().1),
         }
     }
 
@@ -90,14 +95,27 @@ impl Embedding {
         match self {
             Self::Dense(table) => table.index_select(ids, 0)?.to_dtype(DType::F32),
             Self::Quantized(q) => q.embedding(ids)?.to_dtype(DType::F32),
+            Self::Interleaved(q) => {
+                let (rows, cols) = q.shape();
+                let list = ids.to_vec1::<u32>()?;
+                let mut out = vec![0f32; list.len() * cols];
+                for (&id, row) in list.iter().zip(out.chunks_exact_mut(cols)) {
+                    if id as usize >= rows {
+                        candle_core::bail!("token id {id} is outside the embedding table's {rows} rows")
+                    }
+                    q.row_into(id as usize, row);
+                }
+                Tensor::from_vec(out, (list.len(), cols), ids.device())
+            }
         }
     }
 
     /// The same table as an output projection (tied embeddings), quantized where it is.
     pub fn as_linear(&self) -> candle_core::Result<Linear> {
         Ok(match self {
-            Self::Dense(table) => Linear::new(QMatMul::Tensor(table.clone()), None),
-            Self::Quantized(q) => Linear::new(QMatMul::from_arc(q.clone())?, None),
+            Self::Dense(table) => Linear::new(Weight::Candle(QMatMul::Tensor(table.clone())), None),
+            Self::Quantized(q) => Linear::new(Weight::Candle(QMatMul::from_arc(q.clone())?), None),
+            Self::Interleaved(q) => Linear::new(Weight::Interleaved(q.clone()), None),
         })
     }
 }
@@ -164,9 +182,10 @@ pub fn ggml_name(d: GgmlDType) -> String {
 }
 
 /// A matmul weight's storage type and number of parameters.
-fn weight_summary(w: &QMatMul) -> (String, usize) {
+fn weight_summary(w: &Weight) -> (String, usize) {
     match w {
-        QMatMul::QTensor(q) => (ggml_name(q.dtype()), q.shape().elem_count()),
-        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => (dtype_name(t.dtype()), t.elem_count()),
+        Weight::Candle(QMatMul::QTensor(q)) => (ggml_name(q.dtype()), q.shape().elem_count()),
+        Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => (dtype_name(t.dtype()), t.elem_count()),
+        Weight::Interleaved(q) => (ggml_name(q.format().dtype()), q.shape().0 * q.shape().1),
     }
 }

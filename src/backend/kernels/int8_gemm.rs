@@ -60,17 +60,19 @@ impl BlockFormat {
     }
 }
 
-/// Activations quantized per row into 32-value blocks: scale, int8 values, and `d·Σq`.
-struct QuantizedRows {
-    scales: Vec<f32>,
-    sums: Vec<f32>,
-    values: Vec<i8>,
+/// Activations quantized per row into 32-value blocks: scale, int8 values, `Σq` and `d·Σq`.
+pub(super) struct QuantizedRows {
+    pub(super) scales: Vec<f32>,
+    pub(super) qsums: Vec<i32>,
+    pub(super) sums: Vec<f32>,
+    pub(super) values: Vec<i8>,
 }
 
 /// Quantizes float32 rows (a whole number of blocks each) as ggml's `quantize_row_q8_0/q8_1` do.
-fn quantize_rows(x: &[f32]) -> QuantizedRows {
+pub(super) fn quantize_rows(x: &[f32]) -> QuantizedRows {
     let blocks = x.len() / QK;
     let mut scales = Vec::with_capacity(blocks);
+    let mut qsums = Vec::with_capacity(blocks);
     let mut sums = Vec::with_capacity(blocks);
     let mut values = vec![0i8; x.len()];
     for (b, chunk) in x.chunks_exact(QK).enumerate() {
@@ -84,9 +86,10 @@ fn quantize_rows(x: &[f32]) -> QuantizedRows {
         }
         let d = f16::from_f32(d).to_f32();
         scales.push(d);
+        qsums.push(sum);
         sums.push(d * sum as f32);
     }
-    QuantizedRows { scales, sums, values }
+    QuantizedRows { scales, qsums, sums, values }
 }
 
 #[inline(always)]

@@ -5,9 +5,45 @@
 
 pub mod dense;
 pub mod int8_gemm;
+pub mod interleaved;
+
+use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+/// A matmul weight as the kernels hold it: candle's (dense or ggml blocks), or 32-value block
+/// formats repacked into 16-row tiles for `interleaved`.
+#[derive(Debug, Clone)]
+pub enum Weight {
+    /// A dense tensor or quantized blocks in ggml's layout.
+    Candle(QMatMul),
+    /// Q8_0, Q4_0 or Q4_1 in interleaved tiles (CPU with AVX-512 VNNI).
+    Interleaved(Arc<interleaved::Interleaved>),
+}
+
+impl Weight {
+    /// The weight in the layout its fastest kernel reads: Q8_0, Q4_0 and Q4_1 blocks on a CPU
+    /// that runs `interleaved` are repacked (the tensor is copied once; `GgufWeights` repacks
+    /// straight from the file instead), everything else stays as it is.
+    pub fn prepare(q: QTensor, device: &Device) -> candle_core::Result<Self> {
+        match repacked_format(q.dtype(), device) {
+            Some(format) => {
+                let (n, k) = q.shape().dims2()?;
+                let bytes = q.data()?.into_owned();
+                drop(q);
+                let tiles = interleaved::Interleaved::repack(format, bytes, n, k).map_err(candle_core::Error::Msg)?;
+                Ok(Self::Interleaved(Arc::new(tiles)))
+            }
+            None => Ok(Self::Candle(QMatMul::from_arc(Arc::new(q))?)),
+        }
+    }
+}
+
+/// The tile format `dtype` weights on `device` are repacked into, if they are.
+pub fn repacked_format(dtype: GgmlDType, device: &Device) -> Option<interleaved::Format> {
+    interleaved::Format::of(dtype).filter(|_| device.is_cpu() && interleaved::available())
+}
 
 /// The SIMD features this build was compiled for: what the compiler may use in every loop it
 /// vectorizes, and what code gated by `cfg(target_feature)` assumes (candle's f16 conversions).
@@ -35,7 +71,15 @@ pub fn compiled_cpu_features() -> Vec<&'static str> {
 pub const Q8_0_TILED_ROWS: usize = 4;
 
 /// `x [rows, in] · Wᵀ` for a dense or quantized weight, float32 in and out.
-pub fn matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
+pub fn matmul(x: &Tensor, weight: &Weight) -> candle_core::Result<Tensor> {
+    match weight {
+        Weight::Interleaved(w) => x.contiguous()?.apply_op1_no_bwd(&interleaved::InterleavedMatMul(w)),
+        Weight::Candle(w) => candle_matmul(x, w),
+    }
+}
+
+/// `x [rows, in] · Wᵀ` for a weight in candle's layouts.
+fn candle_matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
     match weight {
         // One row streams the weights once: our GEMV reaches the bandwidth, candle's GEMM does not.
         QMatMul::Tensor(w) | QMatMul::TensorF16(w) if dense::takes(x, w) => dense::matmul(x, w),
@@ -53,6 +97,13 @@ pub fn matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
         }
         QMatMul::QTensor(q) if x.dim(0)? >= DEQUANTIZED_GEMM_ROWS && x.device().is_cpu() && !candle_tiles(q) => {
             dequantized_matmul(x, q)
+        }
+        // candle takes its repacked Q6_K kernel from 2 rows on and a row-by-row one below, which
+        // adds in another order: a prompt's last row would then differ from the same row
+        // computed alone after a reused prefix, or inside a batch. One row goes through the
+        // repacked kernel too, as two (the copy costs one more row of products, not bandwidth).
+        QMatMul::QTensor(q) if q.dtype() == GgmlDType::Q6K && candle_tiles(q) && x.dim(0)? == 1 && x.device().is_cpu() => {
+            weight.forward(&Tensor::cat(&[x, x], 0)?)?.narrow(0, 0, 1)
         }
         _ => weight.forward(x),
     }
@@ -131,7 +182,7 @@ mod tests {
         let q = QTensor::quantize(&w, GgmlDType::Q5K).unwrap();
         let x = Tensor::randn(0f32, 1.0, (DEQUANTIZED_GEMM_ROWS, 256), &dev).unwrap();
         let want = x.matmul(&q.dequantize(&dev).unwrap().t().unwrap()).unwrap();
-        let via_linear = Linear::new(QMatMul::from_qtensor(q).unwrap(), None).forward(&x).unwrap();
+        let via_linear = Linear::new(Weight::Candle(QMatMul::from_qtensor(q).unwrap()), None).forward(&x).unwrap();
         let QMatMul::QTensor(q) = QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q5K).unwrap()).unwrap() else {
             panic!("Q5_K stays quantized")
         };

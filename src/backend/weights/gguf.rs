@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use super::{convert, WeightSource};
 use crate::backend::decoder::layers::Embedding;
+use crate::backend::kernels::{self, interleaved::Interleaved, Weight};
 use crate::backend::error::{without_backtrace, CandleContext, CandleError, Result};
 
 /// The ggml type names, by id, of every type a GGUF file may hold (for error messages).
@@ -430,23 +431,58 @@ impl GgufWeights {
     }
 
     fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
+        let (info, mut r) = self.open_tensor(name)?;
+        if !device.is_cpu() {
+            r.rewind().map_err(|e| self.malformed(name, e.to_string()))?;
+            return self.content.tensor(&mut r, name, device).map_err(|e| self.malformed(name, without_backtrace(e).to_string()));
+        }
+        read_blocks(&mut r, info.ggml_dtype, info.shape.dims()).map_err(|e| self.malformed(name, e))
+    }
+
+    /// `name`'s file positioned at its data, with its description.
+    fn open_tensor(&self, name: &str) -> Result<(&gguf_file::TensorInfo, BufReader<File>)> {
         let Some(info) = self.content.tensor_infos.get(name) else {
             return Err(CandleError::MissingTensor { name: name.to_owned() });
-        };
-        let malformed = |reason: String| CandleError::Malformed {
-            what: "GGUF file",
-            path: self.path.display().to_string(),
-            reason: format!("reading tensor `{name}`: {reason}"),
         };
         let file = File::open(&self.path)
             .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
         let mut r = BufReader::new(file);
-        if !device.is_cpu() {
-            return self.content.tensor(&mut r, name, device).map_err(|e| malformed(without_backtrace(e).to_string()));
-        }
         r.seek(std::io::SeekFrom::Start(self.content.tensor_data_offset + info.offset))
-            .map_err(|e| malformed(e.to_string()))?;
-        read_blocks(&mut r, info.ggml_dtype, info.shape.dims()).map_err(malformed)
+            .map_err(|e| self.malformed(name, e.to_string()))?;
+        Ok((info, r))
+    }
+
+    fn malformed(&self, name: &str, reason: String) -> CandleError {
+        CandleError::Malformed {
+            what: "GGUF file",
+            path: self.path.display().to_string(),
+            reason: format!("reading tensor `{name}`: {reason}"),
+        }
+    }
+
+    /// A matrix read straight into `interleaved`'s tiles when this device repacks its type
+    /// (Q5_0 re-encoded losslessly as Q8_0 on the way); `None` for other types and devices.
+    fn interleaved(&self, name: &str, device: &Device) -> Result<Option<Arc<Interleaved>>> {
+        let Some(info) = self.content.tensor_infos.get(name) else {
+            return Err(CandleError::MissingTensor { name: name.to_owned() });
+        };
+        let dtype = info.ggml_dtype;
+        let stored_as = if dtype == GgmlDType::Q5_0 { GgmlDType::Q8_0 } else { dtype };
+        let (Some(format), &[n, k]) = (kernels::repacked_format(stored_as, device), info.shape.dims()) else {
+            return Ok(None);
+        };
+        if k % dtype.block_size() != 0 {
+            return Err(self.malformed(name, format!("rows of {k} values are not whole blocks of {}", dtype.block_size())));
+        }
+        let size = (k / dtype.block_size() * dtype.type_size()).checked_mul(n);
+        let size = size.ok_or_else(|| self.malformed(name, format!("{n} rows of {k} values overflow")))?;
+        let (_, mut r) = self.open_tensor(name)?;
+        let mut bytes = vec![0u8; size];
+        r.read_exact(&mut bytes).map_err(|e| self.malformed(name, e.to_string()))?;
+        if dtype == GgmlDType::Q5_0 {
+            bytes = super::requant::q5_0_to_q8_0(&bytes);
+        }
+        Interleaved::repack(format, bytes, n, k).map(|t| Some(Arc::new(t))).map_err(|e| self.malformed(name, e))
     }
 }
 
@@ -509,16 +545,24 @@ impl WeightSource for GgufWeights {
         convert(t, name, dtype)
     }
 
-    fn matmul(&self, name: &str, dtype: DType, device: &Device) -> Result<QMatMul> {
+    fn matmul(&self, name: &str, dtype: DType, device: &Device) -> Result<Weight> {
         if self.dequantize {
-            return Ok(QMatMul::Tensor(self.dense(name, dtype, device)?));
+            return Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?)));
+        }
+        if let Some(tiles) = self.interleaved(name, device)? {
+            return Ok(Weight::Interleaved(tiles));
         }
         let q = super::requant::fast_encoding(self.qtensor(name, device)?, device)
             .ctx(|| format!("re-encoding `{name}`"))?;
-        QMatMul::from_arc(Arc::new(q)).ctx(|| format!("preparing matmul weight `{name}`"))
+        QMatMul::from_arc(Arc::new(q)).map(Weight::Candle).ctx(|| format!("preparing matmul weight `{name}`"))
     }
 
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
+        if !self.dequantize {
+            if let Some(tiles) = self.interleaved(name, device)? {
+                return Ok(Embedding::Interleaved(tiles));
+            }
+        }
         let q = self.qtensor(name, device)?;
         if self.dequantize || matches!(q.dtype(), GgmlDType::F32) {
             let t = q.dequantize(device).ctx(|| format!("de-quantizing `{name}`"))?;

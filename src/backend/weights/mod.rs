@@ -5,9 +5,11 @@ pub mod quantize;
 pub mod requant;
 pub mod safetensors;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use candle_core::quantized::{GgmlDType, QMatMul};
+
+use crate::backend::kernels::Weight;
 use candle_core::{DType, Device, Tensor};
 
 use quantize::{QuantizeReport, WeightRole};
@@ -24,8 +26,8 @@ pub trait WeightSource: Send + Sync {
     /// Loads `name` as a dense tensor of `dtype` on `device`.
     fn dense(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor>;
     /// Loads `name` as a matmul weight; formats that store quantized blocks keep them quantized.
-    fn matmul(&self, name: &str, dtype: DType, device: &Device) -> Result<QMatMul> {
-        Ok(QMatMul::Tensor(self.dense(name, dtype, device)?))
+    fn matmul(&self, name: &str, dtype: DType, device: &Device) -> Result<Weight> {
+        Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?)))
     }
     /// Loads `name` as an embedding table; formats that store quantized blocks keep them quantized.
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
@@ -113,27 +115,31 @@ impl<'a> WeightLoader<'a> {
     pub fn embedding(&self, name: &str, rows: usize, cols: usize, tied: bool) -> Result<Embedding> {
         self.check(name, &[rows, cols])?;
         if let Some(q) = self.quantized(name, WeightRole::TokenEmbedding { tied })? {
-            return Ok(Embedding::Quantized(Arc::new(q)));
+            return match Weight::prepare(q, self.device).ctx(|| format!("preparing embedding `{name}`"))? {
+                Weight::Interleaved(tiles) => Ok(Embedding::Interleaved(tiles)),
+                Weight::Candle(QMatMul::QTensor(q)) => Ok(Embedding::Quantized(q)),
+                Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => Ok(Embedding::Dense(t)),
+            };
         }
         self.source.embedding(name, self.dtype, self.device)
     }
 
     /// A `[out, in]` projection weight, quantized where the checkpoint is or quantization at load asks.
-    pub fn matmul(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<QMatMul> {
+    pub fn matmul(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<Weight> {
         self.matmul_as(name, out_dim, in_dim, WeightRole::Projection)
     }
 
     /// The `[vocab, hidden]` output projection (untied), quantized as `matmul`, with llama.cpp's output type.
-    pub fn output(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<QMatMul> {
+    pub fn output(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<Weight> {
         self.matmul_as(name, out_dim, in_dim, WeightRole::Output)
     }
 
-    fn matmul_as(&self, name: &str, out_dim: usize, in_dim: usize, role: WeightRole) -> Result<QMatMul> {
+    fn matmul_as(&self, name: &str, out_dim: usize, in_dim: usize, role: WeightRole) -> Result<Weight> {
         self.check(name, &[out_dim, in_dim])?;
         match self.quantized(name, role)? {
             Some(q) => {
                 let q = requant::fast_encoding(q, self.device).ctx(|| format!("re-encoding `{name}`"))?;
-                QMatMul::from_arc(Arc::new(q)).ctx(|| format!("preparing matmul weight `{name}`"))
+                Weight::prepare(q, self.device).ctx(|| format!("preparing matmul weight `{name}`"))
             }
             None => self.source.matmul(name, self.dtype, self.device),
         }

@@ -1,0 +1,512 @@
+//! Weights of ggml's 32-value block formats (Q8_0, Q4_0, Q4_1) repacked at load into tiles of
+//! 16 interleaved rows, and the int8 GEMM over them: an AVX-512 VNNI path chosen at run time
+//! and a portable one (ggml's `block_q8_0x8` / `block_q4_0x8` idea, candle's x86 repack).
+//!
+//! In ggml's row-major layout every (activation row, weight row) pair needs its own dot product
+//! and a horizontal sum, and the per-block scale arithmetic costs as much as the multiply.
+//! Here the 32-bit lanes of one `vpdpbusd` are 16 weight rows: it multiplies 4 values of each
+//! by one broadcast group of 4 activations, so an accumulator holds 16 output columns, the
+//! scales of 16 rows load as one vector, and a weight vector feeds every activation row of the
+//! tile. A batch of a few rows (the engine's decode step) reads each weight byte once, and
+//! prefill costs several times fewer instructions per product.
+//!
+//! `vpdpbusd` multiplies unsigned by signed bytes. Q8_0 values are stored offset by 128 (a flip
+//! of the sign bit) and Q4_0's nibbles are unsigned with an offset of 8, so each block's sum
+//! starts at `-offset·Σq_x`; Q4_1's offset `m` is a float, added as `m·d_x·Σq_x`. The integer
+//! products equal ggml's exactly; only the order of the float additions differs.
+//!
+//! A tile's record holds the same bytes as its 16 source blocks (scales, then offsets for
+//! Q4_1, then the values of each group of 4 for each of the 16 rows) and a tile covers the
+//! bytes its 16 rows occupied, so repacking permutes the loaded bytes in place: no second copy
+//! of a 180 MB vocabulary.
+
+use candle_core::quantized::GgmlDType;
+use half::f16;
+use rayon::prelude::*;
+
+use super::int8_gemm::{best_path, quantize_rows, Path, QuantizedRows};
+
+const QK: usize = 32;
+/// Weight rows interleaved in one tile.
+pub const LANES: usize = 16;
+/// Bytes of one half-precision field for every row of a tile.
+const HALVES: usize = LANES * 2;
+
+/// A block format the tiles hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// `d·q`, signed 8-bit `q` (stored as `q + 128`).
+    Q8_0,
+    /// `d·(q − 8)`, 4-bit `q`.
+    Q4_0,
+    /// `d·q + m`, 4-bit `q`.
+    Q4_1,
+}
+
+impl Format {
+    /// The tile format of a ggml type, if there is one.
+    pub fn of(dtype: GgmlDType) -> Option<Self> {
+        Some(match dtype {
+            GgmlDType::Q8_0 => Self::Q8_0,
+            GgmlDType::Q4_0 => Self::Q4_0,
+            GgmlDType::Q4_1 => Self::Q4_1,
+            _ => return None,
+        })
+    }
+
+    /// The ggml type.
+    pub fn dtype(self) -> GgmlDType {
+        match self {
+            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q4_1 => GgmlDType::Q4_1,
+        }
+    }
+
+    /// Bytes of one source block.
+    const fn block_bytes(self) -> usize {
+        self.header_bytes() / LANES + self.value_bytes()
+    }
+
+    /// Bytes of a block's values.
+    const fn value_bytes(self) -> usize {
+        match self {
+            Self::Q8_0 => QK,
+            Self::Q4_0 | Self::Q4_1 => QK / 2,
+        }
+    }
+
+    /// Bytes of a tile record's scales (and offsets) for its 16 rows.
+    const fn header_bytes(self) -> usize {
+        match self {
+            Self::Q8_0 | Self::Q4_0 => HALVES,
+            Self::Q4_1 => 2 * HALVES,
+        }
+    }
+
+    /// Bytes of one tile record: 16 source blocks.
+    const fn record_bytes(self) -> usize {
+        LANES * self.block_bytes()
+    }
+}
+
+/// Whether this CPU runs the tiled kernel fast (AVX-512 VNNI); elsewhere weights stay in
+/// ggml's layout for candle's kernels and `int8_gemm`.
+pub fn available() -> bool {
+    best_path() == Path::Avx512Vnni
+}
+
+/// A `[n, k]` weight in 16-row tiles (the last tile padded with zero rows).
+#[derive(Debug)]
+pub struct Interleaved {
+    format: Format,
+    n: usize,
+    k: usize,
+    /// `tiles × blocks` records.
+    data: Vec<u8>,
+}
+
+impl Interleaved {
+    /// Repacks `n` rows of `k` values of `format` blocks (ggml's layout), in place.
+    pub fn repack(format: Format, mut blocks: Vec<u8>, n: usize, k: usize) -> Result<Self, String> {
+        if k == 0 || k % QK != 0 {
+            return Err(format!("rows of {k} values are not whole 32-value blocks"));
+        }
+        let nb = k / QK;
+        let bb = format.block_bytes();
+        let expected = n.checked_mul(nb * bb).ok_or_else(|| format!("{n} rows of {k} values overflow"))?;
+        if blocks.len() != expected {
+            return Err(format!("{} bytes for {n} rows of {k} {format:?} values, expected {expected}", blocks.len()));
+        }
+        let tiles = n.div_ceil(LANES);
+        let record = format.record_bytes();
+        // All-zero blocks (scale 0) pad the last tile.
+        blocks.resize(tiles * nb * record, 0);
+        blocks.par_chunks_mut(nb * record).with_min_len(8).for_each(|tile| {
+            let source = tile.to_vec();
+            for (b, out) in tile.chunks_exact_mut(record).enumerate() {
+                let (header, values) = out.split_at_mut(format.header_bytes());
+                for lane in 0..LANES {
+                    let block = &source[(lane * nb + b) * bb..][..bb];
+                    let (fields, qs) = block.split_at(bb - format.value_bytes());
+                    // d, then m for Q4_1: each field of the 16 rows is contiguous.
+                    for (f, half) in fields.chunks_exact(2).enumerate() {
+                        header[f * HALVES + lane * 2..][..2].copy_from_slice(half);
+                    }
+                    for (j, quad) in qs.chunks_exact(4).enumerate() {
+                        let at = (j * LANES + lane) * 4;
+                        for (o, &q) in values[at..at + 4].iter_mut().zip(quad) {
+                            *o = if format == Format::Q8_0 { q ^ 0x80 } else { q };
+                        }
+                    }
+                }
+            }
+        });
+        Ok(Self { format, n, k, data: blocks })
+    }
+
+    /// `(rows, values per row)` of the original weight.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// The block format.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    fn blocks(&self) -> usize {
+        self.k / QK
+    }
+
+    fn tiles(&self) -> usize {
+        self.n.div_ceil(LANES)
+    }
+
+    /// The record of tile `t`, block `b`.
+    fn record(&self, t: usize, b: usize) -> &[u8] {
+        let size = self.format.record_bytes();
+        &self.data[(t * self.blocks() + b) * size..][..size]
+    }
+
+    /// Row `lane` of a record: its scale `d`, offset `m` and 32 values `q`, the value being
+    /// `d·q + m` (the symmetric formats' offsets applied to `q`, their `m` zero, as ggml does).
+    fn unpack(&self, record: &[u8], lane: usize) -> (f32, f32, [i32; QK]) {
+        let half = |f: usize| f16::from_le_bytes([record[f * HALVES + lane * 2], record[f * HALVES + lane * 2 + 1]]).to_f32();
+        let values = &record[self.format.header_bytes()..];
+        let mut q = [0i32; QK];
+        for (i, v) in q.iter_mut().enumerate() {
+            let (j, t) = (i / 4, i % 4);
+            *v = match self.format {
+                Format::Q8_0 => values[(j * LANES + lane) * 4 + t] as i32 - 128,
+                // Byte i of a Q4 block holds value i (low nibble) and value i + 16 (high).
+                Format::Q4_0 | Format::Q4_1 if j < 4 => (values[(j * LANES + lane) * 4 + t] & 0x0F) as i32,
+                Format::Q4_0 | Format::Q4_1 => (values[((j - 4) * LANES + lane) * 4 + t] >> 4) as i32,
+            };
+            if self.format == Format::Q4_0 {
+                *v -= 8;
+            }
+        }
+        let m = if self.format == Format::Q4_1 { half(1) } else { 0.0 };
+        (half(0), m, q)
+    }
+
+    /// Row `r` de-quantized into `out` (`k` values): an embedding lookup.
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let (t, lane) = (r / LANES, r % LANES);
+        for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
+            let (d, m, q) = self.unpack(self.record(t, b), lane);
+            for (o, q) in chunk.iter_mut().zip(q) {
+                *o = if self.format == Format::Q4_1 { q as f32 * d + m } else { d * q as f32 };
+            }
+        }
+    }
+
+    /// `x [m, k] · Wᵀ` as `[m, n]`, on the fastest path this CPU has.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_with(x, m, if available() { Path::Avx512Vnni } else { Path::Portable })
+    }
+
+    fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.k);
+        let xq = quantize_rows(x);
+        let mut out = vec![0f32; m * self.n];
+        let ptr = OutPtr(out.as_mut_ptr());
+        // Work items are pairs of tiles (32 output columns) over every activation row; each
+        // item reads at least ~32 KB of weights, so small matrices are not split too finely.
+        let pairs = self.tiles().div_ceil(2);
+        let min_len = (32 << 10) / (2 * self.blocks() * self.format.record_bytes()) + 1;
+        (0..pairs).into_par_iter().with_min_len(min_len).for_each(|p| {
+            // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
+            #[allow(clippy::redundant_locals)]
+            let ptr = ptr;
+            let t0 = p * 2;
+            let tiles = 2.min(self.tiles() - t0);
+            match path {
+                #[cfg(target_arch = "x86_64")]
+                Path::Avx512Vnni => {
+                    // SAFETY: AVX-512 VNNI was detected; indices stay inside the weight, the
+                    // quantized rows and the output by construction.
+                    unsafe {
+                        match self.format {
+                            Format::Q8_0 => x86::columns::<Q8_0>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4_0 => x86::columns::<Q4_0>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4_1 => x86::columns::<Q4_1>(self, &xq, m, t0, tiles, ptr.0),
+                        }
+                    }
+                }
+                _ => self.portable_columns(&xq, m, t0, tiles, ptr),
+            }
+        });
+        out
+    }
+
+    /// Tiles `t0..t0 + tiles` against every activation row, in plain Rust.
+    fn portable_columns(&self, xq: &QuantizedRows, m: usize, t0: usize, tiles: usize, out: OutPtr) {
+        let nb = self.blocks();
+        for t in t0..t0 + tiles {
+            for lane in 0..LANES.min(self.n - t * LANES) {
+                for r in 0..m {
+                    let mut total = 0f32;
+                    for b in 0..nb {
+                        let (d, m, q) = self.unpack(self.record(t, b), lane);
+                        let xi = r * nb + b;
+                        let xs = &xq.values[xi * QK..(xi + 1) * QK];
+                        let dot: i32 = q.iter().zip(xs).map(|(&w, &x)| w * x as i32).sum();
+                        total += dot as f32 * (d * xq.scales[xi]) + m * xq.sums[xi];
+                    }
+                    // SAFETY: this worker alone writes the columns of tiles t0..t0 + tiles.
+                    unsafe { *out.0.add(r * self.n + t * LANES + lane) = total };
+                }
+            }
+        }
+    }
+}
+
+/// Format tags for the SIMD tile, as const generics.
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every worker writes a disjoint set of columns of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Tiles `t0..t0 + tiles` (1 or 2) of format `F` against every activation row, 4 rows at a time.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn columns<const F: u8>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
+        macro_rules! rows {
+            ($g:literal) => {{
+                let mut row0 = 0;
+                while row0 + 4 <= m {
+                    tile::<F, 4, $g>(w, xq, row0, t0, out);
+                    row0 += 4;
+                }
+                match m - row0 {
+                    1 => tile::<F, 1, $g>(w, xq, row0, t0, out),
+                    2 => tile::<F, 2, $g>(w, xq, row0, t0, out),
+                    3 => tile::<F, 3, $g>(w, xq, row0, t0, out),
+                    _ => {}
+                }
+            }};
+        }
+        if tiles == 2 {
+            rows!(2)
+        } else {
+            rows!(1)
+        }
+    }
+
+    /// Activation rows `row0..row0 + R` times the 16·G weight rows of tiles `t0..t0 + G`.
+    /// Two sets of integer sums (alternate groups of 4 for Q8_0, low and high nibbles for Q4)
+    /// give a one-row tile independent `vpdpbusd` chains to overlap.
+    #[inline(always)]
+    unsafe fn tile<const F: u8, const R: usize, const G: usize>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        row0: usize,
+        t0: usize,
+        out: *mut f32,
+    ) {
+        let nb = w.blocks();
+        let size = w.format.record_bytes();
+        let header = w.format.header_bytes();
+        let nibble = _mm512_set1_epi8(0x0F);
+        let mut acc = [[_mm512_setzero_ps(); G]; R];
+        for b in 0..nb {
+            let records: [*const u8; G] = std::array::from_fn(|g| w.data.as_ptr().add(((t0 + g) * nb + b) * size));
+            let xs: [*const u8; R] = std::array::from_fn(|r| xq.values.as_ptr().add(((row0 + r) * nb + b) * QK) as *const u8);
+            let x4 = |r: usize, j: usize| _mm512_set1_epi32((xs[r].add(j * 4) as *const i32).read_unaligned());
+            // The symmetric formats' integer sums start at -offset·Σq_x, undoing the offset.
+            let mut even = [[_mm512_setzero_si512(); G]; R];
+            let mut odd = [[_mm512_setzero_si512(); G]; R];
+            if F != Q4_1 {
+                let offset = if F == Q8_0 { -128 } else { -8 };
+                for r in 0..R {
+                    let start = _mm512_set1_epi32(offset * *xq.qsums.get_unchecked((row0 + r) * nb + b));
+                    for g in 0..G {
+                        even[r][g] = start;
+                    }
+                }
+            }
+            if F == Q8_0 {
+                for j in (0..QK / 4).step_by(2) {
+                    let wa: [__m512i; G] =
+                        std::array::from_fn(|g| _mm512_loadu_si512(records[g].add(header + j * 64) as *const _));
+                    let wb: [__m512i; G] =
+                        std::array::from_fn(|g| _mm512_loadu_si512(records[g].add(header + (j + 1) * 64) as *const _));
+                    for r in 0..R {
+                        let (xa, xb) = (x4(r, j), x4(r, j + 1));
+                        for g in 0..G {
+                            even[r][g] = _mm512_dpbusd_epi32(even[r][g], wa[g], xa);
+                            odd[r][g] = _mm512_dpbusd_epi32(odd[r][g], wb[g], xb);
+                        }
+                    }
+                }
+            } else {
+                // Byte j of a Q4 block holds value j (low nibble) and value j + 16 (high).
+                for j in 0..QK / 8 {
+                    let packed: [__m512i; G] =
+                        std::array::from_fn(|g| _mm512_loadu_si512(records[g].add(header + j * 64) as *const _));
+                    let lo: [__m512i; G] = std::array::from_fn(|g| _mm512_and_si512(packed[g], nibble));
+                    let hi: [__m512i; G] =
+                        std::array::from_fn(|g| _mm512_and_si512(_mm512_srli_epi16(packed[g], 4), nibble));
+                    for r in 0..R {
+                        let (xa, xb) = (x4(r, j), x4(r, j + 4));
+                        for g in 0..G {
+                            even[r][g] = _mm512_dpbusd_epi32(even[r][g], lo[g], xa);
+                            odd[r][g] = _mm512_dpbusd_epi32(odd[r][g], hi[g], xb);
+                        }
+                    }
+                }
+            }
+            let wd: [__m512; G] = std::array::from_fn(|g| _mm512_cvtph_ps(_mm256_loadu_si256(records[g] as *const __m256i)));
+            let wm: [__m512; G] = std::array::from_fn(|g| {
+                if F == Q4_1 {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(records[g].add(HALVES) as *const __m256i))
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            for r in 0..R {
+                let xi = (row0 + r) * nb + b;
+                let xd = _mm512_set1_ps(*xq.scales.get_unchecked(xi));
+                let xs = _mm512_set1_ps(*xq.sums.get_unchecked(xi));
+                for g in 0..G {
+                    let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r][g], odd[r][g]));
+                    acc[r][g] = _mm512_fmadd_ps(sum, _mm512_mul_ps(wd[g], xd), acc[r][g]);
+                    if F == Q4_1 {
+                        acc[r][g] = _mm512_fmadd_ps(wm[g], xs, acc[r][g]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for g in 0..G {
+                let col = (t0 + g) * LANES;
+                let dst = out.add((row0 + r) * w.n + col);
+                if col + LANES <= w.n {
+                    _mm512_storeu_ps(dst, acc[r][g]);
+                } else {
+                    let mut lanes = [0f32; LANES];
+                    _mm512_storeu_ps(lanes.as_mut_ptr(), acc[r][g]);
+                    std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, w.n - col);
+                }
+            }
+        }
+    }
+}
+
+/// The kernel as a candle op on float32 `x [m, k]`.
+pub struct InterleavedMatMul<'a>(pub &'a Interleaved);
+
+impl candle_core::CustomOp1 for InterleavedMatMul<'_> {
+    fn name(&self) -> &'static str {
+        "candlewick-interleaved-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("interleaved matmul expects float32 input")
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("interleaved matmul expects a contiguous input")
+        };
+        let (m, k) = layout.shape().dims2()?;
+        if k != self.0.k {
+            candle_core::bail!("interleaved matmul: input width {k}, weight width {}", self.0.k)
+        }
+        let out = self.0.matmul(&data[start..end], m);
+        Ok((candle_core::CpuStorage::F32(out), candle_core::Shape::from((m, self.0.n))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::{Device, Module, Tensor};
+
+    const FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
+
+    fn repacked(w: &Tensor, format: Format) -> (QTensor, Interleaved) {
+        let q = QTensor::quantize(w, format.dtype()).unwrap();
+        let (n, k) = w.dims2().unwrap();
+        let p = Interleaved::repack(format, q.data().unwrap().to_vec(), n, k).unwrap();
+        (q, p)
+    }
+
+    /// Both paths (the portable one forced) equal candle's quantized matmul for every format,
+    /// for row counts that exercise every tile shape and weights whose rows do not fill the
+    /// last tile (candle rounds Q4_1's `d·Σq` to f16: hence the tolerance relative to the sum
+    /// of the absolute products).
+    #[test]
+    fn every_path_equals_candles_quantized_matmul() {
+        let dev = Device::Cpu;
+        let mut paths = vec![Path::Portable];
+        if available() {
+            paths.push(Path::Avx512Vnni);
+        }
+        for format in FORMATS {
+            for (m, k, n) in [(1, 64, 16), (1, 640, 37), (2, 96, 32), (3, 128, 48), (5, 64, 9), (8, 640, 64), (13, 128, 81)] {
+                let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+                let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+                let (q, p) = repacked(&w, format);
+                let magnitude =
+                    x.abs().unwrap().matmul(&q.dequantize(&dev).unwrap().abs().unwrap().t().unwrap()).unwrap();
+                let magnitude = magnitude.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let want = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
+                let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for &path in &paths {
+                    let got = p.matmul_with(&xs, m, path);
+                    assert_eq!(got.len(), m * n);
+                    for ((a, b), s) in got.iter().zip(&want).zip(&magnitude) {
+                        assert!((a - b).abs() <= 1e-3 * s + 1e-5, "{format:?} ({m},{k},{n}) {path:?}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A repacked row reads back as candle de-quantizes it.
+    #[test]
+    fn rows_de_quantize_as_candle_does() {
+        let dev = Device::Cpu;
+        for format in FORMATS {
+            let w = Tensor::randn(0f32, 1.0, (19, 96), &dev).unwrap();
+            let (q, p) = repacked(&w, format);
+            let want = q.dequantize(&dev).unwrap().to_vec2::<f32>().unwrap();
+            let mut row = vec![0f32; 96];
+            for (r, expected) in want.iter().enumerate() {
+                p.row_into(r, &mut row);
+                assert_eq!(&row, expected, "{format:?} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_sizes_are_errors() {
+        assert!(Interleaved::repack(Format::Q8_0, vec![0; 34], 1, 33).is_err());
+        assert!(Interleaved::repack(Format::Q8_0, vec![0; 33], 1, 32).is_err());
+        assert!(Interleaved::repack(Format::Q4_1, vec![0; 20], usize::MAX, 32).is_err());
+    }
+}
