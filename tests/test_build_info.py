@@ -41,6 +41,8 @@ def test_int8_kernel_is_chosen_by_this_cpu_not_by_the_build():
     else:
         want = "portable"
     assert candlewick.build_info()["int8_kernel"] == want
+    # Weights are repacked into 16-row tiles exactly where the AVX-512 VNNI GEMM can run them.
+    assert candlewick.build_info()["interleaved_tiles"] == ({"avx512_vnni", "avx512vl", "avx512bw"} <= flags)
 
 
 def test_portable_build_keeps_to_its_baseline():

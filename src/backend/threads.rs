@@ -1,5 +1,5 @@
-//! How many CPU threads compute: candle's worker pool, rayon's global pool (our kernels, the
-//! dense GEMM) and the GEMM's split count all follow one number.
+//! How many CPU threads compute: candle's worker pool (candle's ops and our kernels), rayon's
+//! global pool (load-time work, the dense GEMM) and the GEMM's split count all follow one number.
 //!
 //! Those pools are process-wide and sized once, at first use, from `CANDLE_NUM_THREADS` /
 //! `RAYON_NUM_THREADS`. So the first load fixes the count for the process (its `threads=`, or

@@ -14,7 +14,8 @@ use crate::backend::kernels::{self, int8_gemm};
 ///     ``cpu_target_features`` (the SIMD features the compiler could assume, e.g. no
 ///     ``avx512f`` in the portable x86-64-v3 wheel); ``int8_kernel`` (the inner product our
 ///     quantized GEMM chose on this CPU at run time: ``"avx512vnni"``, ``"avx2"`` or
-///     ``"portable"``); ``devices`` (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
+///     ``"portable"``); ``interleaved_tiles`` (whether Q8_0/Q5_0/Q4_0/Q4_1 weights are repacked
+///     at load into 16-row tiles for the AVX-512 VNNI GEMM); ``devices`` (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
 ///
 /// Example:
 ///     >>> candlewick.build_info()["devices"]
@@ -36,6 +37,7 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         int8_gemm::Path::Portable => "portable",
     };
     d.set_item("int8_kernel", kernel)?;
+    d.set_item("interleaved_tiles", kernels::interleaved::available())?;
     let devices: Vec<String> =
         device::available_devices().into_iter().map(|(d, _)| format!("{}:{}", d.kind, d.ordinal)).collect();
     d.set_item("devices", devices)?;

@@ -5,7 +5,7 @@
 //! through the `gemm` crate, which for half-precision weights converts and packs its operands
 //! and for one row reaches a fraction of the bandwidth (measured in BENCHMARKS.md). Here each
 //! weight row is read once and multiplied with the (small, cached) activation row, rows split
-//! over the rayon pool.
+//! over candle's barrier pool (`kernels::parallel_for`).
 //!
 //! The activation row is rounded to the weight's type first, as the dense path always did
 //! (half-precision weights multiply half-precision inputs): every kernel then forms the same
@@ -15,7 +15,6 @@
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 /// How dense CPU products run, from `CANDLEWICK_DENSE_KERNELS` (read once): unset or `auto`
 /// for the kernels here on the best instruction set, `portable` for them in plain Rust, `candle`
@@ -189,10 +188,25 @@ pub fn gemv(x: &[f32], w: Weight<'_>, out: &mut [f32], isa: Isa) {
 
 /// Runs `f(first_row, out_chunk)` over chunks of the output in parallel.
 fn par_rows(out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    let tasks = rayon::current_num_threads() * TASKS_PER_THREAD;
+    let tasks = (candle_core::utils::barrier_pool().n_workers() + 1) * TASKS_PER_THREAD;
     let rows = out.len().div_ceil(tasks).max(MIN_ROWS_PER_TASK);
-    out.par_chunks_mut(rows).enumerate().for_each(|(i, o)| f(i * rows, o));
+    let (len, ptr) = (out.len(), OutPtr(out.as_mut_ptr()));
+    super::parallel_for(len.div_ceil(rows), |i| {
+        // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
+        #[allow(clippy::redundant_locals)]
+        let ptr = ptr;
+        let start = i * rows;
+        // SAFETY: chunk i is rows start..start + rows of `out`, written by this task alone.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(ptr.0.add(start), rows.min(len - start)) };
+        f(start, chunk);
+    });
 }
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint chunk of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
 
 fn kernel_f32(x: &[f32], w: &[f32], k: usize, out: &mut [f32], isa: Isa) {
     #[cfg(target_arch = "x86_64")]

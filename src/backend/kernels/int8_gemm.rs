@@ -16,7 +16,6 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use half::f16;
-use rayon::prelude::*;
 
 const QK: usize = 32;
 
@@ -361,7 +360,7 @@ fn matmul_with(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: 
     let ptr = OutPtr(out.as_mut_ptr());
     // Work items are groups of 4 weight rows (output columns); each covers every activation row.
     let col_groups = n.div_ceil(4);
-    (0..col_groups).into_par_iter().with_min_len(8).for_each(|g| {
+    super::parallel_for(col_groups, |g| {
         // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
         #[allow(clippy::redundant_locals)]
         let ptr = ptr;

@@ -24,7 +24,7 @@ use candle_core::quantized::GgmlDType;
 use half::f16;
 use rayon::prelude::*;
 
-use super::int8_gemm::{best_path, quantize_rows, Path, QuantizedRows};
+use super::int8_gemm::{quantize_rows, Path, QuantizedRows};
 
 const QK: usize = 32;
 /// Weight rows interleaved in one tile.
@@ -93,7 +93,15 @@ impl Format {
 /// Whether this CPU runs the tiled kernel fast (AVX-512 VNNI); elsewhere weights stay in
 /// ggml's layout for candle's kernels and `int8_gemm`.
 pub fn available() -> bool {
-    best_path() == Path::Avx512Vnni
+    #[cfg(target_arch = "x86_64")]
+    {
+        // The nibble unpacking needs AVX-512 BW besides the VNNI dot product.
+        super::int8_gemm::best_path() == Path::Avx512Vnni && is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// A `[n, k]` weight in 16-row tiles (the last tile padded with zero rows).
@@ -212,11 +220,9 @@ impl Interleaved {
         let xq = quantize_rows(x);
         let mut out = vec![0f32; m * self.n];
         let ptr = OutPtr(out.as_mut_ptr());
-        // Work items are pairs of tiles (32 output columns) over every activation row; each
-        // item reads at least ~32 KB of weights, so small matrices are not split too finely.
+        // Work items are pairs of tiles (32 output columns) over every activation row.
         let pairs = self.tiles().div_ceil(2);
-        let min_len = (32 << 10) / (2 * self.blocks() * self.format.record_bytes()) + 1;
-        (0..pairs).into_par_iter().with_min_len(min_len).for_each(|p| {
+        super::parallel_for(pairs, |p| {
             // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
             #[allow(clippy::redundant_locals)]
             let ptr = ptr;
@@ -225,8 +231,8 @@ impl Interleaved {
             match path {
                 #[cfg(target_arch = "x86_64")]
                 Path::Avx512Vnni => {
-                    // SAFETY: AVX-512 VNNI was detected; indices stay inside the weight, the
-                    // quantized rows and the output by construction.
+                    // SAFETY: AVX-512 VNNI and BW were detected; indices stay inside the weight,
+                    // the quantized rows and the output by construction.
                     unsafe {
                         match self.format {
                             Format::Q8_0 => x86::columns::<Q8_0>(self, &xq, m, t0, tiles, ptr.0),
