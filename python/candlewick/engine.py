@@ -10,11 +10,24 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence
 
 from . import _native
 from ._native import GenerationResult, Intervention, ModelRuntime
+
+
+_WAITERS: Optional[ThreadPoolExecutor] = None
+
+
+def _waiters() -> ThreadPoolExecutor:
+    """Threads that wait on engine events for asyncio callers (each wait releases the GIL and
+    lasts at most 0.1 s): enough for a full batch and queue of waiting requests at once."""
+    global _WAITERS
+    if _WAITERS is None:
+        _WAITERS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="candlewick-wait")
+    return _WAITERS
 
 
 class EngineRequest:
@@ -58,12 +71,21 @@ class EngineRequest:
 
     async def __anext__(self) -> str:
         while not self._ended:
-            event = self._pending.pop() if self._pending else await asyncio.to_thread(self._native.next_event, 0.1)
+            event = self._pending.pop() if self._pending else await self._next_event_async()
             if event is not None:
                 text = self._take(event)
                 if text is not None:
                     return text
         raise StopAsyncIteration
+
+    async def _next_event_async(self):
+        """The next event: taken at once when the engine already queued one (most tokens of a
+        busy engine are), else waited for off the event loop, in a thread of the engine's own
+        pool so that many waiting requests never queue behind asyncio's small default pool."""
+        event = self._native.next_event(0.0)
+        if event is not None:
+            return event
+        return await asyncio.get_running_loop().run_in_executor(_waiters(), self._native.next_event, 0.1)
 
     def wait(self) -> Optional[GenerationResult]:
         """Runs the request to its end and returns its result (None if it was cancelled)."""
@@ -81,7 +103,7 @@ class EngineRequest:
         """Waits for the request's first event, so a request the engine refuses (a token out of
         range, a bad intervention) raises here, before anything was streamed."""
         while not self._pending and not self._ended:
-            event = await asyncio.to_thread(self._native.next_event, 0.1)
+            event = await self._next_event_async()
             if event is not None:
                 self._pending.append(event)
 

@@ -50,6 +50,12 @@ pub fn configure(requested: Option<usize>) -> Result<usize> {
         let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
     }
     let current = candle_core::utils::barrier_pool().n_workers() + 1;
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // candle's GEMM asks for the count at every call and, with neither variable set,
+        // counts the physical cores by parsing /proc/cpuinfo each time: 5% of a batched decode
+        // step in the server went to the kernel formatting that file.
+        std::env::set_var("RAYON_NUM_THREADS", current.to_string());
+    }
     *fixed = Some(current);
     Ok(current)
 }
