@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use super::hooks::Hooks;
 use super::layers::{Linear, RmsNorm};
 use super::rope;
+use crate::backend::kernels;
 use crate::backend::kv_cache::LayerKv;
 use crate::core::{LayerPoint, Point};
 
@@ -59,6 +60,10 @@ pub struct StepTables {
     pub key_start: usize,
     /// Additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is masked.
     pub mask: Option<Tensor>,
+    /// Whether this step decodes generated tokens, one per sequence: its attention may read the
+    /// cache with `kernels::attention` (prompts keep the batched products, so a prompt's last row
+    /// is the same number whether it ran with the prompt or alone after a reused prefix).
+    pub decoding: bool,
 }
 
 impl StepTables {
@@ -91,7 +96,7 @@ impl StepTables {
             }
             Some(Tensor::from_vec(m, (t, keys), device)?)
         };
-        Ok(Self { cos, sin, key_start, mask })
+        Ok(Self { cos, sin, key_start, mask, decoding: false })
     }
 }
 
@@ -170,6 +175,18 @@ impl Attention {
         let keys = total - start;
         let (k_all, v_all) =
             if start > 0 { (k_all.narrow(2, start, keys)?, v_all.narrow(2, start, keys)?) } else { (k_all, v_all) };
+        let pattern_wanted = hooks.wants(Point::Layer(layer, LayerPoint::AttentionPattern));
+        if tables.decoding && t == 1 && !pattern_wanted && kernels::attention::takes(&q, &k_all, &v_all) {
+            let p = kernels::attention::Params {
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: d,
+                scale: self.scale as f32,
+                softcap: self.softcap.map(|c| c as f32),
+            };
+            let heads = kernels::attention::decode(&q, &k_all, &v_all, p)?; // [1, nh, d]
+            return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
+        }
         // Grouped-query attention without copying keys: fold each group's query heads into rows.
         let group = nh / nkv;
         let q = q.contiguous()?.reshape((1, nkv, group * t, d))?;
@@ -182,7 +199,7 @@ impl Attention {
             scores = scores.broadcast_add(mask)?;
         }
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        if hooks.wants(Point::Layer(layer, LayerPoint::AttentionPattern)) {
+        if pattern_wanted {
             // The pattern spans the whole cache: keys outside the window get probability 0.
             let pattern = probs.squeeze(0)?;
             let pattern = if start > 0 {

@@ -39,6 +39,15 @@ struct Block {
     variant: usize,
 }
 
+/// What a forward step runs: a prompt (or part of one, or a trace), or generated tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    /// Prompt tokens: attention through batched products, whatever the row count.
+    Prompt,
+    /// One generated token per sequence: attention reads the cache in place.
+    Decode,
+}
+
 /// Which rows of logits a step computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsRows {
@@ -262,16 +271,18 @@ impl Decoder {
     }
 
     /// Runs `ids` at the cache's current position, appends them to the cache and returns
-    /// logits `[rows, vocab]`; `hooks` sees (and may edit) every named point.
+    /// logits `[rows, vocab]`; `hooks` sees (and may edit) every named point. `kind` says
+    /// whether they are a prompt's or a generated token.
     pub fn forward(
         &self,
         ids: &[u32],
         cache: &mut KvCache,
         rows: LogitsRows,
+        kind: StepKind,
         hooks: &mut impl Hooks,
     ) -> candle_core::Result<Tensor> {
         let mut one = [BatchItem { ids, cache, hooks }];
-        Ok(self.forward_batch(&mut one, rows)?.remove(0))
+        Ok(self.forward_batch(&mut one, rows, kind)?.remove(0))
     }
 
     /// One step of several sequences at once: their rows go through every matrix product
@@ -281,6 +292,7 @@ impl Decoder {
         &self,
         items: &mut [BatchItem<'_, H>],
         rows: LogitsRows,
+        kind: StepKind,
     ) -> candle_core::Result<Vec<Tensor>> {
         let lens: Vec<usize> = items.iter().map(|it| it.ids.len()).collect();
         let positions: Vec<usize> = items.iter().map(|it| it.cache.len()).collect();
@@ -299,7 +311,9 @@ impl Decoder {
                     .iter()
                     .map(|(lc, rope)| {
                         let (cos, sin) = rope.tables(pos, t, &self.device)?;
-                        StepTables::new(cos, sin, pos, t, lc.sliding_window, &self.device)
+                        let mut tables = StepTables::new(cos, sin, pos, t, lc.sliding_window, &self.device)?;
+                        tables.decoding = kind == StepKind::Decode;
+                        Ok(tables)
                     })
                     .collect::<candle_core::Result<Vec<_>>>()
             })

@@ -190,7 +190,7 @@ pub fn gemv(x: &[f32], w: Weight<'_>, out: &mut [f32], isa: Isa) {
 fn par_rows(out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
     let tasks = (candle_core::utils::barrier_pool().n_workers() + 1) * TASKS_PER_THREAD;
     let rows = out.len().div_ceil(tasks).max(MIN_ROWS_PER_TASK);
-    let (len, ptr) = (out.len(), OutPtr(out.as_mut_ptr()));
+    let (len, ptr) = (out.len(), super::OutPtr(out.as_mut_ptr()));
     super::parallel_for(len.div_ceil(rows), |i| {
         // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
         #[allow(clippy::redundant_locals)]
@@ -201,12 +201,6 @@ fn par_rows(out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
         f(start, chunk);
     });
 }
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint chunk of the output.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 fn kernel_f32(x: &[f32], w: &[f32], k: usize, out: &mut [f32], isa: Isa) {
     #[cfg(target_arch = "x86_64")]

@@ -307,12 +307,6 @@ pub fn available() -> bool {
     best_path() != Path::Portable
 }
 
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every worker writes a disjoint set of columns of the output.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 /// `x [m, k] · wᵀ` for `format` weight blocks `w` of `n` rows of `k` values.
 pub fn matmul(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
     matmul_with(format, x, m, k, w, n, best_path())
@@ -328,7 +322,7 @@ fn portable_columns(
     m: usize,
     col0: usize,
     cols: usize,
-    out: OutPtr,
+    out: super::OutPtr,
     n: usize,
 ) {
     let bb = format.block_bytes();
@@ -357,7 +351,7 @@ fn matmul_with(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: 
     let nb = k / QK;
     let xq = quantize_rows(x);
     let mut out = vec![0f32; m * n];
-    let ptr = OutPtr(out.as_mut_ptr());
+    let ptr = super::OutPtr(out.as_mut_ptr());
     // Work items are groups of 4 weight rows (output columns); each covers every activation row.
     let col_groups = n.div_ceil(4);
     super::parallel_for(col_groups, |g| {

@@ -219,7 +219,7 @@ impl Interleaved {
         assert_eq!(x.len(), m * self.k);
         let xq = quantize_rows(x);
         let mut out = vec![0f32; m * self.n];
-        let ptr = OutPtr(out.as_mut_ptr());
+        let ptr = super::OutPtr(out.as_mut_ptr());
         // Work items are pairs of tiles (32 output columns) over every activation row.
         let pairs = self.tiles().div_ceil(2);
         super::parallel_for(pairs, |p| {
@@ -248,7 +248,7 @@ impl Interleaved {
     }
 
     /// Tiles `t0..t0 + tiles` against every activation row, in plain Rust.
-    fn portable_columns(&self, xq: &QuantizedRows, m: usize, t0: usize, tiles: usize, out: OutPtr) {
+    fn portable_columns(&self, xq: &QuantizedRows, m: usize, t0: usize, tiles: usize, out: super::OutPtr) {
         let nb = self.blocks();
         for t in t0..t0 + tiles {
             for lane in 0..LANES.min(self.n - t * LANES) {
@@ -273,12 +273,6 @@ impl Interleaved {
 const Q8_0: u8 = 0;
 const Q4_0: u8 = 1;
 const Q4_1: u8 = 2;
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every worker writes a disjoint set of columns of the output.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

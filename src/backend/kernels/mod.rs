@@ -6,6 +6,7 @@
 //! (`int8_gemm`: the other 32-value formats, and every one of them on CPUs without VNNI), our
 //! half-precision GEMV (`dense`), or a dense GEMM over de-quantized slabs.
 
+pub mod attention;
 pub mod dense;
 pub mod int8_gemm;
 pub mod interleaved;
@@ -66,6 +67,13 @@ pub fn compiled_cpu_features() -> Vec<&'static str> {
     feature!("sse4.1", "sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "neon");
     out
 }
+
+/// An output buffer the tasks of `parallel_for` write into, each its own disjoint part.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+// SAFETY: every user hands each task a disjoint range of the buffer, which outlives the tasks.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
 
 /// Runs `f(i)` for every `i < items` on candle's barrier pool, the calling thread included.
 /// Its workers spin between the many small products of a decode step: waking rayon's sleeping

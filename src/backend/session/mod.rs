@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 use crate::backend::decoder::hooks::{Hooks, NoHooks, ReadyEdits, StepHooks};
-use crate::backend::decoder::{BatchItem, Decoder, LogitsRows};
+use crate::backend::decoder::{BatchItem, Decoder, LogitsRows, StepKind};
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::host::to_host_f32;
 use crate::backend::kv_cache::{owned_copy, KvCache};
@@ -142,7 +142,8 @@ impl CandleSession {
             other => other,
         })?;
         let start = self.cache.len();
-        match self.decoder.forward(tokens, &mut self.cache, rows, hooks) {
+        let kind = if matches!(operation, "decode" | "inspect_decode") { StepKind::Decode } else { StepKind::Prompt };
+        match self.decoder.forward(tokens, &mut self.cache, rows, kind, hooks) {
             Ok(logits) => {
                 self.tokens.extend_from_slice(tokens);
                 Ok(StepOutput { logits, start_position: start, num_tokens: tokens.len() })
@@ -364,7 +365,7 @@ impl BatchSession<CandleBackend> for CandleSession {
                 .zip(&inputs)
                 .map(|(s, i)| BatchItem { ids: &i.tokens, cache: &mut s.cache, hooks: NoHooks })
                 .collect();
-            decoder.forward_batch(&mut items, LogitsRows::All)
+            decoder.forward_batch(&mut items, LogitsRows::All, StepKind::Decode)
         } else {
             let mut items: Vec<BatchItem<'_, StepHooks<'_>>> = sessions
                 .iter_mut()
@@ -377,7 +378,7 @@ impl BatchSession<CandleBackend> for CandleSession {
                     hooks: StepHooks::new(None, e, pos),
                 })
                 .collect();
-            decoder.forward_batch(&mut items, LogitsRows::All)
+            decoder.forward_batch(&mut items, LogitsRows::All, StepKind::Decode)
         };
         match result {
             Ok(logits) => Ok(sessions
