@@ -180,7 +180,8 @@ impl Interleaved {
     /// Row `lane` of a record: its scale `d`, offset `m` and 32 values `q`, the value being
     /// `d·q + m` (the symmetric formats' offsets applied to `q`, their `m` zero, as ggml does).
     fn unpack(&self, record: &[u8], lane: usize) -> (f32, f32, [i32; QK]) {
-        let half = |f: usize| f16::from_le_bytes([record[f * HALVES + lane * 2], record[f * HALVES + lane * 2 + 1]]).to_f32();
+        let half =
+            |f: usize| f16::from_le_bytes([record[f * HALVES + lane * 2], record[f * HALVES + lane * 2 + 1]]).to_f32();
         let values = &record[self.format.header_bytes()..];
         let mut q = [0i32; QK];
         for (i, v) in q.iter_mut().enumerate() {
@@ -329,7 +330,8 @@ mod x86 {
         let mut acc = [[_mm512_setzero_ps(); G]; R];
         for b in 0..nb {
             let records: [*const u8; G] = std::array::from_fn(|g| w.data.as_ptr().add(((t0 + g) * nb + b) * size));
-            let xs: [*const u8; R] = std::array::from_fn(|r| xq.values.as_ptr().add(((row0 + r) * nb + b) * QK) as *const u8);
+            let xs: [*const u8; R] =
+                std::array::from_fn(|r| xq.values.as_ptr().add(((row0 + r) * nb + b) * QK) as *const u8);
             let x4 = |r: usize, j: usize| _mm512_set1_epi32((xs[r].add(j * 4) as *const i32).read_unaligned());
             // The symmetric formats' integer sums start at -offset·Σq_x, undoing the offset.
             let mut even = [[_mm512_setzero_si512(); G]; R];
@@ -374,7 +376,8 @@ mod x86 {
                     }
                 }
             }
-            let wd: [__m512; G] = std::array::from_fn(|g| _mm512_cvtph_ps(_mm256_loadu_si256(records[g] as *const __m256i)));
+            let wd: [__m512; G] =
+                std::array::from_fn(|g| _mm512_cvtph_ps(_mm256_loadu_si256(records[g] as *const __m256i)));
             let wm: [__m512; G] = std::array::from_fn(|g| {
                 if F == Q4_1 {
                     _mm512_cvtph_ps(_mm256_loadu_si256(records[g].add(HALVES) as *const __m256i))
@@ -466,7 +469,9 @@ mod tests {
             paths.push(Path::Avx512Vnni);
         }
         for format in FORMATS {
-            for (m, k, n) in [(1, 64, 16), (1, 640, 37), (2, 96, 32), (3, 128, 48), (5, 64, 9), (8, 640, 64), (13, 128, 81)] {
+            for (m, k, n) in
+                [(1, 64, 16), (1, 640, 37), (2, 96, 32), (3, 128, 48), (5, 64, 9), (8, 640, 64), (13, 128, 81)]
+            {
                 let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
                 let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
                 let (q, p) = repacked(&w, format);

@@ -121,7 +121,9 @@ fn candle_matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
         // adds in another order: a prompt's last row would then differ from the same row
         // computed alone after a reused prefix, or inside a batch. One row goes through the
         // repacked kernel too, as two (the copy costs one more row of products, not bandwidth).
-        QMatMul::QTensor(q) if q.dtype() == GgmlDType::Q6K && candle_tiles(q) && x.dim(0)? == 1 && x.device().is_cpu() => {
+        QMatMul::QTensor(q)
+            if q.dtype() == GgmlDType::Q6K && candle_tiles(q) && x.dim(0)? == 1 && x.device().is_cpu() =>
+        {
             weight.forward(&Tensor::cat(&[x, x], 0)?)?.narrow(0, 0, 1)
         }
         _ => weight.forward(x),

@@ -12,8 +12,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{convert, WeightSource};
 use crate::backend::decoder::layers::Embedding;
-use crate::backend::kernels::{self, interleaved::Interleaved, Weight};
 use crate::backend::error::{without_backtrace, CandleContext, CandleError, Result};
+use crate::backend::kernels::{self, interleaved::Interleaved, Weight};
 
 /// The ggml type names, by id, of every type a GGUF file may hold (for error messages).
 fn ggml_type_name(id: u32) -> String {
@@ -433,8 +433,11 @@ impl GgufWeights {
     fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         let (info, mut r) = self.open_tensor(name)?;
         if !device.is_cpu() {
-            r.rewind().map_err(|e| self.malformed(name, e.to_string()))?;
-            return self.content.tensor(&mut r, name, device).map_err(|e| self.malformed(name, without_backtrace(e).to_string()));
+            // candle's reader seeks to the tensor itself.
+            return self
+                .content
+                .tensor(&mut r, name, device)
+                .map_err(|e| self.malformed(name, without_backtrace(e).to_string()));
         }
         read_blocks(&mut r, info.ggml_dtype, info.shape.dims()).map_err(|e| self.malformed(name, e))
     }
@@ -472,7 +475,9 @@ impl GgufWeights {
             return Ok(None);
         };
         if k % dtype.block_size() != 0 {
-            return Err(self.malformed(name, format!("rows of {k} values are not whole blocks of {}", dtype.block_size())));
+            return Err(
+                self.malformed(name, format!("rows of {k} values are not whole blocks of {}", dtype.block_size()))
+            );
         }
         let size = (k / dtype.block_size() * dtype.type_size()).checked_mul(n);
         let size = size.ok_or_else(|| self.malformed(name, format!("{n} rows of {k} values overflow")))?;
