@@ -439,8 +439,8 @@ impl CustomOp1 for BlockMatMul<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{QMatMul, QTensor};
-    use candle_core::{Device, Module, Tensor};
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
 
     const FORMATS: [(GgmlDType, BlockFormat); 5] = [
         (GgmlDType::Q4_0, BlockFormat::Q4_0),
@@ -472,11 +472,7 @@ mod tests {
                 let q = QTensor::quantize(&w, dtype).unwrap();
                 assert_eq!(BlockFormat::of(q.dtype()), Some(format));
                 let data = q.data().unwrap().to_vec();
-                let magnitude =
-                    x.abs().unwrap().matmul(&q.dequantize(&dev).unwrap().abs().unwrap().t().unwrap()).unwrap();
-                let magnitude = magnitude.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                let want = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
-                let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let (want, magnitude) = super::super::reference::candle_product(q, &x);
                 let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 for &path in &paths {
                     let got = matmul_with(format, &xs, m, k, &data, n, path);

@@ -445,8 +445,8 @@ impl candle_core::CustomOp1 for InterleavedMatMul<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{QMatMul, QTensor};
-    use candle_core::{Device, Module, Tensor};
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
 
     const FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
 
@@ -475,11 +475,7 @@ mod tests {
                 let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
                 let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
                 let (q, p) = repacked(&w, format);
-                let magnitude =
-                    x.abs().unwrap().matmul(&q.dequantize(&dev).unwrap().abs().unwrap().t().unwrap()).unwrap();
-                let magnitude = magnitude.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                let want = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
-                let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let (want, magnitude) = super::super::reference::candle_product(q, &x);
                 let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 for &path in &paths {
                     let got = p.matmul_with(&xs, m, path);

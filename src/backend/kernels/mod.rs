@@ -83,8 +83,9 @@ pub(crate) fn parallel_for(items: usize, f: impl Fn(usize) + Sync) {
     candle_core::utils::barrier_pool().execute_chunked(items, |range| range.for_each(&f));
 }
 
-/// From this many rows on, Q8_0 weights go through the tiled kernel (`int8_gemm.rs`); below it,
-/// candle's row-by-row kernel is faster. Measured on Gemma 3 270M, batched decode of 2 / 4 / 8
+/// Where weights stay in ggml's layout (CPUs without the interleaved tiles), from this many rows
+/// on Q8_0 weights go through the tiled kernel (`int8_gemm.rs`); below it, candle's row-by-row
+/// kernel is faster. Measured before the tiles existed on Gemma 3 270M, batched decode of 2 / 4 / 8
 /// sequences (aggregate tok/s relative to one sequence, AMD EPYC, 2 threads): tiled 0.75–0.91 /
 /// 1.22–1.31 / 1.67–1.71, candle's 1.17 / 1.14 / 1.30.
 pub const Q8_0_TILED_ROWS: usize = 4;
@@ -187,6 +188,23 @@ fn dequantized_matmul_in_slabs(x: &Tensor, q: &QTensor, slab_elems: usize) -> ca
         parts.push(x.matmul(&slab.dequantize(device)?.t()?)?);
     }
     Tensor::cat(&parts, 1)
+}
+
+/// What the kernels' tests compare against.
+#[cfg(test)]
+pub(crate) mod reference {
+    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::{Module, Tensor};
+
+    /// candle's quantized product `x · qᵀ`, and `|x| · |q|ᵀ` (the scale a kernel's difference
+    /// from it is bounded relative to: the two add the same products in other orders, and
+    /// candle rounds the offset formats' `d·Σq` to f16), both flattened.
+    pub fn candle_product(q: QTensor, x: &Tensor) -> (Vec<f32>, Vec<f32>) {
+        let dev = x.device();
+        let magnitude = x.abs().unwrap().matmul(&q.dequantize(dev).unwrap().abs().unwrap().t().unwrap()).unwrap();
+        let want = QMatMul::from_qtensor(q).unwrap().forward(x).unwrap();
+        (want.flatten_all().unwrap().to_vec1().unwrap(), magnitude.flatten_all().unwrap().to_vec1().unwrap())
+    }
 }
 
 #[cfg(test)]
