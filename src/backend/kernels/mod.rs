@@ -1,8 +1,8 @@
 //! The matrix products of the decoder, and the CPU kernels candle lacks (plugged in as custom ops).
 //!
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
-//! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q5_0 as
-//! Q8_0, Q4_0, Q4_1 on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
+//! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
+//! Q5_0, Q5_1 on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
 //! (`int8_gemm`: the other 32-value formats, and every one of them on CPUs without VNNI), our
 //! half-precision GEMV (`dense`), or a dense GEMM over de-quantized slabs.
 
@@ -22,12 +22,12 @@ use candle_core::{DType, Device, Module, Tensor};
 pub enum Weight {
     /// A dense tensor or quantized blocks in ggml's layout.
     Candle(QMatMul),
-    /// Q8_0, Q4_0 or Q4_1 in interleaved tiles (CPU with AVX-512 VNNI).
+    /// A 32-value block format in interleaved tiles (CPU with AVX-512 VNNI).
     Interleaved(Arc<interleaved::Interleaved>),
 }
 
 impl Weight {
-    /// The weight in the layout its fastest kernel reads: Q8_0, Q4_0 and Q4_1 blocks on a CPU
+    /// The weight in the layout its fastest kernel reads: 32-value block formats on a CPU
     /// that runs `interleaved` are repacked (the tensor is copied once; `GgufWeights` repacks
     /// straight from the file instead), everything else stays as it is.
     pub fn prepare(q: QTensor, device: &Device) -> candle_core::Result<Self> {

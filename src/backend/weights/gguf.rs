@@ -463,15 +463,14 @@ impl GgufWeights {
         }
     }
 
-    /// A matrix read straight into `interleaved`'s tiles when this device repacks its type
-    /// (Q5_0 re-encoded losslessly as Q8_0 on the way); `None` for other types and devices.
+    /// A matrix read straight into `interleaved`'s tiles when this device repacks its type;
+    /// `None` for other types and devices.
     fn interleaved(&self, name: &str, device: &Device) -> Result<Option<Arc<Interleaved>>> {
         let Some(info) = self.content.tensor_infos.get(name) else {
             return Err(CandleError::MissingTensor { name: name.to_owned() });
         };
         let dtype = info.ggml_dtype;
-        let stored_as = if dtype == GgmlDType::Q5_0 { GgmlDType::Q8_0 } else { dtype };
-        let (Some(format), &[n, k]) = (kernels::repacked_format(stored_as, device), info.shape.dims()) else {
+        let (Some(format), &[n, k]) = (kernels::repacked_format(dtype, device), info.shape.dims()) else {
             return Ok(None);
         };
         if k % dtype.block_size() != 0 {
@@ -484,9 +483,6 @@ impl GgufWeights {
         let (_, mut r) = self.open_tensor(name)?;
         let mut bytes = vec![0u8; size];
         r.read_exact(&mut bytes).map_err(|e| self.malformed(name, e.to_string()))?;
-        if dtype == GgmlDType::Q5_0 {
-            bytes = super::requant::q5_0_to_q8_0(&bytes);
-        }
         Interleaved::repack(format, bytes, n, k).map(|t| Some(Arc::new(t))).map_err(|e| self.malformed(name, e))
     }
 }
