@@ -4,9 +4,11 @@
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
 //! Q5_0, Q5_1 on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
 //! (`int8_gemm`: the other 32-value formats, and every one of them on CPUs without VNNI), our
-//! half-precision GEMV (`dense`), or a dense GEMM over de-quantized slabs.
+//! half-precision GEMV (`dense`), our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over
+//! de-quantized slabs.
 
 pub mod attention;
+pub mod bf16_gemm;
 pub mod dense;
 pub mod int8_gemm;
 pub mod interleaved;
@@ -103,6 +105,7 @@ fn candle_matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
     match weight {
         // One row streams the weights once: our GEMV reaches the bandwidth, candle's GEMM does not.
         QMatMul::Tensor(w) | QMatMul::TensorF16(w) if dense::takes(x, w) => dense::matmul(x, w),
+        QMatMul::Tensor(w) | QMatMul::TensorF16(w) if bf16_gemm::takes(x, w) => bf16_gemm::matmul(x, w),
         QMatMul::Tensor(w) | QMatMul::TensorF16(w) if dense::widens(x, w) => dense::widened_matmul(x, w),
         // Half-precision weights multiply half-precision inputs; the result rejoins the
         // float32 residual stream, which keeps long residual sums accurate.
