@@ -46,8 +46,10 @@ pub struct Attention {
     pub softcap: Option<f64>,
     /// Whether RoPE rotates adjacent pairs.
     pub rope_interleaved: bool,
-    /// The dtype keys and values are cached in.
+    /// The dtype keys and values are cached in (see `decoder::cache_dtype`).
     pub cache_dtype: DType,
+    /// The dtype of the score and value products of a prompt: the weights' dtype.
+    pub product_dtype: DType,
 }
 
 /// What one forward step shares between the layers of one variant.
@@ -166,10 +168,11 @@ impl Attention {
         let v = v.reshape((t, nkv, d))?.transpose(0, 1)?.unsqueeze(0)?;
         let q = rope::apply(&q, &tables.cos, &tables.sin, self.rope_interleaved)?;
         let k = rope::apply(&k, &tables.cos, &tables.sin, self.rope_interleaved)?;
-        // The cache (and so the score and value matmuls) is in the weights' dtype.
-        let cache_dtype = self.cache_dtype;
-        let (k, v, q) = (k.to_dtype(cache_dtype)?, v.to_dtype(cache_dtype)?, q.to_dtype(cache_dtype)?);
+        // Keys and values are rounded to the cache's dtype before anything reads them, so a
+        // prompt's rows see the same keys a later decode step reads back.
+        let (k, v) = (k.to_dtype(self.cache_dtype)?, v.to_dtype(self.cache_dtype)?);
         let (k_all, v_all) = kv.append(&k, &v, pos, max_context)?;
+        let q = q.to_dtype(self.product_dtype)?;
         let total = pos + t;
         let start = tables.key_start;
         let keys = total - start;
@@ -187,6 +190,9 @@ impl Attention {
             let heads = kernels::attention::decode(&q, &k_all, &v_all, p)?; // [1, nh, d]
             return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
         }
+        // A float16 cache under float32 products is widened for them (a prompt's products are
+        // compute-bound, not memory-bound).
+        let (k_all, v_all) = (k_all.to_dtype(self.product_dtype)?, v_all.to_dtype(self.product_dtype)?);
         // Grouped-query attention without copying keys: fold each group's query heads into rows.
         let group = nh / nkv;
         let q = q.contiguous()?.reshape((1, nkv, group * t, d))?;

@@ -31,6 +31,11 @@ impl Linear {
         v
     }
 
+    /// Whether the weight is stored in quantized blocks.
+    pub fn is_quantized(&self) -> bool {
+        self.weight.is_quantized()
+    }
+
     /// Applies the map to float32 `[rows, in]`, returning float32 (the kernel is `kernels::matmul`'s choice).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = crate::backend::kernels::matmul(x, &self.weight)?;

@@ -123,9 +123,11 @@ impl Decoder {
                 }
             };
             let qk_norm = if c.qk_norm { Some((norm(Slot::QNorm, i, d)?, norm(Slot::KNorm, i, d)?)) } else { None };
+            let o = linear(Slot::O, i, h, nh * d, c.o_bias)?;
+            let cache_dtype = cache_dtype(w.dtype(), w.device(), o.is_quantized());
             let attn = Attention {
                 qkv,
-                o: linear(Slot::O, i, h, nh * d, c.o_bias)?,
+                o,
                 qk_norm,
                 num_heads: nh,
                 num_kv_heads: nkv,
@@ -133,7 +135,8 @@ impl Decoder {
                 scale: c.attn_scale,
                 softcap: c.attn_softcap,
                 rope_interleaved: c.rope_interleaved,
-                cache_dtype: w.dtype(),
+                cache_dtype,
+                product_dtype: w.dtype(),
             };
             // Phi-3 fuses gate and up; GGUF names the fused one like the plain up projection.
             let fused_gate_up = !w.contains(&name(Slot::Gate, i, "weight"));
@@ -239,6 +242,11 @@ impl Decoder {
     /// The dtype activations run in.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype the KV cache holds keys and values in.
+    pub fn cache_dtype(&self) -> DType {
+        self.blocks.first().map_or(self.dtype, |b| b.attn.cache_dtype)
     }
 
     /// The device the weights live on.
@@ -408,6 +416,18 @@ impl Decoder {
 }
 
 /// `x` as the nearest value of `dtype` (transformers casts the Gemma embedding scale to it).
+/// The dtype a layer caches keys and values in: float16 for a quantized model computing in
+/// float32 on the CPU, as llama.cpp does (half the bytes a decode step reads and the cache holds;
+/// quantized weights already round far more than float16's 11 bits), otherwise the activations'
+/// own dtype (a dense checkpoint keeps its reference precision).
+fn cache_dtype(activations: DType, device: &Device, quantized: bool) -> DType {
+    if quantized && activations == DType::F32 && device.is_cpu() {
+        DType::F16
+    } else {
+        activations
+    }
+}
+
 fn round_to(x: f64, dtype: DType) -> f64 {
     match dtype {
         DType::F16 => half::f16::from_f64(x).to_f64(),

@@ -29,6 +29,11 @@ pub enum Weight {
 }
 
 impl Weight {
+    /// Whether the weight is stored in quantized blocks (rather than a dense float tensor).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self, Self::Interleaved(_) | Self::Candle(QMatMul::QTensor(_)))
+    }
+
     /// The weight in the layout its fastest kernel reads: 32-value block formats on a CPU
     /// that runs `interleaved` are repacked (the tensor is copied once; `GgufWeights` repacks
     /// straight from the file instead), everything else stays as it is.

@@ -470,7 +470,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
         for (i, kv) in held.into_iter().enumerate() {
             layers.push(match kv {
                 None if position == 0 => None,
-                Some((k, v)) if k.dims() == want && v.dims() == want && k.dtype() == self.decoder.dtype() => {
+                Some((k, v)) if k.dims() == want && v.dims() == want && k.dtype() == self.decoder.cache_dtype() => {
                     // Copied into buffers of this session's own: the snapshot stays reusable.
                     let dev = self.decoder.device();
                     let copy = |t: &Tensor| owned_copy(&t.to_device(dev)?);
@@ -479,7 +479,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
                 _ => {
                     return Err(refuse(format!(
                         "layer {i}'s keys and values do not have shape {want:?} and dtype {:?}",
-                        self.decoder.dtype()
+                        self.decoder.cache_dtype()
                     )))
                 }
             });
