@@ -550,15 +550,12 @@ pub fn read_blocks(r: &mut impl Read, dtype: GgmlDType, dims: &[usize]) -> std::
         r: &mut impl Read,
         blocks: usize,
     ) -> std::result::Result<QStorage, String> {
-        let mut v: Vec<T> = Vec::with_capacity(blocks);
-        // SAFETY: ggml blocks are plain data (integers and halves) for which all-zero bytes are
-        // a valid value; the zeroed blocks are then overwritten byte for byte.
-        unsafe {
-            std::ptr::write_bytes(v.as_mut_ptr(), 0, blocks);
-            v.set_len(blocks);
-            let bytes = std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, blocks * std::mem::size_of::<T>());
-            r.read_exact(bytes).map_err(|e| e.to_string())?;
-        }
+        let mut v: Vec<T> = zeroed(blocks)?;
+        // SAFETY: the vector's `blocks` initialized values are plain data (integers and halves),
+        // viewed as bytes and overwritten byte for byte.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, blocks * std::mem::size_of::<T>()) };
+        r.read_exact(bytes).map_err(|e| e.to_string())?;
         Ok(QStorage::Cpu(Box::new(v)))
     }
     let storage = match dtype {
@@ -578,6 +575,26 @@ pub fn read_blocks(r: &mut impl Read, dtype: GgmlDType, dims: &[usize]) -> std::
         other => return Err(format!("type {other:?} is not supported")),
     };
     QTensor::new(storage, dims.to_vec()).map_err(|e| without_backtrace(e).to_string())
+}
+
+/// `n` all-zero blocks from the allocator's zeroed memory: a large buffer is fresh pages the OS
+/// has already zeroed, so they are touched once, by the read that fills them, rather than
+/// zeroed a second time and then overwritten.
+fn zeroed<T: candle_core::quantized::k_quants::GgmlType>(n: usize) -> std::result::Result<Vec<T>, String> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(n).map_err(|_| format!("{n} blocks do not fit in memory"))?;
+    // SAFETY: the layout has a non-zero size (ggml blocks are never empty); all-zero bytes are a
+    // valid ggml block (integers and halves); the pointer comes from the global allocator with
+    // exactly the layout a `Vec<T>` of capacity `n` frees with.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut T;
+        if p.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Ok(Vec::from_raw_parts(p, n, n))
+    }
 }
 
 impl WeightSource for GgufWeights {
