@@ -387,8 +387,10 @@ fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
     // Python compares floats numerically (-0.0 == 0.0), which `partial_cmp` matches; the sort is
     // stable like `sorted(..., reverse=True)` (rayon's `par_sort_by` is stable too).
     merges.par_sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
-    // Half a million pairs of strings: allocated on every thread.
-    merges.into_par_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
+    // On this thread: strings allocated on rayon's workers live in their malloc arenas, which
+    // keep the freed memory once the BPE builder is done with them (Gemma 3 270M: 30 MB more
+    // resident for the model's lifetime).
+    merges.into_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
 }
 
 /// Merges stated by the file, as `"left right"` strings.
