@@ -487,7 +487,9 @@ impl GgufWeights {
                 .tensor(&mut r, name, device)
                 .map_err(|e| self.malformed(name, without_backtrace(e).to_string()));
         }
-        read_blocks(&mut r, info.ggml_dtype, info.shape.dims()).map_err(|e| self.malformed(name, e))
+        let at = self.content.tensor_data_offset + info.offset;
+        read_blocks(|buf| read_at(r.get_ref(), at, buf), info.ggml_dtype, info.shape.dims())
+            .map_err(|e| self.malformed(name, e))
     }
 
     /// `name`'s file positioned at its data, with its description.
@@ -528,17 +530,44 @@ impl GgufWeights {
         }
         let size = (k / dtype.block_size() * dtype.type_size()).checked_mul(n);
         let size = size.ok_or_else(|| self.malformed(name, format!("{n} rows of {k} values overflow")))?;
-        let (_, mut r) = self.open_tensor(name)?;
+        let (info, r) = self.open_tensor(name)?;
         let mut bytes = vec![0u8; size];
-        r.read_exact(&mut bytes).map_err(|e| self.malformed(name, e.to_string()))?;
+        read_at(r.get_ref(), self.content.tensor_data_offset + info.offset, &mut bytes)
+            .map_err(|e| self.malformed(name, e))?;
         Interleaved::repack(format, bytes, n, k).map(|t| Some(Arc::new(t))).map_err(|e| self.malformed(name, e))
     }
 }
 
-/// Reads a `dtype` tensor of shape `dims` straight into its block storage. candle's reader
-/// reads the bytes into one buffer and copies them into another: for a 262k-row embedding
-/// that is 180 MB held twice at the peak of a load.
-pub fn read_blocks(r: &mut impl Read, dtype: GgmlDType, dims: &[usize]) -> std::result::Result<QTensor, String> {
+/// Fills `buf` from `file` at `offset`, in chunks read in parallel: faulting in a fresh buffer's
+/// pages and the kernel's copies from the page cache are most of the time a load spends on its
+/// weights, and one 180 MB read otherwise runs them all on one core.
+fn read_at(file: &File, offset: u64, buf: &mut [u8]) -> std::result::Result<(), String> {
+    #[cfg(unix)]
+    {
+        use rayon::prelude::*;
+        use std::os::unix::fs::FileExt;
+        const CHUNK: usize = 4 << 20;
+        buf.par_chunks_mut(CHUNK)
+            .enumerate()
+            .try_for_each(|(i, chunk)| file.read_exact_at(chunk, offset + (i * CHUNK) as u64))
+            .map_err(|e| e.to_string())
+    }
+    #[cfg(not(unix))]
+    {
+        let mut r = file;
+        r.seek(std::io::SeekFrom::Start(offset)).map_err(|e| e.to_string())?;
+        r.read_exact(buf).map_err(|e| e.to_string())
+    }
+}
+
+/// Reads a `dtype` tensor of shape `dims` straight into its block storage, its bytes written by
+/// `fill`. candle's reader reads the bytes into one buffer and copies them into another: for a
+/// 262k-row embedding that is 180 MB held twice at the peak of a load.
+pub fn read_blocks(
+    fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), String>,
+    dtype: GgmlDType,
+    dims: &[usize],
+) -> std::result::Result<QTensor, String> {
     use candle_core::quantized::k_quants::*;
     use candle_core::quantized::QStorage;
     let elems: usize = dims.iter().product();
@@ -547,7 +576,7 @@ pub fn read_blocks(r: &mut impl Read, dtype: GgmlDType, dims: &[usize]) -> std::
     }
     let blocks = elems / dtype.block_size();
     fn read<T: GgmlType + Send + Sync + 'static>(
-        r: &mut impl Read,
+        fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), String>,
         blocks: usize,
     ) -> std::result::Result<QStorage, String> {
         let mut v: Vec<T> = zeroed(blocks)?;
@@ -555,23 +584,23 @@ pub fn read_blocks(r: &mut impl Read, dtype: GgmlDType, dims: &[usize]) -> std::
         // viewed as bytes and overwritten byte for byte.
         let bytes =
             unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, blocks * std::mem::size_of::<T>()) };
-        r.read_exact(bytes).map_err(|e| e.to_string())?;
+        fill(bytes)?;
         Ok(QStorage::Cpu(Box::new(v)))
     }
     let storage = match dtype {
-        GgmlDType::F32 => read::<f32>(r, blocks)?,
-        GgmlDType::F16 => read::<half::f16>(r, blocks)?,
-        GgmlDType::BF16 => read::<half::bf16>(r, blocks)?,
-        GgmlDType::Q4_0 => read::<BlockQ4_0>(r, blocks)?,
-        GgmlDType::Q4_1 => read::<BlockQ4_1>(r, blocks)?,
-        GgmlDType::Q5_0 => read::<BlockQ5_0>(r, blocks)?,
-        GgmlDType::Q5_1 => read::<BlockQ5_1>(r, blocks)?,
-        GgmlDType::Q8_0 => read::<BlockQ8_0>(r, blocks)?,
-        GgmlDType::Q2K => read::<BlockQ2K>(r, blocks)?,
-        GgmlDType::Q3K => read::<BlockQ3K>(r, blocks)?,
-        GgmlDType::Q4K => read::<BlockQ4K>(r, blocks)?,
-        GgmlDType::Q5K => read::<BlockQ5K>(r, blocks)?,
-        GgmlDType::Q6K => read::<BlockQ6K>(r, blocks)?,
+        GgmlDType::F32 => read::<f32>(fill, blocks)?,
+        GgmlDType::F16 => read::<half::f16>(fill, blocks)?,
+        GgmlDType::BF16 => read::<half::bf16>(fill, blocks)?,
+        GgmlDType::Q4_0 => read::<BlockQ4_0>(fill, blocks)?,
+        GgmlDType::Q4_1 => read::<BlockQ4_1>(fill, blocks)?,
+        GgmlDType::Q5_0 => read::<BlockQ5_0>(fill, blocks)?,
+        GgmlDType::Q5_1 => read::<BlockQ5_1>(fill, blocks)?,
+        GgmlDType::Q8_0 => read::<BlockQ8_0>(fill, blocks)?,
+        GgmlDType::Q2K => read::<BlockQ2K>(fill, blocks)?,
+        GgmlDType::Q3K => read::<BlockQ3K>(fill, blocks)?,
+        GgmlDType::Q4K => read::<BlockQ4K>(fill, blocks)?,
+        GgmlDType::Q5K => read::<BlockQ5K>(fill, blocks)?,
+        GgmlDType::Q6K => read::<BlockQ6K>(fill, blocks)?,
         other => return Err(format!("type {other:?} is not supported")),
     };
     QTensor::new(storage, dims.to_vec()).map_err(|e| without_backtrace(e).to_string())
