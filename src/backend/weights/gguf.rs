@@ -479,30 +479,26 @@ impl GgufWeights {
     }
 
     fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
-        let (info, mut r) = self.open_tensor(name)?;
+        let (info, file, at) = self.open_tensor(name)?;
         if !device.is_cpu() {
             // candle's reader seeks to the tensor itself.
             return self
                 .content
-                .tensor(&mut r, name, device)
+                .tensor(&mut BufReader::new(file), name, device)
                 .map_err(|e| self.malformed(name, without_backtrace(e).to_string()));
         }
-        let at = self.content.tensor_data_offset + info.offset;
-        read_blocks(|buf| read_at(r.get_ref(), at, buf), info.ggml_dtype, info.shape.dims())
+        read_blocks(|buf| read_at(&file, at, buf), info.ggml_dtype, info.shape.dims())
             .map_err(|e| self.malformed(name, e))
     }
 
-    /// `name`'s file positioned at its data, with its description.
-    fn open_tensor(&self, name: &str) -> Result<(&gguf_file::TensorInfo, BufReader<File>)> {
+    /// `name`'s description, its file, and where its data starts in the file.
+    fn open_tensor(&self, name: &str) -> Result<(&gguf_file::TensorInfo, File, u64)> {
         let Some(info) = self.content.tensor_infos.get(name) else {
             return Err(CandleError::MissingTensor { name: name.to_owned() });
         };
         let file = File::open(&self.path)
             .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
-        let mut r = BufReader::new(file);
-        r.seek(std::io::SeekFrom::Start(self.content.tensor_data_offset + info.offset))
-            .map_err(|e| self.malformed(name, e.to_string()))?;
-        Ok((info, r))
+        Ok((info, file, self.content.tensor_data_offset + info.offset))
     }
 
     fn malformed(&self, name: &str, reason: String) -> CandleError {
@@ -530,10 +526,9 @@ impl GgufWeights {
         }
         let size = (k / dtype.block_size() * dtype.type_size()).checked_mul(n);
         let size = size.ok_or_else(|| self.malformed(name, format!("{n} rows of {k} values overflow")))?;
-        let (info, r) = self.open_tensor(name)?;
+        let (_, file, at) = self.open_tensor(name)?;
         let mut bytes = vec![0u8; size];
-        read_at(r.get_ref(), self.content.tensor_data_offset + info.offset, &mut bytes)
-            .map_err(|e| self.malformed(name, e))?;
+        read_at(&file, at, &mut bytes).map_err(|e| self.malformed(name, e))?;
         Interleaved::repack(format, bytes, n, k).map(|t| Some(Arc::new(t))).map_err(|e| self.malformed(name, e))
     }
 }
