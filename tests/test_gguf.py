@@ -629,3 +629,22 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
         cw.ModelRuntime.load(path, device="cpu")
     assert "blk.0.ffn_down.weight" in str(info.value) and "IQ2_XXS" in str(info.value)
     assert isinstance(info.value, cw.UnsupportedError) and isinstance(info.value, cw.CandlewickError)
+
+
+def cache_bytes_per_value(rt, n=64):
+    """Bytes the KV cache spends on one key or value element after an `n`-token prompt (the
+    cache's first allocation holds exactly 64 positions)."""
+    info = rt.model_info
+    rt.session.reset()
+    rt.prefill(list(range(2, 2 + n))).wait()
+    values = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] * n
+    per_value = rt.session.cache_bytes / values
+    rt.session.reset()
+    return per_value
+
+
+def test_quantized_models_cache_float16_and_float32_runs_keep_float32(rt_quant, rt_f32):
+    # As llama.cpp keeps it: half the bytes a decode step reads. The de-quantized float32 run
+    # (like the tiny float32 references) keeps a float32 cache.
+    assert cache_bytes_per_value(rt_quant) == 2
+    assert cache_bytes_per_value(rt_f32) == 4
