@@ -2,10 +2,9 @@
 //!
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
-//! Q5_0, Q5_1 on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
-//! (`int8_gemm`: the other 32-value formats, and every one of them on CPUs without VNNI), our
-//! half-precision GEMV (`dense`), our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over
-//! de-quantized slabs.
+//! Q5_0, Q5_1, Q4_K, Q6_K on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
+//! (`int8_gemm`: the 32-value formats on CPUs without VNNI), our half-precision GEMV (`dense`),
+//! our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over de-quantized slabs.
 
 pub mod attention;
 pub mod bf16_gemm;
@@ -18,13 +17,13 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
-/// A matmul weight as the kernels hold it: candle's (dense or ggml blocks), or 32-value block
-/// formats repacked into 16-row tiles for `interleaved`.
+/// A matmul weight as the kernels hold it: candle's (dense or ggml blocks), or block formats
+/// repacked into 16-row tiles for `interleaved`.
 #[derive(Debug, Clone)]
 pub enum Weight {
     /// A dense tensor or quantized blocks in ggml's layout.
     Candle(QMatMul),
-    /// A 32-value block format in interleaved tiles (CPU with AVX-512 VNNI).
+    /// A block format in interleaved tiles (CPU with AVX-512 VNNI).
     Interleaved(Arc<interleaved::Interleaved>),
 }
 
@@ -34,8 +33,8 @@ impl Weight {
         matches!(self, Self::Interleaved(_) | Self::Candle(QMatMul::QTensor(_)))
     }
 
-    /// The weight in the layout its fastest kernel reads: 32-value block formats on a CPU
-    /// that runs `interleaved` are repacked (the tensor is copied once; `GgufWeights` repacks
+    /// The weight in the layout its fastest kernel reads: block formats on a CPU that runs
+    /// `interleaved` are repacked (the tensor is copied once; `GgufWeights` repacks
     /// straight from the file instead), everything else stays as it is.
     pub fn prepare(q: QTensor, device: &Device) -> candle_core::Result<Self> {
         match repacked_format(q.dtype(), device) {

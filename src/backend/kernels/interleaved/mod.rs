@@ -1,6 +1,7 @@
-//! Weights of ggml's 32-value block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) repacked at load into tiles of
-//! 16 interleaved rows, and the int8 GEMM over them: an AVX-512 VNNI path chosen at run time
-//! and a portable one (ggml's `block_q8_0x8` / `block_q4_0x8` idea, candle's x86 repack).
+//! Weights of ggml's block formats repacked at load into tiles of 16 interleaved rows, and the
+//! int8 GEMM over them: an AVX-512 VNNI path chosen at run time and a portable one (ggml's
+//! `block_q8_0x8` / `block_q4_Kx8` idea, candle's x86 repack). The 32-value formats (Q8_0, Q4_0,
+//! Q4_1, Q5_0, Q5_1) are laid out here; the 256-value k-quants (Q4_K, Q6_K) in `k_quants.rs`.
 //!
 //! In ggml's row-major layout every (activation row, weight row) pair needs its own dot product
 //! and a horizontal sum, and the per-block scale arithmetic costs as much as the multiply.
@@ -11,10 +12,11 @@
 //! prefill costs several times fewer instructions per product.
 //!
 //! `vpdpbusd` multiplies unsigned by signed bytes. Q8_0 values are stored offset by 128 (a flip
-//! of the sign bit) and Q4_0's (Q5_0's) values are unsigned with an offset of 8 (16), so each
-//! block's sum starts at `-offset·Σq_x`; Q4_1's and Q5_1's offset `m` is a float, added as
-//! `m·Σx`. The integer products equal ggml's exactly; only the order of the float additions
-//! differs.
+//! of the sign bit) and Q4_0's (Q5_0's, Q6_K's) values are unsigned with an offset of 8 (16,
+//! 32), so each block's sum starts at `-offset·Σq_x`; Q4_1's and Q5_1's offset `m` is a float,
+//! added as `m·Σx` (Q4_K's per 32 values, `-dmin·m_j·Σx`). The integer products equal ggml's
+//! exactly; only the order of the float additions differs. Activations are quantized in 32-value
+//! blocks for every format (ggml quantizes them per 256 for the k-quants: ours is finer).
 //!
 //! A tile's record holds the same bytes as its 16 source blocks (scales, then offsets for
 //! Q4_1/Q5_1, then the fifth bits of Q5 values, then the values of each group of 4 for each of
@@ -24,12 +26,15 @@
 //! as one 64-bit mask per 64-byte vector of nibbles, bit `4·lane + t` for value `t` of a row's
 //! group, so the kernel adds 16 to the masked bytes with one masked `vpaddb`.
 
+mod k_quants;
+
 use candle_core::quantized::GgmlDType;
 use half::f16;
 use rayon::prelude::*;
 
 use super::int8_gemm::{quantize_rows, Path, QuantizedRows};
 
+/// Values of one activation block, and of the 32-value formats' blocks.
 const QK: usize = 32;
 /// Weight rows interleaved in one tile.
 pub const LANES: usize = 16;
@@ -49,6 +54,10 @@ pub enum Format {
     Q5_0,
     /// `d·q + m`, 5-bit `q`.
     Q5_1,
+    /// `d·sc_j·q − dmin·m_j`, 4-bit `q`, 6-bit `sc_j`, `m_j` per 32 values of a 256-value block.
+    Q4K,
+    /// `d·sc_j·(q − 32)`, 6-bit `q`, 8-bit signed `sc_j` per 16 values of a 256-value block.
+    Q6K,
 }
 
 impl Format {
@@ -60,6 +69,8 @@ impl Format {
             GgmlDType::Q4_1 => Self::Q4_1,
             GgmlDType::Q5_0 => Self::Q5_0,
             GgmlDType::Q5_1 => Self::Q5_1,
+            GgmlDType::Q4K => Self::Q4K,
+            GgmlDType::Q6K => Self::Q6K,
             _ => return None,
         })
     }
@@ -72,31 +83,45 @@ impl Format {
             Self::Q4_1 => GgmlDType::Q4_1,
             Self::Q5_0 => GgmlDType::Q5_0,
             Self::Q5_1 => GgmlDType::Q5_1,
+            Self::Q4K => GgmlDType::Q4K,
+            Self::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    /// Values of one source block.
+    const fn block_values(self) -> usize {
+        match self {
+            Self::Q4K | Self::Q6K => k_quants::QK_K,
+            _ => QK,
         }
     }
 
     /// Bytes of one source block.
     const fn block_bytes(self) -> usize {
-        (self.header_bytes() + self.high_bytes()) / LANES + self.value_bytes()
+        match self {
+            Self::Q4K => k_quants::Q4K_BYTES,
+            Self::Q6K => k_quants::Q6K_BYTES,
+            _ => (self.header_bytes() + self.high_bytes()) / LANES + self.value_bytes(),
+        }
     }
 
-    /// Bytes of a block's values (Q5's low four bits).
+    /// Bytes of a 32-value block's values (Q5's low four bits).
     const fn value_bytes(self) -> usize {
         match self {
             Self::Q8_0 => QK,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 => QK / 2,
+            _ => QK / 2,
         }
     }
 
-    /// Bytes of a tile record's scales (and offsets) for its 16 rows.
+    /// Bytes of a 32-value tile record's scales (and offsets) for its 16 rows.
     const fn header_bytes(self) -> usize {
         match self {
-            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 => HALVES,
             Self::Q4_1 | Self::Q5_1 => 2 * HALVES,
+            _ => HALVES,
         }
     }
 
-    /// Bytes of a tile record's fifth bits for its 16 rows (a `u32` a row in ggml's blocks).
+    /// Bytes of a 32-value tile record's fifth bits for its 16 rows (a `u32` a row in ggml's blocks).
     const fn high_bytes(self) -> usize {
         match self {
             Self::Q5_0 | Self::Q5_1 => LANES * 4,
@@ -104,14 +129,14 @@ impl Format {
         }
     }
 
-    /// Where a tile record's values start.
+    /// Where a 32-value tile record's values start.
     const fn values_at(self) -> usize {
         self.header_bytes() + self.high_bytes()
     }
 
     /// Whether values carry a float offset `m` (`d·q + m`) rather than a fixed integer one.
     const fn has_min(self) -> bool {
-        matches!(self, Self::Q4_1 | Self::Q5_1)
+        matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4K)
     }
 
     /// The fixed integer offset of the symmetric formats' stored values.
@@ -120,13 +145,47 @@ impl Format {
             Self::Q8_0 => 128,
             Self::Q4_0 => 8,
             Self::Q5_0 => 16,
-            Self::Q4_1 | Self::Q5_1 => 0,
+            Self::Q6K => 32,
+            Self::Q4_1 | Self::Q5_1 | Self::Q4K => 0,
         }
     }
 
     /// Bytes of one tile record: 16 source blocks.
     const fn record_bytes(self) -> usize {
         LANES * self.block_bytes()
+    }
+
+    /// Writes row `lane`'s source `block` into its place in a tile `record` (zeroed before).
+    fn place(self, block: &[u8], lane: usize, record: &mut [u8]) {
+        match self {
+            Self::Q4K => return k_quants::place_q4k(block, lane, record),
+            Self::Q6K => return k_quants::place_q6k(block, lane, record),
+            _ => {}
+        }
+        let (header, rest) = record.split_at_mut(self.header_bytes());
+        let (high, values) = rest.split_at_mut(self.high_bytes());
+        let (fields, qs) = block.split_at(block.len() - self.value_bytes());
+        let (halves, qh) = fields.split_at(self.header_bytes() / LANES);
+        // d, then m for Q4_1/Q5_1: each field of the 16 rows is contiguous.
+        for (f, half) in halves.chunks_exact(2).enumerate() {
+            header[f * HALVES + lane * 2..][..2].copy_from_slice(half);
+        }
+        // Bit i of a Q5 block's `qh` is value i's fifth bit: group g's bits t go to bit
+        // 4·lane + t of mask g.
+        if let Ok(qh) = <[u8; 4]>::try_from(qh) {
+            let qh = u32::from_le_bytes(qh);
+            for (g, mask) in high.chunks_exact_mut(8).enumerate() {
+                let bits = u64::from_le_bytes(mask.try_into().expect("8 bytes"))
+                    | (((qh >> (4 * g)) & 0xF) as u64) << (4 * lane);
+                mask.copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        for (j, quad) in qs.chunks_exact(4).enumerate() {
+            let at = (j * LANES + lane) * 4;
+            for (o, &q) in values[at..at + 4].iter_mut().zip(quad) {
+                *o = if self == Self::Q8_0 { q ^ 0x80 } else { q };
+            }
+        }
     }
 }
 
@@ -144,6 +203,15 @@ pub fn available() -> bool {
     }
 }
 
+/// One row's 32 values of a tile: value `i` is `(d·scale[i / 16])·q[i] + m` (the symmetric
+/// formats' offsets applied to `q`, their `m` zero and their scales 1, as ggml de-quantizes).
+struct Unit {
+    d: f32,
+    m: f32,
+    scale: [i32; 2],
+    q: [i32; QK],
+}
+
 /// A `[n, k]` weight in 16-row tiles (the last tile padded with zero rows).
 #[derive(Debug)]
 pub struct Interleaved {
@@ -157,10 +225,11 @@ pub struct Interleaved {
 impl Interleaved {
     /// Repacks `n` rows of `k` values of `format` blocks (ggml's layout), in place.
     pub fn repack(format: Format, mut blocks: Vec<u8>, n: usize, k: usize) -> Result<Self, String> {
-        if k == 0 || k % QK != 0 {
-            return Err(format!("rows of {k} values are not whole 32-value blocks"));
+        let qk = format.block_values();
+        if k == 0 || k % qk != 0 {
+            return Err(format!("rows of {k} values are not whole {qk}-value blocks"));
         }
-        let nb = k / QK;
+        let nb = k / qk;
         let bb = format.block_bytes();
         let expected = n.checked_mul(nb * bb).ok_or_else(|| format!("{n} rows of {k} values overflow"))?;
         if blocks.len() != expected {
@@ -172,34 +241,10 @@ impl Interleaved {
         blocks.resize(tiles * nb * record, 0);
         blocks.par_chunks_mut(nb * record).with_min_len(8).for_each(|tile| {
             let source = tile.to_vec();
+            tile.fill(0);
             for (b, out) in tile.chunks_exact_mut(record).enumerate() {
-                let (header, rest) = out.split_at_mut(format.header_bytes());
-                let (high, values) = rest.split_at_mut(format.high_bytes());
-                high.fill(0);
                 for lane in 0..LANES {
-                    let block = &source[(lane * nb + b) * bb..][..bb];
-                    let (fields, qs) = block.split_at(bb - format.value_bytes());
-                    let (halves, qh) = fields.split_at(format.header_bytes() / LANES);
-                    // d, then m for Q4_1/Q5_1: each field of the 16 rows is contiguous.
-                    for (f, half) in halves.chunks_exact(2).enumerate() {
-                        header[f * HALVES + lane * 2..][..2].copy_from_slice(half);
-                    }
-                    // Bit i of a Q5 block's `qh` is value i's fifth bit: group g's bits t go to
-                    // bit 4·lane + t of mask g.
-                    if let Ok(qh) = <[u8; 4]>::try_from(qh) {
-                        let qh = u32::from_le_bytes(qh);
-                        for (g, mask) in high.chunks_exact_mut(8).enumerate() {
-                            let bits = u64::from_le_bytes(mask.try_into().expect("8 bytes"))
-                                | (((qh >> (4 * g)) & 0xF) as u64) << (4 * lane);
-                            mask.copy_from_slice(&bits.to_le_bytes());
-                        }
-                    }
-                    for (j, quad) in qs.chunks_exact(4).enumerate() {
-                        let at = (j * LANES + lane) * 4;
-                        for (o, &q) in values[at..at + 4].iter_mut().zip(quad) {
-                            *o = if format == Format::Q8_0 { q ^ 0x80 } else { q };
-                        }
-                    }
+                    format.place(&source[(lane * nb + b) * bb..][..bb], lane, out);
                 }
             }
         });
@@ -216,8 +261,9 @@ impl Interleaved {
         self.format
     }
 
+    /// Source blocks in a row.
     fn blocks(&self) -> usize {
-        self.k / QK
+        self.k / self.format.block_values()
     }
 
     fn tiles(&self) -> usize {
@@ -230,9 +276,15 @@ impl Interleaved {
         &self.data[(t * self.blocks() + b) * size..][..size]
     }
 
-    /// Row `lane` of a record: its scale `d`, offset `m` and 32 values `q`, the value being
-    /// `d·q + m` (the symmetric formats' offsets applied to `q`, their `m` zero, as ggml does).
-    fn unpack(&self, record: &[u8], lane: usize) -> (f32, f32, [i32; QK]) {
+    /// Row `lane` of tile `t`, values `32·u..32·u + 32`.
+    fn unpack(&self, t: usize, u: usize, lane: usize) -> Unit {
+        let per_block = self.format.block_values() / QK;
+        let record = self.record(t, u / per_block);
+        match self.format {
+            Format::Q4K => return k_quants::unpack_q4k(record, lane, u % per_block),
+            Format::Q6K => return k_quants::unpack_q6k(record, lane, u % per_block),
+            _ => {}
+        }
         let half =
             |f: usize| f16::from_le_bytes([record[f * HALVES + lane * 2], record[f * HALVES + lane * 2 + 1]]).to_f32();
         let high = &record[self.format.header_bytes()..self.format.values_at()];
@@ -253,16 +305,17 @@ impl Interleaved {
             *v -= self.format.offset();
         }
         let m = if self.format.has_min() { half(1) } else { 0.0 };
-        (half(0), m, q)
+        Unit { d: half(0), m, scale: [1, 1], q }
     }
 
     /// Row `r` de-quantized into `out` (`k` values): an embedding lookup.
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
         let (t, lane) = (r / LANES, r % LANES);
-        for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-            let (d, m, q) = self.unpack(self.record(t, b), lane);
-            for (o, q) in chunk.iter_mut().zip(q) {
-                *o = if self.format.has_min() { q as f32 * d + m } else { d * q as f32 };
+        for (u, chunk) in out.chunks_exact_mut(QK).enumerate() {
+            let Unit { d, m, scale, q } = self.unpack(t, u, lane);
+            for (i, (o, q)) in chunk.iter_mut().zip(q).enumerate() {
+                let d = d * scale[i / 16] as f32;
+                *o = if self.format.has_min() { d * q as f32 + m } else { d * q as f32 };
             }
         }
     }
@@ -275,6 +328,8 @@ impl Interleaved {
     fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k);
         let xq = quantize_rows(x);
+        // Q6_K's scales change every 16 values: its offset needs the activations' sums per 16.
+        let half_sums = if self.format == Format::Q6K { k_quants::half_sums(&xq.values) } else { Vec::new() };
         let mut out = vec![0f32; m * self.n];
         let ptr = super::OutPtr(out.as_mut_ptr());
         // Work items are pairs of tiles (32 output columns) over every activation row.
@@ -297,6 +352,8 @@ impl Interleaved {
                             Format::Q4_1 => x86::columns::<Q4_1>(self, &xq, m, t0, tiles, ptr.0),
                             Format::Q5_0 => x86::columns::<Q5_0>(self, &xq, m, t0, tiles, ptr.0),
                             Format::Q5_1 => x86::columns::<Q5_1>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4K => k_quants::x86::q4k_columns(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q6K => k_quants::x86::q6k_columns(self, &xq, &half_sums, m, t0, tiles, ptr.0),
                         }
                     }
                 }
@@ -308,16 +365,19 @@ impl Interleaved {
 
     /// Tiles `t0..t0 + tiles` against every activation row, in plain Rust.
     fn portable_columns(&self, xq: &QuantizedRows, m: usize, t0: usize, tiles: usize, out: super::OutPtr) {
-        let nb = self.blocks();
+        let units = self.k / QK;
         for t in t0..t0 + tiles {
             for lane in 0..LANES.min(self.n - t * LANES) {
                 for r in 0..m {
                     let mut total = 0f32;
-                    for b in 0..nb {
-                        let (d, m, q) = self.unpack(self.record(t, b), lane);
-                        let xi = r * nb + b;
+                    for u in 0..units {
+                        let Unit { d, m, scale, q } = self.unpack(t, u, lane);
+                        let xi = r * units + u;
                         let xs = &xq.values[xi * QK..(xi + 1) * QK];
-                        let dot: i32 = q.iter().zip(xs).map(|(&w, &x)| w * x as i32).sum();
+                        let dot = |h: usize| -> i32 {
+                            q[h * 16..][..16].iter().zip(&xs[h * 16..][..16]).map(|(&w, &x)| w * x as i32).sum()
+                        };
+                        let dot = scale[0] * dot(0) + scale[1] * dot(1);
                         total += dot as f32 * (d * xq.scales[xi]) + m * xq.sums[xi];
                     }
                     // SAFETY: this worker alone writes the columns of tiles t0..t0 + tiles.
@@ -327,7 +387,6 @@ impl Interleaved {
         }
     }
 }
-
 /// Format tags for the SIMD tile, as const generics.
 const Q8_0: u8 = 0;
 const Q4_0: u8 = 1;
@@ -471,16 +530,21 @@ mod x86 {
         }
         for r in 0..R {
             for g in 0..G {
-                let col = (t0 + g) * LANES;
-                let dst = out.add((row0 + r) * w.n + col);
-                if col + LANES <= w.n {
-                    _mm512_storeu_ps(dst, acc[r][g]);
-                } else {
-                    let mut lanes = [0f32; LANES];
-                    _mm512_storeu_ps(lanes.as_mut_ptr(), acc[r][g]);
-                    std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, w.n - col);
-                }
+                store(acc[r][g], out, row0 + r, w.n, (t0 + g) * LANES);
             }
+        }
+    }
+
+    /// Writes a tile's 16 columns from `col` of output row `row` (of `n` columns): those that exist.
+    #[inline(always)]
+    pub(super) unsafe fn store(acc: __m512, out: *mut f32, row: usize, n: usize, col: usize) {
+        let dst = out.add(row * n + col);
+        if col + LANES <= n {
+            _mm512_storeu_ps(dst, acc);
+        } else {
+            let mut lanes = [0f32; LANES];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+            std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, n - col);
         }
     }
 }
@@ -519,7 +583,8 @@ mod tests {
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
 
-    const FORMATS: [Format; 5] = [Format::Q8_0, Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1];
+    const FORMATS: [Format; 7] =
+        [Format::Q8_0, Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1, Format::Q4K, Format::Q6K];
 
     fn repacked(w: &Tensor, format: Format) -> (QTensor, Interleaved) {
         let q = QTensor::quantize(w, format.dtype()).unwrap();
@@ -528,31 +593,56 @@ mod tests {
         (q, p)
     }
 
-    /// Both paths (the portable one forced) equal candle's quantized matmul for every format,
-    /// for row counts that exercise every tile shape and weights whose rows do not fill the
-    /// last tile (candle rounds Q4_1's `d·Σq` to f16: hence the tolerance relative to the sum
-    /// of the absolute products).
+    /// `(m, k, n)` shapes that exercise every tile shape and weights whose rows do not fill the
+    /// last tile, with rows of whole blocks of `format`.
+    fn shapes(format: Format) -> [(usize, usize, usize); 7] {
+        let w = format.block_values() / QK;
+        [(1, 64, 16), (1, 640, 37), (2, 96, 32), (3, 128, 48), (5, 64, 9), (8, 640, 64), (13, 128, 81)]
+            .map(|(m, k, n)| (m, k * w, n))
+    }
+
+    /// The product of the de-quantized weight and the de-quantized 32-value int8 activations,
+    /// in float64: what every path computes, up to the order of float additions.
+    fn exact(q: &QTensor, x: &[f32], m: usize) -> Vec<f64> {
+        let w = q.dequantize(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
+        let xq = quantize_rows(x);
+        let k = x.len() / m;
+        let xd: Vec<f64> = xq.values.iter().enumerate().map(|(i, &v)| v as f64 * xq.scales[i / QK] as f64).collect();
+        (0..m)
+            .flat_map(|r| {
+                let row = &xd[r * k..(r + 1) * k];
+                w.iter().map(move |wr| wr.iter().zip(row).map(|(&a, &b)| a as f64 * b).sum::<f64>())
+            })
+            .collect()
+    }
+
+    /// Both paths (the portable one forced) compute the exact product of the quantized operands,
+    /// and stay next to candle's quantized matmul, for every format. Against candle, relative to
+    /// the sum of the absolute products: candle rounds Q4_1's `d·Σq` to f16, and quantizes the
+    /// activations of the k-quants in 256-value blocks where ours are 32.
     #[test]
-    fn every_path_equals_candles_quantized_matmul() {
+    fn every_path_computes_the_quantized_product() {
         let dev = Device::Cpu;
         let mut paths = vec![Path::Portable];
         if available() {
             paths.push(Path::Avx512Vnni);
         }
         for format in FORMATS {
-            for (m, k, n) in
-                [(1, 64, 16), (1, 640, 37), (2, 96, 32), (3, 128, 48), (5, 64, 9), (8, 640, 64), (13, 128, 81)]
-            {
+            let near_candle = if format.block_values() == QK { 1e-3 } else { 1e-2 };
+            for (m, k, n) in shapes(format) {
                 let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
                 let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
                 let (q, p) = repacked(&w, format);
-                let (want, magnitude) = super::super::reference::candle_product(q, &x);
                 let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let want = exact(&q, &xs, m);
+                let (candle, magnitude) = super::super::reference::candle_product(q, &x);
                 for &path in &paths {
                     let got = p.matmul_with(&xs, m, path);
                     assert_eq!(got.len(), m * n);
-                    for ((a, b), s) in got.iter().zip(&want).zip(&magnitude) {
-                        assert!((a - b).abs() <= 1e-3 * s + 1e-5, "{format:?} ({m},{k},{n}) {path:?}: {a} vs {b}");
+                    for (((&a, &b), &c), &s) in got.iter().zip(&want).zip(&candle).zip(&magnitude) {
+                        let at = format!("{format:?} ({m},{k},{n}) {path:?}: {a} vs");
+                        assert!((a as f64 - b).abs() <= 1e-5 * s as f64 + 1e-6, "{at} exact {b}");
+                        assert!((a - c).abs() <= near_candle * s + 1e-5, "{at} candle {c}");
                     }
                 }
             }
@@ -564,10 +654,11 @@ mod tests {
     fn rows_de_quantize_as_candle_does() {
         let dev = Device::Cpu;
         for format in FORMATS {
-            let w = Tensor::randn(0f32, 1.0, (19, 96), &dev).unwrap();
+            let k = 2 * format.block_values().max(96);
+            let w = Tensor::randn(0f32, 1.0, (19, k), &dev).unwrap();
             let (q, p) = repacked(&w, format);
             let want = q.dequantize(&dev).unwrap().to_vec2::<f32>().unwrap();
-            let mut row = vec![0f32; 96];
+            let mut row = vec![0f32; k];
             for (r, expected) in want.iter().enumerate() {
                 p.row_into(r, &mut row);
                 assert_eq!(&row, expected, "{format:?} row {r}");
@@ -580,5 +671,7 @@ mod tests {
         assert!(Interleaved::repack(Format::Q8_0, vec![0; 34], 1, 33).is_err());
         assert!(Interleaved::repack(Format::Q8_0, vec![0; 33], 1, 32).is_err());
         assert!(Interleaved::repack(Format::Q4_1, vec![0; 20], usize::MAX, 32).is_err());
+        assert!(Interleaved::repack(Format::Q4K, vec![0; 72], 1, 128).is_err());
+        assert!(Interleaved::repack(Format::Q6K, vec![0; 210], 2, 256).is_err());
     }
 }
