@@ -226,7 +226,8 @@ impl CandleBackend {
             .ok_or_else(|| CandleError::MissingTensor { name: "token_embd.weight".into() })?;
         let vocab_size = embed.first().copied().unwrap_or(0);
         let source = path.display().to_string();
-        let arch = config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size, &source)?;
+        let n_tokens = weights.vocabulary_len();
+        let arch = config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size, n_tokens, &source)?;
         check_no_extra_layers(&weights.names(), arch.num_layers(), "blk.", &source)?;
         let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
         validate_context(max_context)?;

@@ -663,8 +663,8 @@ enum Family {
 
 /// A GGUF vocabulary converted up to its BPE model's inputs: the part of the conversion that
 /// runs on every thread (merges parsed or generated). [`PreparedTokenizer::build`] does the
-/// rest, which is one thread's work (kept apart so that it could run beside the weights' load:
-/// measured on 2 shared cores, that gained nothing and raised the peak resident size).
+/// rest, which is one thread's work (`Model::load` runs the whole conversion beside the
+/// weights' load).
 pub(crate) struct PreparedTokenizer<'a> {
     v: Vocabulary<'a>,
     family: Family,

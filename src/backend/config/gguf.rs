@@ -4,12 +4,13 @@ use super::{check_layer_count, Activation, ArchConfig, Architecture, LayerConfig
 use crate::backend::error::{CandleError, Result};
 use crate::backend::weights::gguf::Metadata;
 
-/// Reads the architecture; `has_tensor` tells which optional tensors the file carries, `path`
-/// names the file in errors.
+/// Reads the architecture; `has_tensor` tells which optional tensors the file carries,
+/// `n_tokens` how many tokens its vocabulary holds (if it has one), `path` names the file in errors.
 pub fn parse_config(
     md: &Metadata<'_>,
     has_tensor: &dyn Fn(&str) -> bool,
     vocab_size: usize,
+    n_tokens: Option<usize>,
     path: &str,
 ) -> Result<ArchConfig> {
     let name = md.string("general.architecture")?;
@@ -25,7 +26,7 @@ pub fn parse_config(
     let key = |k: &str| format!("{name}.{k}");
     // As llama.cpp requires: an embedding row without a token would be generated and then
     // decode to nothing, silently dropping text.
-    if let Some(n_tokens) = md.array_len("tokenizer.ggml.tokens") {
+    if let Some(n_tokens) = n_tokens {
         if n_tokens != vocab_size {
             return Err(super::invalid(
                 path,

@@ -34,15 +34,14 @@ impl Weight {
     }
 
     /// The weight in the layout its fastest kernel reads: block formats on a CPU that runs
-    /// `interleaved` are repacked (the tensor is copied once; `GgufWeights` repacks
-    /// straight from the file instead), everything else stays as it is.
+    /// `interleaved` are repacked (the tensor is copied once; `GgufWeights` repacks straight
+    /// from the file instead), everything else stays as it is.
     pub fn prepare(q: QTensor, device: &Device) -> candle_core::Result<Self> {
         match repacked_format(q.dtype(), device) {
             Some(format) => {
                 let (n, k) = q.shape().dims2()?;
-                let bytes = q.data()?.into_owned();
-                drop(q);
-                let tiles = interleaved::Interleaved::repack(format, bytes, n, k).map_err(candle_core::Error::Msg)?;
+                let tiles =
+                    interleaved::Interleaved::repack(format, &q.data()?, n, k).map_err(candle_core::Error::Msg)?;
                 Ok(Self::Interleaved(Arc::new(tiles)))
             }
             None => Ok(Self::Candle(QMatMul::from_arc(Arc::new(q))?)),

@@ -446,12 +446,20 @@ pub struct GgufWeights {
     path: PathBuf,
     content: Content,
     dequantize: bool,
+    /// Tokens in `tokenizer.ggml.tokens`, kept when the vocabulary itself is handed on.
+    vocabulary_len: Option<usize>,
 }
+
+/// The vocabulary arrays of the metadata (`tokenizer.ggml.*`): only the tokenizer reads them.
+const VOCABULARY_KEYS: [&str; 4] =
+    ["tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"];
 
 impl GgufWeights {
     /// Opens and validates `path`; `dequantize` expands every weight to the model dtype at load.
     pub fn open(path: &Path, dequantize: bool) -> Result<Self> {
-        Ok(Self { path: path.to_owned(), content: read_content(path)?, dequantize })
+        let content = read_content(path)?;
+        let vocabulary_len = Metadata::new(&content.metadata).array_len(VOCABULARY_KEYS[0]);
+        Ok(Self { path: path.to_owned(), content, dequantize, vocabulary_len })
     }
 
     /// The file's metadata.
@@ -459,12 +467,32 @@ impl GgufWeights {
         &self.content.metadata
     }
 
+    /// Tokens in the file's vocabulary (`tokenizer.ggml.tokens`), whether or not it is still held.
+    pub fn vocabulary_len(&self) -> Option<usize> {
+        self.vocabulary_len
+    }
+
     /// Forgets the vocabulary arrays (tokens, scores, types, merges): only the tokenizer reads them.
     pub fn drop_vocabulary(&mut self) {
-        for key in ["tokens", "scores", "token_type", "merges"] {
-            self.content.metadata.remove(&format!("tokenizer.ggml.{key}"));
+        for key in VOCABULARY_KEYS {
+            self.content.metadata.remove(key);
         }
         self.content.metadata.shrink_to_fit();
+    }
+
+    /// What the tokenizer reads, for it to own while the weights load: the vocabulary arrays
+    /// (moved out, as `drop_vocabulary` forgets them), the other `tokenizer.*` entries and the
+    /// architecture (copied: a few short values).
+    pub fn take_tokenizer_metadata(&mut self) -> HashMap<String, Value> {
+        let mut taken: HashMap<String, Value> =
+            VOCABULARY_KEYS.iter().filter_map(|&key| self.content.metadata.remove_entry(key)).collect();
+        self.content.metadata.shrink_to_fit();
+        for (key, value) in &self.content.metadata {
+            if key.starts_with("tokenizer.") || key == "general.architecture" {
+                taken.insert(key.clone(), value.clone());
+            }
+        }
+        taken
     }
 
     /// The dominant quantization of the matmul weights (e.g. `Q4_K`), for display.
@@ -524,18 +552,17 @@ impl GgufWeights {
                 self.malformed(name, format!("rows of {k} values are not whole blocks of {}", dtype.block_size()))
             );
         }
-        let size = (k / dtype.block_size() * dtype.type_size()).checked_mul(n);
-        let size = size.ok_or_else(|| self.malformed(name, format!("{n} rows of {k} values overflow")))?;
         let (_, file, at) = self.open_tensor(name)?;
-        let mut bytes = vec![0u8; size];
-        read_at(&file, at, &mut bytes).map_err(|e| self.malformed(name, e))?;
-        Interleaved::repack(format, bytes, n, k).map(|t| Some(Arc::new(t))).map_err(|e| self.malformed(name, e))
+        Interleaved::read(format, n, k, |offset, buf| read_at(&file, at + offset as u64, buf))
+            .map(|t| Some(Arc::new(t)))
+            .map_err(|e| self.malformed(name, e))
     }
 }
 
 /// Fills `buf` from `file` at `offset`, in chunks read in parallel: faulting in a fresh buffer's
 /// pages and the kernel's copies from the page cache are most of the time a load spends on its
-/// weights, and one 180 MB read otherwise runs them all on one core.
+/// weights, and one 180 MB read otherwise runs them all on one core. Safe to call from several
+/// threads at once on one file (the tiles read theirs so).
 fn read_at(file: &File, offset: u64, buf: &mut [u8]) -> std::result::Result<(), String> {
     #[cfg(unix)]
     {
@@ -549,6 +576,9 @@ fn read_at(file: &File, offset: u64, buf: &mut [u8]) -> std::result::Result<(), 
     }
     #[cfg(not(unix))]
     {
+        // A seek and a read are two steps on a shared file position: one reader at a time.
+        static POSITION: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = POSITION.lock().unwrap_or_else(|e| e.into_inner());
         let mut r = file;
         r.seek(std::io::SeekFrom::Start(offset)).map_err(|e| e.to_string())?;
         r.read_exact(buf).map_err(|e| e.to_string())

@@ -223,32 +223,68 @@ pub struct Interleaved {
 }
 
 impl Interleaved {
-    /// Repacks `n` rows of `k` values of `format` blocks (ggml's layout), in place.
-    pub fn repack(format: Format, mut blocks: Vec<u8>, n: usize, k: usize) -> Result<Self, String> {
+    /// Builds the tiles of `n` rows of `k` values of `format` blocks in ggml's layout, whose
+    /// bytes from `offset` on `read(offset, buf)` fills `buf` with. The bytes go from a small
+    /// buffer per task straight to their place in the tiles: a weight is never held twice, and
+    /// its memory is written once.
+    pub fn read(
+        format: Format,
+        n: usize,
+        k: usize,
+        read: impl Fn(usize, &mut [u8]) -> Result<(), String> + Sync,
+    ) -> Result<Self, String> {
         let qk = format.block_values();
         if k == 0 || k % qk != 0 {
             return Err(format!("rows of {k} values are not whole {qk}-value blocks"));
         }
         let nb = k / qk;
         let bb = format.block_bytes();
-        let expected = n.checked_mul(nb * bb).ok_or_else(|| format!("{n} rows of {k} values overflow"))?;
-        if blocks.len() != expected {
-            return Err(format!("{} bytes for {n} rows of {k} {format:?} values, expected {expected}", blocks.len()));
-        }
+        let row_bytes = nb * bb;
         let tiles = n.div_ceil(LANES);
-        let record = format.record_bytes();
-        // All-zero blocks (scale 0) pad the last tile.
-        blocks.resize(tiles * nb * record, 0);
-        blocks.par_chunks_mut(nb * record).with_min_len(8).for_each(|tile| {
-            let source = tile.to_vec();
-            tile.fill(0);
-            for (b, out) in tile.chunks_exact_mut(record).enumerate() {
-                for lane in 0..LANES {
-                    format.place(&source[(lane * nb + b) * bb..][..bb], lane, out);
+        let size = tiles.checked_mul(nb * format.record_bytes());
+        let size =
+            size.filter(|&s| s <= isize::MAX as usize).ok_or_else(|| format!("{n} rows of {k} values overflow"))?;
+        // Zeroed memory the OS hands over untouched; all-zero blocks (scale 0) pad the last tile.
+        let mut data = vec![0u8; size];
+        let tile_bytes = nb * format.record_bytes();
+        // Enough tiles a task for one read of about 64 KiB.
+        let per_task = (64usize << 10).div_ceil(tile_bytes.max(1)).max(1);
+        let buffers = || (Vec::new(), vec![0u8; format.record_bytes()]);
+        data.par_chunks_mut(per_task * tile_bytes).enumerate().try_for_each_init(
+            buffers,
+            |(source, record), (i, out)| {
+                let row0 = i * per_task * LANES;
+                let rows = (n - row0).min(per_task * LANES);
+                source.resize(rows * row_bytes, 0);
+                read(row0 * row_bytes, source)?;
+                for (t, tile) in out.chunks_exact_mut(tile_bytes).enumerate() {
+                    let lanes = (rows - t * LANES).min(LANES);
+                    for (b, dst) in tile.chunks_exact_mut(format.record_bytes()).enumerate() {
+                        // Assembled in cache and written once: building a record in place reads
+                        // fresh pages before writing them, which faults each of them in twice.
+                        record.fill(0);
+                        for lane in 0..lanes {
+                            format.place(&source[((t * LANES + lane) * nb + b) * bb..][..bb], lane, record);
+                        }
+                        dst.copy_from_slice(record);
+                    }
                 }
-            }
-        });
-        Ok(Self { format, n, k, data: blocks })
+                Ok::<(), String>(())
+            },
+        )?;
+        Ok(Self { format, n, k, data })
+    }
+
+    /// Repacks `n` rows of `k` values of `format` blocks held in `blocks` (ggml's layout).
+    pub fn repack(format: Format, blocks: &[u8], n: usize, k: usize) -> Result<Self, String> {
+        let expected = (k / format.block_values() * format.block_bytes()).checked_mul(n);
+        if expected != Some(blocks.len()) || k % format.block_values() != 0 {
+            return Err(format!("{} bytes for {n} rows of {k} {format:?} values", blocks.len()));
+        }
+        Self::read(format, n, k, |offset, buf| {
+            buf.copy_from_slice(&blocks[offset..offset + buf.len()]);
+            Ok(())
+        })
     }
 
     /// `(rows, values per row)` of the original weight.
@@ -589,7 +625,7 @@ mod tests {
     fn repacked(w: &Tensor, format: Format) -> (QTensor, Interleaved) {
         let q = QTensor::quantize(w, format.dtype()).unwrap();
         let (n, k) = w.dims2().unwrap();
-        let p = Interleaved::repack(format, q.data().unwrap().to_vec(), n, k).unwrap();
+        let p = Interleaved::repack(format, &q.data().unwrap(), n, k).unwrap();
         (q, p)
     }
 
@@ -668,10 +704,10 @@ mod tests {
 
     #[test]
     fn wrong_sizes_are_errors() {
-        assert!(Interleaved::repack(Format::Q8_0, vec![0; 34], 1, 33).is_err());
-        assert!(Interleaved::repack(Format::Q8_0, vec![0; 33], 1, 32).is_err());
-        assert!(Interleaved::repack(Format::Q4_1, vec![0; 20], usize::MAX, 32).is_err());
-        assert!(Interleaved::repack(Format::Q4K, vec![0; 72], 1, 128).is_err());
-        assert!(Interleaved::repack(Format::Q6K, vec![0; 210], 2, 256).is_err());
+        assert!(Interleaved::repack(Format::Q8_0, &vec![0; 34], 1, 33).is_err());
+        assert!(Interleaved::repack(Format::Q8_0, &vec![0; 33], 1, 32).is_err());
+        assert!(Interleaved::repack(Format::Q4_1, &vec![0; 20], usize::MAX, 32).is_err());
+        assert!(Interleaved::repack(Format::Q4K, &vec![0; 72], 1, 128).is_err());
+        assert!(Interleaved::repack(Format::Q6K, &vec![0; 210], 2, 256).is_err());
     }
 }
