@@ -300,10 +300,12 @@ impl Worker {
     }
 
     fn fail(&self, events: &Sender<EngineEvent>, e: EngineError) {
-        let _ = events.send(EngineEvent::Failed(e));
         self.finish_one();
+        let _ = events.send(EngineEvent::Failed(e));
     }
 
+    /// Counts a request as finished: before its last event is sent, so that a client holding
+    /// its answer never reads statistics that have not counted it yet.
     fn finish_one(&self) {
         self.stats.finished.fetch_add(1, Ordering::Relaxed);
     }
@@ -345,9 +347,9 @@ impl Worker {
                 for s in done {
                     let result = s.generation.result();
                     self.stats.generated_tokens.fetch_add(result.token_ids.len(), Ordering::Relaxed);
+                    self.finish_one();
                     let _ = s.events.send(EngineEvent::Done(result));
                     self.retire(s.model);
-                    self.finish_one();
                 }
             }
             Err(e) => {
@@ -357,9 +359,9 @@ impl Worker {
                         operation: "engine step",
                         reason: message.clone(),
                     });
+                    self.finish_one();
                     let _ = s.events.send(EngineEvent::Failed(err.into()));
                     self.retire(s.model);
-                    self.finish_one();
                 }
             }
         }
