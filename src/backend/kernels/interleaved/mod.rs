@@ -234,7 +234,7 @@ impl Interleaved {
         read: impl Fn(usize, &mut [u8]) -> Result<(), String> + Sync,
     ) -> Result<Self, String> {
         let qk = format.block_values();
-        if k == 0 || k % qk != 0 {
+        if k == 0 || !k.is_multiple_of(qk) {
             return Err(format!("rows of {k} values are not whole {qk}-value blocks"));
         }
         let nb = k / qk;
@@ -279,7 +279,7 @@ impl Interleaved {
     /// Repacks `n` rows of `k` values of `format` blocks held in `blocks` (ggml's layout).
     pub fn repack(format: Format, blocks: &[u8], n: usize, k: usize) -> Result<Self, String> {
         let expected = (k / format.block_values() * format.block_bytes()).checked_mul(n);
-        if expected != Some(blocks.len()) || k % format.block_values() != 0 {
+        if expected != Some(blocks.len()) || !k.is_multiple_of(format.block_values()) {
             return Err(format!("{} bytes for {n} rows of {k} {format:?} values", blocks.len()));
         }
         Self::read(format, n, k, |offset, buf| {
