@@ -14,6 +14,16 @@ CASES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
 # The device of the `runtime` fixture (and so of every test that takes it): benches/device_check.sh
 # sets `cuda` to hold a GPU build to the same references; everything else stays on the CPU.
 DEVICE = os.environ.get("CANDLEWICK_TEST_DEVICE", "cpu")
+# The merge cache (src/text/merge_cache.rs) in a directory of this run's own, unless one is
+# given: the suite starts cold, so the generated and the cached merges both run, and nothing
+# lands in the user's cache.
+if "CANDLEWICK_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["CANDLEWICK_CACHE_DIR"] = tempfile.mkdtemp(prefix="candlewick-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["CANDLEWICK_CACHE_DIR"], ignore_errors=True)
 
 
 def rel_l2(a, r):

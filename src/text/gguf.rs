@@ -382,7 +382,7 @@ impl TokenFilter {
 /// not a token (Gemma 3: 1.21M splits, 515k merges): a bit set of the tokens' hashes (512 KiB,
 /// in the core's cache) turns those away before the map (tens of MB, a cache miss a probe) is
 /// asked.
-fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
+fn generate_merge_ids(tokens: &[String], scores: &[f64]) -> Vec<(u32, u32)> {
     let mut last: ahash::AHashMap<&str, (u32, f64)> = ahash::AHashMap::with_capacity(tokens.len());
     // Each distinct token once, in order of first appearance, with the index of its first.
     let mut order: Vec<(&str, u32)> = Vec::with_capacity(tokens.len());
@@ -396,7 +396,7 @@ fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
     }
     // Tokens are independent until the final sort: split them over the threads, keeping order.
     let per_task = order.len().div_ceil(rayon::current_num_threads().max(1) * 4).max(1024);
-    let parts: Vec<Vec<(f64, u32, u32, &str, &str)>> = order
+    let parts: Vec<Vec<(f64, u32, u32, u32, u32)>> = order
         .par_chunks(per_task)
         .map(|tokens| {
             let mut merges = Vec::new();
@@ -419,7 +419,9 @@ fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
                 // Each split has its own left piece, so the (left id, right id) keys are distinct.
                 local.sort_unstable_by_key(|&(li, ri, _, _)| (li, ri));
                 merges.extend(
-                    local.iter().map(|&(_, _, l, r)| (score, l.chars().count() as u32, r.chars().count() as u32, l, r)),
+                    local
+                        .iter()
+                        .map(|&(li, ri, l, r)| (score, l.chars().count() as u32, r.chars().count() as u32, li, ri)),
                 );
             }
             merges
@@ -429,10 +431,28 @@ fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
     // Python compares floats numerically (-0.0 == 0.0), which `partial_cmp` matches; the sort is
     // stable like `sorted(..., reverse=True)` (rayon's `par_sort_by` is stable too).
     merges.par_sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+    // A piece's id is its last occurrence's, whose spelling is the piece's.
+    merges.into_iter().map(|(_, _, _, l, r)| (l, r)).collect()
+}
+
+/// [`generate_merge_ids`] as the strings the BPE builder takes, from the cache
+/// (`merge_cache.rs`) when an earlier load generated them for the same tokens and scores.
+fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
+    let cache = super::merge_cache::dir();
+    let key = super::merge_cache::key(tokens, scores);
+    let token_bytes = tokens.iter().map(String::len).sum();
+    let cached = cache.as_deref().and_then(|dir| super::merge_cache::read(dir, &key, tokens.len(), token_bytes));
+    let ids = cached.unwrap_or_else(|| {
+        let ids = generate_merge_ids(tokens, scores);
+        if let Some(dir) = &cache {
+            super::merge_cache::write(dir, &key, &ids);
+        }
+        ids
+    });
     // On this thread: strings allocated on rayon's workers live in their malloc arenas, which
     // keep the freed memory once the BPE builder is done with them (Gemma 3 270M: 30 MB more
     // resident for the model's lifetime).
-    merges.into_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
+    ids.into_iter().map(|(l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone())).collect()
 }
 
 /// Merges stated by the file, as `"left right"` strings.
@@ -787,8 +807,10 @@ pub(crate) fn tokenizer_from_gguf(md: &HashMap<String, Value>) -> Result<GgufTok
 mod tests {
     use super::*;
 
-    fn pairs(merges: &[(String, String)]) -> Vec<(&str, &str)> {
-        merges.iter().map(|(l, r)| (l.as_str(), r.as_str())).collect()
+    /// The generated merges as strings, without the disk cache.
+    fn pairs<'a>(tokens: &'a [String], scores: &[f64]) -> Vec<(&'a str, &'a str)> {
+        let ids = generate_merge_ids(tokens, scores);
+        ids.into_iter().map(|(l, r)| (tokens[l as usize].as_str(), tokens[r as usize].as_str())).collect()
     }
 
     #[test]
@@ -796,10 +818,10 @@ mod tests {
         let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"].iter().map(|s| s.to_string()).collect();
         // By score: "ab" (-1), "abc" (-2), "bc" (-3); within "abc" the longer left piece first.
         let scores = [-0.1, -0.2, -0.5, -1.0, -3.0, -2.0];
-        assert_eq!(pairs(&generate_merges(&tokens, &scores)), [("a", "b"), ("ab", "c"), ("a", "bc"), ("b", "c")]);
+        assert_eq!(pairs(&tokens, &scores), [("a", "b"), ("ab", "c"), ("a", "bc"), ("b", "c")]);
         // By position (Gemma): "ab" (3), "bc" (4), "abc" (5).
         let positions: Vec<f64> = (0..6).map(|i| -(i as f64)).collect();
-        assert_eq!(pairs(&generate_merges(&tokens, &positions)), [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]);
+        assert_eq!(pairs(&tokens, &positions), [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]);
     }
 
     #[test]

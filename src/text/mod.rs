@@ -9,6 +9,7 @@ mod chat_template;
 mod detokenizer;
 mod error;
 mod gguf;
+mod merge_cache;
 mod python_json_dumps;
 mod tokenizer;
 
