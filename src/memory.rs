@@ -12,21 +12,3 @@ pub fn release_freed_memory() {
         libc::malloc_trim(0);
     }
 }
-
-/// Asks the kernel to back a large, fresh, untouched buffer with transparent huge pages where
-/// it allows them on request (`madvise` mode): a 2 MiB page is one fault instead of 512.
-pub fn prefer_huge_pages(buf: &mut [u8]) {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let start = (buf.as_mut_ptr() as usize).next_multiple_of(HUGE);
-        let end = (buf.as_mut_ptr() as usize + buf.len()) / HUGE * HUGE;
-        if end > start {
-            // SAFETY: the range lies inside `buf`; MADV_HUGEPAGE changes how its pages are
-            // backed, never their contents.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-}

@@ -245,8 +245,10 @@ impl Interleaved {
         let size =
             size.filter(|&s| s <= isize::MAX as usize).ok_or_else(|| format!("{n} rows of {k} values overflow"))?;
         // Zeroed memory the OS hands over untouched; all-zero blocks (scale 0) pad the last tile.
+        // Small pages: transparent huge ones (asked for with madvise) made loads slower and
+        // more variable on this project's virtual machines, where a fresh 2 MiB block is likely
+        // one the host has taken back (BENCHMARKS.md).
         let mut data = vec![0u8; size];
-        crate::memory::prefer_huge_pages(&mut data);
         let tile_bytes = nb * format.record_bytes();
         // Enough tiles a task for one read of about 64 KiB.
         let per_task = (64usize << 10).div_ceil(tile_bytes.max(1)).max(1);
