@@ -438,14 +438,15 @@ fn generate_merge_ids(tokens: &[String], scores: &[f64]) -> Vec<(u32, u32)> {
 /// [`generate_merge_ids`] as the strings the BPE builder takes, from the cache
 /// (`merge_cache.rs`) when an earlier load generated them for the same tokens and scores.
 fn generate_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
-    let cache = super::merge_cache::dir();
-    let key = super::merge_cache::key(tokens, scores);
-    let token_bytes = tokens.iter().map(String::len).sum();
-    let cached = cache.as_deref().and_then(|dir| super::merge_cache::read(dir, &key, tokens.len(), token_bytes));
+    use super::merge_cache;
+    // The vocabulary is hashed only where there is a cache to look in.
+    let cache = merge_cache::dir().map(|dir| (dir, merge_cache::key(tokens, scores)));
+    let token_bytes = || tokens.iter().map(String::len).sum();
+    let cached = cache.as_ref().and_then(|(dir, key)| merge_cache::read(dir, key, tokens.len(), token_bytes()));
     let ids = cached.unwrap_or_else(|| {
         let ids = generate_merge_ids(tokens, scores);
-        if let Some(dir) = &cache {
-            super::merge_cache::write(dir, &key, &ids);
+        if let Some((dir, key)) = &cache {
+            merge_cache::write(dir, key, &ids);
         }
         ids
     });

@@ -16,9 +16,7 @@
 //! Q6_K (210 bytes a row): `d`; the 16 signed scales, one byte per row and sub-block of 16
 //! values; the low four bits as for Q4_K; the top two bits of four 32-value units in each byte.
 
-use half::f16;
-
-use super::{Unit, LANES, QK};
+use super::{half, Unit, LANES, QK};
 
 /// Values of a k-quant super-block.
 pub(super) const QK_K: usize = 256;
@@ -48,10 +46,6 @@ fn scatter_groups(src: &[u8], lane: usize, record: &mut [u8], at: usize) {
     for (v, quad) in src.chunks_exact(4).enumerate() {
         record[at + v * VECTOR + lane * 4..][..4].copy_from_slice(quad);
     }
-}
-
-fn half(record: &[u8], at: usize, lane: usize) -> f32 {
-    f16::from_le_bytes([record[at + lane * 2], record[at + lane * 2 + 1]]).to_f32()
 }
 
 /// Sub-block `j`'s 6-bit scale and min from a ggml Q4_K block's 12 packed bytes.

@@ -212,6 +212,11 @@ struct Unit {
     q: [i32; QK],
 }
 
+/// Row `lane`'s half-precision field of a record whose 16 rows' fields start at `at`.
+fn half(record: &[u8], at: usize, lane: usize) -> f32 {
+    f16::from_le_bytes([record[at + lane * 2], record[at + lane * 2 + 1]]).to_f32()
+}
+
 /// A `[n, k]` weight in 16-row tiles (the last tile padded with zero rows).
 #[derive(Debug)]
 pub struct Interleaved {
@@ -280,8 +285,9 @@ impl Interleaved {
 
     /// Repacks `n` rows of `k` values of `format` blocks held in `blocks` (ggml's layout).
     pub fn repack(format: Format, blocks: &[u8], n: usize, k: usize) -> Result<Self, String> {
+        // Rows that are not whole blocks are refused by `read`.
         let expected = (k / format.block_values() * format.block_bytes()).checked_mul(n);
-        if expected != Some(blocks.len()) || !k.is_multiple_of(format.block_values()) {
+        if expected != Some(blocks.len()) {
             return Err(format!("{} bytes for {n} rows of {k} {format:?} values", blocks.len()));
         }
         Self::read(format, n, k, |offset, buf| {
@@ -324,8 +330,7 @@ impl Interleaved {
             Format::Q6K => return k_quants::unpack_q6k(record, lane, u % per_block),
             _ => {}
         }
-        let half =
-            |f: usize| f16::from_le_bytes([record[f * HALVES + lane * 2], record[f * HALVES + lane * 2 + 1]]).to_f32();
+        let field = |f: usize| half(record, f * HALVES, lane);
         let high = &record[self.format.header_bytes()..self.format.values_at()];
         let values = &record[self.format.values_at()..];
         let mut q = [0i32; QK];
@@ -343,8 +348,8 @@ impl Interleaved {
             }
             *v -= self.format.offset();
         }
-        let m = if self.format.has_min() { half(1) } else { 0.0 };
-        Unit { d: half(0), m, scale: [1, 1], q }
+        let m = if self.format.has_min() { field(1) } else { 0.0 };
+        Unit { d: field(0), m, scale: [1, 1], q }
     }
 
     /// Row `r` de-quantized into `out` (`k` values): an embedding lookup.
