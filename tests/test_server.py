@@ -277,14 +277,14 @@ def test_api_key_and_a_full_queue(tmp_path):
     proc, base = start_server(tmp_path, "--api-key", "sekrit", "--max-batch-size", "1", "--max-queue", "1")
     key = {"Authorization": "Bearer sekrit"}
     try:
-        # One request runs, one waits, the next is refused with 429 and Retry-After.
+        # One request runs, one waits, the next is refused with 503 and Retry-After.
         long = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True}
         threads = [threading.Thread(target=post, args=(base, "/v1/completions", long, key)) for _ in range(2)]
         for t in threads:
             t.start()
             time.sleep(0.5)
         status, err, headers = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, key)
-        assert status == 429 and err["error"]["type"] == "rate_limit_error", err
+        assert status == 503 and err["error"]["code"] == "queue_full", err
         assert {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1"
         for t in threads:
             t.join(timeout=120)

@@ -279,6 +279,17 @@ def positive(text: str) -> int:
     return n
 
 
+def non_negative_seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a duration in seconds (0 or more)")
+    return x
+
+
 def parser() -> argparse.ArgumentParser:
     from . import __version__, _native
 
@@ -350,7 +361,11 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     v.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")
-    v.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    v.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503 (with Retry-After)")
+    v.add_argument("--request-timeout", type=non_negative_seconds, default=600.0, metavar="SECONDS",
+                   help="cancel a request after this long (504, or an error event in its stream); 0: never")
+    v.add_argument("--shutdown-grace", type=non_negative_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, time left to the requests in flight before they are cancelled")
     v.add_argument("--control-vector", action="append", metavar="NAME=FILE[:SCALE]",
                    help="a llama.cpp control vector requests can name (repeatable)")
     v.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
@@ -373,7 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run(args.model or default_model(), host=args.host, port=args.port, address=args.ray_address,
             replicas=args.replicas, api_key=args.api_key, max_batch_size=args.max_batch_size,
             max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
-            chat_template=template, threads=args.threads)
+            chat_template=template, threads=args.threads, request_timeout=args.request_timeout)
         return 0
     try:
         from .serve import serve
@@ -381,7 +396,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"the server needs its extra: pip install 'candlewick[server]' ({e})")
     serve(args.model or default_model(), host=args.host, port=args.port, api_key=args.api_key,
           max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
-          device=args.device, chat_template=template, threads=args.threads)
+          device=args.device, chat_template=template, threads=args.threads,
+          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace)
     return 0
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -27,10 +30,61 @@ def load_control_vectors(runtime, specs) -> dict:
     return named
 
 
+def connection_limit(max_batch_size: int, max_queue: int) -> int:
+    """The most connections uvicorn holds at once (beyond it, it answers 503 before reading a
+    body): room for a full batch and queue twice over (keep-alive connections of the same
+    clients, requests being refused) and for probes, so memory stays bounded however many
+    clients come."""
+    return 2 * (max_batch_size + max_queue) + 32
+
+
+@contextmanager
+def sigterm_ends_cleanly():
+    """uvicorn answers SIGTERM with a graceful shutdown, then raises the signal again under the
+    handler it found, which by default kills the process (status 143). With a no-op handler
+    found instead, the shutdown that already happened is the whole answer and `serve`
+    returns: status 0, as service managers expect of a clean stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals belong to the main thread; uvicorn leaves them alone too
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def graceful_server(config, server: Server, grace: float):
+    """A uvicorn server that, once a shutdown's `grace` seconds have passed, cancels the
+    engine's requests itself (`Server.cancel_all`): each handler then ends with a proper answer
+    (503, or an error event in its stream) and its connection closes. uvicorn's own cut-off,
+    which cancels the handlers' tasks and logs each as a crash, stays as a backstop a few
+    seconds later."""
+    import asyncio
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            timer = asyncio.get_running_loop().call_later(grace, server.cancel_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    config.timeout_graceful_shutdown = grace + 5.0
+    return GracefulServer(config)
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           max_batch_size: int = 8, max_queue: int = 64, control_vectors=None, device: str = "auto",
-          chat_template: Optional[str] = None, log_level: str = "info", threads: Optional[int] = None) -> None:
-    """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise)."""
+          chat_template: Optional[str] = None, log_level: str = "info", threads: Optional[int] = None,
+          request_timeout: Optional[float] = 600.0, shutdown_grace: float = 30.0) -> None:
+    """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
+
+    Each request is cancelled after `request_timeout` seconds (0 or None: never). On SIGTERM
+    the server stops accepting connections, lets the requests in flight finish for up to
+    `shutdown_grace` seconds, cancels the rest and returns."""
     import uvicorn
 
     from .. import ModelRuntime
@@ -42,6 +96,18 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     runtime = ModelRuntime.load(model, device=device, threads=threads)
     server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
-                    chat_template=chat_template, log=log)
+                    chat_template=chat_template, log=log, request_timeout=request_timeout)
     log(f"serving {server.model_name} on http://{host}:{port}/v1")
-    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level, access_log=False)
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False,
+                            limit_concurrency=connection_limit(max_batch_size, max_queue))
+    # On SIGTERM (or Ctrl-C) uvicorn stops listening and waits for the requests in flight;
+    # past the grace period they are cancelled; then the app's shutdown closes the engine.
+    http = graceful_server(config, server, shutdown_grace)
+    with sigterm_ends_cleanly():
+        try:
+            http.run()
+        except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
+            pass
+    if not http.started:
+        raise SystemExit(3)  # as uvicorn.run: the server never listened (a port in use)
+    log("stopped")

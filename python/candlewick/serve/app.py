@@ -10,12 +10,14 @@ under a ``candlewick`` key as base64 float32 with their shape).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
 from contextlib import asynccontextmanager
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -52,9 +54,13 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
 
+    def response_body(self) -> dict:
+        """The JSON body of the answer."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        """The answer: the body, the status and the headers."""
+        return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
 
 
 def api_error_of(e: Exception) -> ApiError:
@@ -62,7 +68,10 @@ def api_error_of(e: Exception) -> ApiError:
     if isinstance(e, ApiError):
         return e
     if isinstance(e, QueueFullError):
-        return ApiError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        # The server is saturated, not the client over a quota: 503, as load balancers and the
+        # `openai` client read it (retry, after the delay the header gives).
+        return ApiError(503, f"the server is at capacity ({e}); retry later", "server_error", code="queue_full",
+                        headers={"Retry-After": "1"})
     if isinstance(e, ContextFullError):
         return ApiError(400, str(e), param="max_tokens", code="context_length_exceeded")
     if isinstance(e, (GenerationOptionError, InvalidInterventionError, TokenOutOfRangeError, ObservationError,
@@ -84,6 +93,8 @@ class Metrics:
     ttft_count: int = 0
     token_latency_sum: float = 0.0
     token_latency_count: int = 0
+    timeouts: int = 0
+    disconnects: int = 0
 
     def count(self, route: str, status: int) -> None:
         key = (route, status)
@@ -108,11 +119,19 @@ SAMPLING = {
 
 
 class Server:
-    """The state of one server: the engine, the model's name, control vectors, metrics."""
+    """The state of one server: the engine, the model's name, control vectors, metrics.
+
+    `request_timeout` (seconds; 0 or None: none) bounds each request from its arrival to its
+    last byte: past it the request is cancelled in the engine and answered 504 (or, once its
+    stream has begun, ended with an error event)."""
 
     def __init__(self, runtime: ModelRuntime, model_name: str, api_key: Optional[str] = None,
                  max_batch_size: int = 8, max_queue: int = 64,
-                 control_vectors: Optional[dict[str, list]] = None, chat_template: Optional[str] = None, log=None):
+                 control_vectors: Optional[dict[str, list]] = None, chat_template: Optional[str] = None, log=None,
+                 request_timeout: Optional[float] = 600.0):
+        if request_timeout is not None and request_timeout < 0:
+            raise ValueError("request_timeout must be positive, or 0 or None for none")
+        self.request_timeout = request_timeout or None
         self.runtime = runtime
         self.model_name = model_name
         self.api_key = api_key
@@ -122,6 +141,56 @@ class Server:
         self.metrics = Metrics()
         self.created = int(time.time())
         self.log = log
+        # The engine requests of the HTTP requests being answered, for `cancel_all`; weak, so
+        # a request answered (or abandoned) leaves it by itself.
+        self.inflight: weakref.WeakSet = weakref.WeakSet()
+        self.shutting_down = False
+
+    def cancel_all(self) -> None:
+        """Cancels every request in flight, at the end of a shutdown's grace period: each is
+        then answered 503 (or its stream ends with an error event) and the server can stop."""
+        self.shutting_down = True
+        for r in list(self.inflight):
+            r.cancel()
+
+    def shutdown_error(self) -> ApiError:
+        """The answer to a request cancelled by `cancel_all`."""
+        return ApiError(503, "the server shut down before the request finished", "server_error",
+                        code="shutting_down")
+
+    def deadline(self) -> Optional[float]:
+        """When a request arriving now must be done by (`time.monotonic()`), or None."""
+        return None if self.request_timeout is None else time.monotonic() + self.request_timeout
+
+    def timeout_error(self) -> ApiError:
+        """The answer to a request that ran past `request_timeout`."""
+        self.metrics.timeouts += 1
+        return ApiError(504, f"the request ran past the server's limit of {self.request_timeout:g} s "
+                        "(--request-timeout) and was cancelled", "timeout_error", code="request_timeout")
+
+    async def guard(self, request: Request, work, reqs: list, deadline: Optional[float]):
+        """Awaits `work` (a coroutine over the engine requests `reqs`) unless the client
+        disconnects or the deadline passes first: then `reqs` are cancelled at once, freeing
+        their slots, and the ApiError to answer is raised (499 for a client that went away, as
+        nginx logs it; 504 past the deadline)."""
+        work = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(client_gone(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, timeout=seconds_left(deadline),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+        finally:
+            work.cancel()
+            gone.cancel()
+        # Not waiting for the engine to acknowledge: a cancelled request still in the queue
+        # only leaves it when a slot frees, and the client should not wait for that.
+        for r in reqs:
+            r.cancel()
+        if gone in done:
+            self.metrics.disconnects += 1
+            raise ApiError(499, "the client closed the connection", code="client_closed_request")
+        raise self.timeout_error()
 
     # -- request parsing -------------------------------------------------------------------
 
@@ -261,15 +330,53 @@ class Server:
     # -- generation ------------------------------------------------------------------------
 
     def submit_all(self, prompt: Any, chat: bool, kw: dict, edits: list, n: int) -> list:
+        """Submits the `n` choices of one request; if one is refused (a full queue), those
+        already queued are cancelled, so a refused request holds no slot."""
         reqs = []
-        for i in range(n):
-            k = dict(kw)
-            if n > 1 and "seed" in k and k["seed"] is not None:
-                k["seed"] = k["seed"] + i
-            if chat:
-                k["chat_template"] = self.chat_template
-            reqs.append(self.engine.submit(prompt, interventions=edits, **k))
+        try:
+            for i in range(n):
+                k = dict(kw)
+                if n > 1 and "seed" in k and k["seed"] is not None:
+                    k["seed"] = k["seed"] + i
+                if chat:
+                    k["chat_template"] = self.chat_template
+                reqs.append(self.engine.submit(prompt, interventions=edits, **k))
+                self.inflight.add(reqs[-1])
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
         return reqs
+
+
+def seconds_left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds until `deadline` (never negative), or None for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+async def within(aw, deadline: Optional[float]):
+    """Awaits `aw`, raising TimeoutError once `deadline` has passed."""
+    if deadline is None:
+        return await aw
+    return await asyncio.wait_for(aw, seconds_left(deadline))
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects. Called once the body has been read: the server
+    then has no other message for this request than the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def started_all(reqs: list) -> None:
+    """Waits until each request has its first event (see `EngineRequest.started`)."""
+    for r in reqs:
+        await r.started()
+
+
+async def wait_all(reqs: list) -> list:
+    """The results of the requests, in order (None for one that was cancelled)."""
+    return [await r.wait_async() for r in reqs]
 
 
 def usage_of(results) -> dict:
@@ -303,7 +410,13 @@ def build_app(server: Server) -> Starlette:
         return response
 
     async def completions(request: Request, chat: bool) -> Response:
-        body = await server.body(request)
+        deadline = server.deadline()
+        try:
+            # A client slow to send its body is held to the same deadline (a slow-loris would
+            # otherwise keep a connection forever).
+            body = await within(server.body(request), deadline)
+        except asyncio.TimeoutError:
+            raise ApiError(408, "the request body did not arrive within the server's limit", code="request_timeout")
         if chat:
             prompt = body.get("messages")
             if not isinstance(prompt, list) or not prompt:
@@ -325,21 +438,27 @@ def build_app(server: Server) -> Starlette:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
+            # Until the first token the request may still be refused, time out or be abandoned
+            # while queued: all answered as plain HTTP errors.
             try:
-                for r in reqs:
-                    await r.started()
+                await server.guard(request, started_all(reqs), reqs, deadline)
+                if any(r.cancelled for r in reqs):  # by a shutdown
+                    raise server.shutdown_error()
             except BaseException:
                 for r in reqs:
                     r.cancel()
                 raise
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream(reqs, rid, chat, include_usage, extension),
+            return StreamingResponse(stream(reqs, rid, chat, include_usage, extension, deadline),
                                      media_type="text/event-stream")
         try:
-            results = [await r.wait_async() for r in reqs]
+            results = await server.guard(request, wait_all(reqs), reqs, deadline)
         finally:
+            # Also when this task is cancelled (a shutdown past its grace period).
             for r in reqs:
                 r.cancel()
+        if any(r is None for r in results):  # cancelled by a shutdown
+            raise server.shutdown_error()
         for r in results:
             server.metrics.record(r.usage)
         if chat:
@@ -355,7 +474,7 @@ def build_app(server: Server) -> Starlette:
             out["candlewick"] = extension
         return JSONResponse(out)
 
-    async def stream(reqs, rid, chat, include_usage, extension):
+    async def stream(reqs, rid, chat, include_usage, extension, deadline):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i, text=None, reason=None, role=False, logprobs=None):
@@ -383,14 +502,25 @@ def build_app(server: Server) -> Starlette:
                 # Each piece carries the log-probabilities of the tokens behind it; tokens whose
                 # text never became a piece (a stop string, an end of sequence) come with the end.
                 sent, at = 0, 0
-                async for piece in r:
+                pieces = r.__aiter__()
+                while True:
+                    try:
+                        piece = await within(pieces.__anext__(), deadline)
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.TimeoutError:
+                        # The status line is long sent: the error goes in the stream, where
+                        # the `openai` client raises it, and the stream ends without [DONE].
+                        yield sse(server.timeout_error().response_body())
+                        return
                     lp = None
                     if r.logprobs is not None:
                         lp = server.logprobs_json(r.logprobs, chat, at)
                         sent += len(r.logprobs)
                     at += len(piece)
                     yield sse(chunk(i, text=piece, logprobs=lp))
-                if r.result is None:
+                if r.result is None:  # cancelled by a shutdown: say so, as for a timeout
+                    yield sse(server.shutdown_error().response_body())
                     return
                 results.append(r.result)
                 server.metrics.record(r.result.usage)
@@ -431,6 +561,9 @@ def build_app(server: Server) -> Starlette:
             "# TYPE candlewick_token_latency_seconds summary",
             f"candlewick_token_latency_seconds_sum {m.token_latency_sum}",
             f"candlewick_token_latency_seconds_count {m.token_latency_count}",
+            "# TYPE candlewick_request_timeouts_total counter", f"candlewick_request_timeouts_total {m.timeouts}",
+            "# TYPE candlewick_client_disconnects_total counter",
+            f"candlewick_client_disconnects_total {m.disconnects}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
