@@ -135,6 +135,8 @@ pub trait BackendSession<B: BackendProvider> {
     fn max_context(&self) -> usize;
     /// The token ids the cache holds, oldest first.
     fn tokens(&self) -> &[u32];
+    /// The number of logits a step yields for each row (the vocabulary the output covers).
+    fn vocab_size(&self) -> usize;
     /// The leading tokens whose cached keys and values were computed under the edits kept on
     /// the session now (and no per-call edit): only these may be reused for a new prompt.
     fn reusable_tokens(&self) -> &[u32] {

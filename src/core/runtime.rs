@@ -22,6 +22,8 @@ pub struct ModelRuntime<B: BackendProvider> {
     backend: B,
     session: B::Session,
     capabilities: SessionCapabilities,
+    /// Counts the calls that could have changed the session (see `epoch`).
+    epoch: u64,
 }
 
 impl<B: BackendProvider> ModelRuntime<B> {
@@ -43,7 +45,7 @@ impl<B: BackendProvider> ModelRuntime<B> {
         if realised != admitted {
             return Err(RuntimeError::CapabilityMismatch { admitted, realised }.into());
         }
-        Ok(Self { backend, session, capabilities: admitted })
+        Ok(Self { backend, session, capabilities: admitted, epoch: 0 })
     }
 
     /// The backend this runtime's session runs through.
@@ -58,12 +60,21 @@ impl<B: BackendProvider> ModelRuntime<B> {
 
     /// The session, for backend-specific operations (truncate, reset).
     pub fn session_mut(&mut self) -> &mut B::Session {
+        self.epoch += 1;
         &mut self.session
     }
 
     /// The backend and the session together, borrowed at once.
     pub fn parts_mut(&mut self) -> (&B, &mut B::Session) {
+        self.epoch += 1;
         (&self.backend, &mut self.session)
+    }
+
+    /// A number that moves whenever the session may have changed (a step, a rewind, a reset, a
+    /// restore: any mutable use of it), so that a caller holding state across calls, such as a
+    /// generation in progress, can tell that someone else used the session in between.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     /// The capabilities admitted and realised.
@@ -76,6 +87,7 @@ impl<B: BackendProvider> ModelRuntime<B> {
         &mut self,
         input: <B::Session as BackendSession<B>>::PrefillInput,
     ) -> Result<SubmissionOf<B>, RuntimeError<B::Error>> {
+        self.epoch += 1;
         self.session.prefill(&self.backend, input).map_err(RuntimeError::Backend)
     }
 
@@ -84,6 +96,7 @@ impl<B: BackendProvider> ModelRuntime<B> {
         &mut self,
         input: <B::Session as BackendSession<B>>::DecodeInput,
     ) -> Result<SubmissionOf<B>, RuntimeError<B::Error>> {
+        self.epoch += 1;
         self.session.decode(&self.backend, input).map_err(RuntimeError::Backend)
     }
 
@@ -138,6 +151,7 @@ where
     ) -> Result<InspectedOutput<<B::Session as BackendSession<B>>::Output>, RuntimeError<B::Error>> {
         self.require_inspection("inspect_prefill")?;
         self.validate(request)?;
+        self.epoch += 1;
         self.session.inspect_prefill(&self.backend, input, request).map_err(RuntimeError::Backend)
     }
 
@@ -149,6 +163,7 @@ where
     ) -> Result<InspectedOutput<<B::Session as BackendSession<B>>::Output>, RuntimeError<B::Error>> {
         self.require_inspection("inspect_decode")?;
         self.validate(request)?;
+        self.epoch += 1;
         self.session.inspect_decode(&self.backend, input, request).map_err(RuntimeError::Backend)
     }
 
@@ -208,13 +223,13 @@ where
     /// A second runtime over the same weights whose session starts as a copy of this one's.
     pub fn fork(&self) -> Result<Self, RuntimeError<B::Error>> {
         let session = self.session.fork().map_err(RuntimeError::Backend)?;
-        Ok(Self { backend: self.backend.clone(), session, capabilities: self.capabilities })
+        Ok(Self { backend: self.backend.clone(), session, capabilities: self.capabilities, epoch: 0 })
     }
 
     /// A second runtime over the same weights with an empty session and this one's kept edits.
     pub fn fork_empty(&self) -> Result<Self, RuntimeError<B::Error>> {
         let session = self.session.fork_empty().map_err(RuntimeError::Backend)?;
-        Ok(Self { backend: self.backend.clone(), session, capabilities: self.capabilities })
+        Ok(Self { backend: self.backend.clone(), session, capabilities: self.capabilities, epoch: 0 })
     }
 }
 
@@ -231,6 +246,7 @@ where
         let mut backend: Option<&B> = None;
         let mut sessions: Vec<&mut B::Session> = Vec::with_capacity(runtimes.len());
         for rt in runtimes.iter_mut() {
+            rt.epoch += 1;
             let ModelRuntime { backend: b, session, .. } = &mut **rt;
             // Any runtime's backend serves: sessions of one model share one device.
             backend.get_or_insert(b);

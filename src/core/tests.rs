@@ -69,6 +69,9 @@ impl BackendSession<FakeBackend> for FakeSession {
     fn tokens(&self) -> &[u32] {
         &self.tokens
     }
+    fn vocab_size(&self) -> usize {
+        1
+    }
     fn check_append(&self, at: usize, tokens: &[u32]) -> Result<(), FakeError> {
         if at + tokens.len() > 64 {
             return Err(FakeError("context full"));

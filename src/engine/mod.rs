@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::backend::CandleError;
 use crate::core::{BackendSession, Intervention};
-use crate::generation::{step_together, GenerateOptions, Generation, GenerationResult, TokenLogprobs};
+use crate::generation::{step_together, GenerateOptions, Generation, GenerationError, GenerationResult, TokenLogprobs};
 use crate::model::{Model, ModelError};
 
 /// Why the engine refused or failed a request.
@@ -118,6 +119,9 @@ pub struct Engine {
     stats: Arc<EngineStats>,
     shutdown: Arc<AtomicBool>,
     options: EngineOptions,
+    /// The model's vocabulary and context, to refuse a bad request at submission.
+    vocab_size: usize,
+    max_context: usize,
 }
 
 impl Engine {
@@ -125,6 +129,8 @@ impl Engine {
     /// carry no interventions but their own.
     pub fn new(model: &Model, options: EngineOptions) -> Result<Self, EngineError> {
         let mut template = model.fork_empty()?;
+        let vocab_size = template.runtime().session().vocab_size();
+        let max_context = template.runtime().session().max_context();
         template.runtime_mut().set_interventions(Vec::new()).map_err(ModelError::from)?;
         let (tx, rx) = mpsc::sync_channel(options.max_queue.max(1));
         let stats = Arc::new(EngineStats::default());
@@ -143,7 +149,7 @@ impl Engine {
                     })
                 })?
         };
-        Ok(Self { queue: Some(tx), worker: Some(worker), stats, shutdown, options })
+        Ok(Self { queue: Some(tx), worker: Some(worker), stats, shutdown, options, vocab_size, max_context })
     }
 
     /// Queues a request; it joins the running batch at the next step. A full queue refuses at once.
@@ -154,6 +160,7 @@ impl Engine {
         interventions: Vec<Intervention>,
     ) -> Result<RequestHandle, EngineError> {
         let queue = self.queue.as_ref().ok_or(EngineError::Closed)?;
+        self.check(&prompt, &options)?;
         let (events, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let job = Job { prompt, options, interventions, events, cancel: Arc::clone(&cancel) };
@@ -171,6 +178,32 @@ impl Engine {
                 })
             }
         }
+    }
+
+    /// Refuses, before it is queued, a request that could only fail: a bad option, an empty
+    /// prompt, a token outside the vocabulary, a prompt longer than the context.
+    fn check(&self, prompt: &[u32], options: &GenerateOptions) -> Result<(), EngineError> {
+        let refused = |e: CandleError| EngineError::Model(ModelError::Backend(e));
+        options
+            .validate(self.vocab_size)
+            .map_err(|why| EngineError::Model(ModelError::Generation(GenerationError::InvalidOptions(why))))?;
+        if prompt.is_empty() {
+            return Err(refused(CandleError::InvalidInput {
+                operation: "submit",
+                reason: "the prompt has no tokens".into(),
+            }));
+        }
+        if let Some((index, &token)) = prompt.iter().enumerate().find(|(_, &t)| t as usize >= self.vocab_size) {
+            return Err(refused(CandleError::TokenOutOfRange { token, index, vocab_size: self.vocab_size }));
+        }
+        if prompt.len() > self.max_context {
+            return Err(refused(CandleError::ContextFull {
+                position: 0,
+                requested: prompt.len(),
+                max_context: self.max_context,
+            }));
+        }
+        Ok(())
     }
 
     /// The engine's counters.

@@ -107,6 +107,18 @@ impl Default for GenerateOptions {
     }
 }
 
+impl GenerateOptions {
+    /// Checks every option against a model whose steps yield `vocab_size` logits a row, so that
+    /// a bad option is refused before any step touches a session.
+    pub fn validate(&self, vocab_size: usize) -> Result<(), String> {
+        self.sampling.validate()?;
+        if let Some(&(id, _)) = self.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab_size) {
+            return Err(format!("logit_bias names token {id}, outside the vocabulary of {vocab_size}"));
+        }
+        Ok(())
+    }
+}
+
 /// Token counts and timings of one generation.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Usage {
@@ -221,6 +233,9 @@ pub struct Generation {
     logprobs: Vec<TokenLogprobs>,
     /// How many of `logprobs` `take_logprobs` has handed out.
     logprobs_taken: usize,
+    /// The runtime's epoch after this generation's last step: any other change to the session
+    /// moves it (see `ModelRuntime::epoch`).
+    epoch: u64,
 }
 
 /// The last row of a step's logits on the host, refusing NaN or infinite values.
@@ -247,7 +262,7 @@ impl Generation {
         prompt: &[u32],
         options: GenerateOptions,
     ) -> Result<Self, GenerationError<B::Error>> {
-        options.sampling.validate().map_err(GenerationError::InvalidOptions)?;
+        options.validate(rt.session().vocab_size()).map_err(GenerationError::InvalidOptions)?;
         if prompt.is_empty() {
             return Err(GenerationError::InvalidOptions("the prompt has no tokens".into()));
         }
@@ -260,12 +275,6 @@ impl Generation {
         rt.session_mut().truncate(common).map_err(RuntimeError::Backend)?;
         let out = rt.prefill(prompt[common..].to_vec().into())?.wait().map_err(RuntimeError::Backend)?;
         let logits = last_row(rt, &out)?;
-        if let Some(&(id, _)) = options.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= logits.len()) {
-            return Err(GenerationError::InvalidOptions(format!(
-                "logit_bias names token {id}, outside the vocabulary of {}",
-                logits.len()
-            )));
-        }
         let mut eos: HashSet<u32> = tokenizer.eos_ids().iter().copied().collect();
         eos.extend(rt.session().stop_token_ids());
         eos.extend(options.eos_ids.iter().copied());
@@ -296,6 +305,7 @@ impl Generation {
             logprobs_top: options.logprobs,
             logprobs: Vec::new(),
             logprobs_taken: 0,
+            epoch: rt.epoch(),
         })
     }
 
@@ -316,7 +326,10 @@ impl Generation {
         if self.finish.is_some() {
             return Ok(String::new());
         }
-        if rt.session().tokens() != self.context.as_slice() {
+        // The epoch catches every change by someone else, even one that leaves the same tokens
+        // (a rewind and a re-prefill under other edits, a restore); the tokens, a runtime that
+        // was driven step by step through `advance` instead.
+        if rt.epoch() != self.epoch || rt.session().tokens() != self.context.as_slice() {
             return Err(GenerationError::SessionChanged);
         }
         let session = rt.session();
@@ -325,6 +338,7 @@ impl Generation {
             Advance::Feed(token) => {
                 let t = Instant::now();
                 let out = rt.decode(vec![token].into())?.wait().map_err(RuntimeError::Backend)?;
+                self.epoch = rt.epoch();
                 self.logits = last_row(rt, &out)?;
                 self.usage.decode_seconds += t.elapsed().as_secs_f64();
                 Ok(self.take_safe())

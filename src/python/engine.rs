@@ -9,6 +9,7 @@ use pyo3::types::{PyAny, PyDict};
 
 use super::errors::{catch_panic, model_err, CandlewickError, InternalError};
 use super::generation::{logprobs_to_py, to_result, Given, SamplingArgs};
+use super::gil::lock_released;
 use super::intervention::{edits_of, PyIntervention};
 use super::runtime::PyModelRuntime;
 use crate::engine::{Engine, EngineError, EngineEvent, EngineOptions, RequestHandle};
@@ -65,7 +66,7 @@ impl PyEngine {
         }
         let options = EngineOptions { max_batch_size, max_queue, max_kv_bytes };
         let rt = runtime.get();
-        let engine = py.detach(|| catch_panic(|| Engine::new(&*rt.lock()?, options).map_err(engine_err)))?;
+        let engine = py.detach(|| catch_panic(|| Engine::new(&*rt.lock_detached()?, options).map_err(engine_err)))?;
         Ok(Self { inner: Mutex::new(Some(engine)), runtime })
     }
 
@@ -130,10 +131,10 @@ impl PyEngine {
             logprobs,
         };
         let rt = self.runtime.get();
-        let opts = args.options(rt.lock()?.defaults())?;
+        let opts = args.options(rt.lock(py)?.defaults())?;
         let ids = if chat { rt.chat_ids(py, prompt, chat_template)? } else { rt.prompt_ids(py, prompt)? };
         let edits = edits_of(interventions);
-        let guard = self.inner.lock().map_err(|_| InternalError::new_err("engine poisoned"))?;
+        let guard = lock_released(py, &self.inner).map_err(|_| InternalError::new_err("engine poisoned"))?;
         let engine = guard.as_ref().ok_or_else(|| engine_err(EngineError::Closed))?;
         let handle = engine.submit(ids, opts, edits).map_err(engine_err)?;
         Ok(PyEngineRequest { handle })
@@ -144,7 +145,7 @@ impl PyEngine {
     /// Returns:
     ///     dict[str, int]: the counters, with ``max_batch_size`` and ``max_queue``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let guard = self.inner.lock().map_err(|_| InternalError::new_err("engine poisoned"))?;
+        let guard = lock_released(py, &self.inner).map_err(|_| InternalError::new_err("engine poisoned"))?;
         let d = PyDict::new(py);
         if let Some(e) = guard.as_ref() {
             let s = e.stats();
@@ -163,7 +164,7 @@ impl PyEngine {
 
     /// Stops taking requests, ends the running ones and the background thread.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let engine = self.inner.lock().map_err(|_| InternalError::new_err("engine poisoned"))?.take();
+        let engine = lock_released(py, &self.inner).map_err(|_| InternalError::new_err("engine poisoned"))?.take();
         if let Some(mut e) = engine {
             py.detach(move || e.close());
         }

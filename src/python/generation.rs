@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::{catch_panic, generation_err, model_err, GenerationOptionError, InternalError};
+use super::gil::lock_released;
 use super::runtime::PyModelRuntime;
 use crate::generation::{GenerateOptions, Generation, GenerationResult, TokenLogprobs};
 
@@ -244,7 +245,7 @@ pub fn run_to_end(
     let mut pending: Option<PyErr> = None;
     let result = py.detach(|| {
         catch_panic(|| {
-            let mut model = rt.lock()?;
+            let mut model = rt.lock_detached()?;
             let generation = model.start_generation(&prompt, opts).map_err(model_err)?;
             let (result, _) = generation
                 .run(
@@ -305,7 +306,8 @@ impl PyGenerationStream {
         opts: GenerateOptions,
     ) -> PyResult<Self> {
         let rt = runtime.get();
-        let generation = py.detach(|| catch_panic(|| rt.lock()?.start_generation(&prompt, opts).map_err(model_err)))?;
+        let generation =
+            py.detach(|| catch_panic(|| rt.lock_detached()?.start_generation(&prompt, opts).map_err(model_err)))?;
         Ok(Self {
             runtime: runtime.clone().unbind(),
             state: Mutex::new(Some(generation)),
@@ -338,7 +340,7 @@ impl PyGenerationStream {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<String> {
-        let mut state = self.state.lock().map_err(poisoned)?;
+        let mut state = lock_released(py, &self.state).map_err(poisoned)?;
         let Some(generation) = state.as_mut() else {
             return Err(PyStopIteration::new_err(()));
         };
@@ -348,8 +350,9 @@ impl PyGenerationStream {
                 self.finish(py, &mut state)?;
                 return Err(PyStopIteration::new_err(()));
             }
-            let piece =
-                py.detach(|| catch_panic(|| generation.step(rt.lock()?.runtime_mut()).map_err(generation_err)))?;
+            let piece = py.detach(|| {
+                catch_panic(|| generation.step(rt.lock_detached()?.runtime_mut()).map_err(generation_err))
+            })?;
             if !piece.is_empty() {
                 self.keep_logprobs(py, generation)?;
                 return Ok(piece);
@@ -370,7 +373,7 @@ impl PyGenerationStream {
     ///     >>> s.result.finish_reason, s.result.usage["completion_tokens"]
     ///     ('cancelled', 1)
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let mut state = self.state.lock().map_err(poisoned)?;
+        let mut state = lock_released(py, &self.state).map_err(poisoned)?;
         if let Some(generation) = state.as_mut() {
             generation.cancel().map_err(super::errors::text_err)?;
         }
@@ -406,8 +409,8 @@ impl PyGenerationStream {
         Ok(self.logprobs.lock().map_err(poisoned)?.as_ref().map(|l| l.iter().map(|d| d.clone_ref(py)).collect()))
     }
 
-    fn __repr__(&self) -> PyResult<String> {
-        let running = self.state.lock().map_err(poisoned)?.is_some();
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let running = lock_released(py, &self.state).map_err(poisoned)?.is_some();
         Ok(format!("GenerationStream({})", if running { "running" } else { "ended" }))
     }
 }

@@ -42,6 +42,7 @@ mod build_info;
 mod engine;
 mod errors;
 mod generation;
+mod gil;
 mod intervention;
 mod observation;
 mod runtime;

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, LockResult, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayD, IxDyn};
 use numpy::{PyArray, PyReadonlyArray2};
@@ -16,6 +16,7 @@ use super::errors::{
     TokenOutOfRangeError,
 };
 use super::generation::{py_repr, run_to_end, Given, PyGenerationResult, PyGenerationStream, SamplingArgs};
+use super::gil::lock_released;
 use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
 use super::text::{conversation, PyTokenizer};
@@ -64,6 +65,19 @@ impl std::ops::DerefMut for ModelGuard<'_> {
     }
 }
 
+/// The guard of an open, unpoisoned runtime, or the error that says why there is none.
+fn open_guard(locked: LockResult<MutexGuard<'_, Option<Model>>>) -> PyResult<ModelGuard<'_>> {
+    let guard = locked.map_err(|_| {
+        InternalError::new_err(
+            "the runtime stopped after an internal error; call session.reset() to start over with an empty session",
+        )
+    })?;
+    if guard.is_none() {
+        return Err(closed_err());
+    }
+    Ok(ModelGuard(guard))
+}
+
 fn closed_err() -> PyErr {
     RuntimeClosedError::new_err("this ModelRuntime was closed; load the model again to use it")
 }
@@ -109,23 +123,22 @@ pub fn extract_ids(arg: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 }
 
 impl PyModelRuntime {
-    /// Locks the model. After an internal error (a Rust panic mid-step) the lock is poisoned:
-    /// the session may be half-updated, so every call but `session.reset()` says so.
-    pub(crate) fn lock(&self) -> PyResult<ModelGuard<'_>> {
-        let guard = self.inner.lock().map_err(|_| {
-            InternalError::new_err(
-                "the runtime stopped after an internal error; call session.reset() to start over with an empty session",
-            )
-        })?;
-        if guard.is_none() {
-            return Err(closed_err());
-        }
-        Ok(ModelGuard(guard))
+    /// Locks the model from a thread holding the GIL, waiting with the GIL released (see
+    /// `gil::lock_released`). After an internal error (a Rust panic mid-step) the lock is
+    /// poisoned: the session may be half-updated, so every call but `session.reset()` says so.
+    pub(crate) fn lock(&self, py: Python<'_>) -> PyResult<ModelGuard<'_>> {
+        open_guard(lock_released(py, &self.inner))
+    }
+
+    /// Locks the model from inside `py.detach`, where the GIL is not held; a thread holding the
+    /// GIL must use `lock`.
+    pub(crate) fn lock_detached(&self) -> PyResult<ModelGuard<'_>> {
+        open_guard(self.inner.lock())
     }
 
     /// Locks the model even after an internal error, clearing it by resetting the session.
-    fn lock_and_recover(&self) -> PyResult<ModelGuard<'_>> {
-        let mut guard = match self.inner.lock() {
+    fn lock_and_recover(&self, py: Python<'_>) -> PyResult<ModelGuard<'_>> {
+        let mut guard = match lock_released(py, &self.inner) {
             Ok(g) => g,
             Err(poisoned) => {
                 let mut g = poisoned.into_inner();
@@ -153,7 +166,7 @@ impl PyModelRuntime {
             Ok(text) => Prompt::Text(text),
             Err(_) => Prompt::Ids(extract_ids("prompt", prompt)?),
         };
-        py.detach(|| catch_panic(|| self.lock()?.prompt_ids(&prompt).map_err(model_err)))
+        py.detach(|| catch_panic(|| self.lock_detached()?.prompt_ids(&prompt).map_err(model_err)))
     }
 
     /// Token ids of a chat rendered through the model's template (or `template`).
@@ -164,7 +177,7 @@ impl PyModelRuntime {
         template: Option<&str>,
     ) -> PyResult<Vec<u32>> {
         let messages = conversation("messages", messages)?;
-        py.detach(|| catch_panic(|| self.lock()?.chat_ids(&messages, template).map_err(model_err)))
+        py.detach(|| catch_panic(|| self.lock_detached()?.chat_ids(&messages, template).map_err(model_err)))
     }
 
     fn wrap_output(
@@ -255,7 +268,7 @@ impl PyModelRuntime {
     ///     >>> rt.close()
     ///     >>> rt.generate("Hi")  # raises candlewick.RuntimeClosedError
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let model = match self.inner.lock() {
+        let model = match lock_released(py, &self.inner) {
             Ok(mut g) => g.take(),
             Err(poisoned) => poisoned.into_inner().take(),
         };
@@ -267,15 +280,15 @@ impl PyModelRuntime {
 
     /// Whether ``close()`` was called.
     #[getter]
-    fn closed(&self) -> bool {
-        match self.inner.lock() {
+    fn closed(&self, py: Python<'_>) -> bool {
+        match lock_released(py, &self.inner) {
             Ok(g) => g.is_none(),
             Err(poisoned) => poisoned.into_inner().is_none(),
         }
     }
 
     fn __enter__(slf: PyRef<'_, Self>) -> PyResult<PyRef<'_, Self>> {
-        slf.lock()?;
+        slf.lock(slf.py())?;
         Ok(slf)
     }
 
@@ -301,7 +314,7 @@ impl PyModelRuntime {
     ///     >>> child.session.position == rt.session.position
     ///     True
     fn fork(&self, py: Python<'_>) -> PyResult<Self> {
-        let model = py.detach(|| catch_panic(|| self.lock()?.fork().map_err(model_err)))?;
+        let model = py.detach(|| catch_panic(|| self.lock_detached()?.fork().map_err(model_err)))?;
         Ok(Self::wrap(model))
     }
 
@@ -319,8 +332,8 @@ impl PyModelRuntime {
 
     /// The capabilities admitted at preparation and realised by the session.
     #[getter]
-    fn capabilities(&self) -> PyResult<PySessionCapabilities> {
-        let c = self.lock()?.runtime().capabilities();
+    fn capabilities(&self, py: Python<'_>) -> PyResult<PySessionCapabilities> {
+        let c = self.lock(py)?.runtime().capabilities();
         Ok(PySessionCapabilities {
             persistent_cache: c.persistent_cache,
             output_observation: c.output_observation,
@@ -332,7 +345,7 @@ impl PyModelRuntime {
     /// Architecture, sizes, weight types, dtype and context of the loaded model (a dict).
     #[getter]
     fn model_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let info = self.lock()?.info().clone();
+        let info = self.lock(py)?.info().clone();
         let d = PyDict::new(py);
         d.set_item("architecture", info.architecture)?;
         d.set_item("num_layers", info.num_layers)?;
@@ -396,7 +409,8 @@ impl PyModelRuntime {
         let input = PrefillInput::new(extract_ids("tokens", tokens)?)
             .all_logits(all_logits)
             .with_interventions(edits_of(interventions));
-        let sub = py.detach(|| catch_panic(|| self.lock()?.runtime_mut().prefill(input).map_err(runtime_err)))?;
+        let sub =
+            py.detach(|| catch_panic(|| self.lock_detached()?.runtime_mut().prefill(input).map_err(runtime_err)))?;
         self.wrap_output(py, sub.output, Some(sub.completion))
     }
 
@@ -420,7 +434,8 @@ impl PyModelRuntime {
         interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
     ) -> PyResult<PySubmission> {
         let input = DecodeInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
-        let sub = py.detach(|| catch_panic(|| self.lock()?.runtime_mut().decode(input).map_err(runtime_err)))?;
+        let sub =
+            py.detach(|| catch_panic(|| self.lock_detached()?.runtime_mut().decode(input).map_err(runtime_err)))?;
         self.wrap_output(py, sub.output, Some(sub.completion))
     }
 
@@ -440,8 +455,9 @@ impl PyModelRuntime {
         if output.runtime_id != self.id {
             return Err(SessionError::new_err("this output was produced by another runtime"));
         }
-        let set =
-            py.detach(|| catch_panic(|| self.lock()?.runtime().observe_output(&output.inner).map_err(runtime_err)))?;
+        let set = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.runtime().observe_output(&output.inner).map_err(runtime_err))
+        })?;
         to_python(py, set)
     }
 
@@ -473,8 +489,9 @@ impl PyModelRuntime {
             .all_logits(all_logits)
             .with_interventions(edits_of(interventions));
         let req = request_of(request);
-        let r =
-            py.detach(|| catch_panic(|| self.lock()?.runtime_mut().inspect_prefill(input, &req).map_err(runtime_err)))?;
+        let r = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.runtime_mut().inspect_prefill(input, &req).map_err(runtime_err))
+        })?;
         self.inspected(py, r)
     }
 
@@ -501,8 +518,9 @@ impl PyModelRuntime {
     ) -> PyResult<PyInspectedOutput> {
         let input = DecodeInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
         let req = request_of(request);
-        let r =
-            py.detach(|| catch_panic(|| self.lock()?.runtime_mut().inspect_decode(input, &req).map_err(runtime_err)))?;
+        let r = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.runtime_mut().inspect_decode(input, &req).map_err(runtime_err))
+        })?;
         self.inspected(py, r)
     }
 
@@ -531,7 +549,8 @@ impl PyModelRuntime {
     ) -> PyResult<PyInspectedOutput> {
         let input = PrefillInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
         let req = request_of(request);
-        let r = py.detach(|| catch_panic(|| self.lock()?.runtime().trace(input, &req).map_err(runtime_err)))?;
+        let r =
+            py.detach(|| catch_panic(|| self.lock_detached()?.runtime().trace(input, &req).map_err(runtime_err)))?;
         self.inspected(py, r)
     }
 
@@ -565,7 +584,7 @@ impl PyModelRuntime {
         let req = request_of(request);
         let outs = py.detach(|| {
             catch_panic(|| {
-                let model = self.lock()?;
+                let model = self.lock_detached()?;
                 inputs
                     .into_iter()
                     .map(|i| model.runtime().trace(i, &req).map_err(runtime_err))
@@ -626,7 +645,7 @@ impl PyModelRuntime {
             ignore_eos,
             logprobs,
         };
-        let opts = args.options(self.lock()?.defaults())?;
+        let opts = args.options(self.lock(py)?.defaults())?;
         let prompts = prompts
             .iter()
             .map(|p| match p.extract::<String>() {
@@ -634,7 +653,8 @@ impl PyModelRuntime {
                 Err(_) => Ok(Prompt::Ids(extract_ids("prompts[i]", p)?)),
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let results = py.detach(|| catch_panic(|| self.lock()?.generate_batch(&prompts, opts).map_err(model_err)))?;
+        let results =
+            py.detach(|| catch_panic(|| self.lock_detached()?.generate_batch(&prompts, opts).map_err(model_err)))?;
         results.into_iter().map(|r| super::generation::to_result(py, r)).collect()
     }
 
@@ -657,8 +677,9 @@ impl PyModelRuntime {
         let array = x.as_array();
         let shape = array.shape().to_vec();
         let data = array.iter().copied().collect::<Vec<f32>>();
-        let (shape, data) =
-            py.detach(|| catch_panic(|| self.lock()?.runtime().session().unembed(&shape, data).map_err(backend_err)))?;
+        let (shape, data) = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.runtime().session().unembed(&shape, data).map_err(backend_err))
+        })?;
         let arr = ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(|e| InternalError::new_err(e.to_string()))?;
         Ok(PyArray::from_owned_array(py, arr))
     }
@@ -666,14 +687,14 @@ impl PyModelRuntime {
     /// The interventions kept on for every later step, generation included; setting a list
     /// validates it first (a bad one changes nothing), ``[]`` turns them off.
     #[getter]
-    fn get_interventions(&self) -> PyResult<Vec<PyIntervention>> {
-        Ok(self.lock()?.runtime().interventions().into_iter().map(|inner| PyIntervention { inner }).collect())
+    fn get_interventions(&self, py: Python<'_>) -> PyResult<Vec<PyIntervention>> {
+        Ok(self.lock(py)?.runtime().interventions().into_iter().map(|inner| PyIntervention { inner }).collect())
     }
 
     #[setter]
-    fn set_interventions(&self, interventions: Option<Vec<PyRef<'_, PyIntervention>>>) -> PyResult<()> {
+    fn set_interventions(&self, py: Python<'_>, interventions: Option<Vec<PyRef<'_, PyIntervention>>>) -> PyResult<()> {
         let edits = edits_of(interventions);
-        self.lock()?.runtime_mut().set_interventions(edits).map_err(runtime_err)
+        self.lock(py)?.runtime_mut().set_interventions(edits).map_err(runtime_err)
     }
 
     /// Reads a llama.cpp control vector (GGUF) and adds its edits to ``interventions``, with
@@ -707,8 +728,9 @@ impl PyModelRuntime {
                 ))
             })
             .transpose()?;
-        let edits =
-            py.detach(|| catch_panic(|| self.lock()?.load_control_vector(&path, scale, range).map_err(model_err)))?;
+        let edits = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.load_control_vector(&path, scale, range).map_err(model_err))
+        })?;
         Ok(edits.into_iter().map(|inner| PyIntervention { inner }).collect())
     }
 
@@ -734,8 +756,8 @@ impl PyModelRuntime {
 
     /// The model's tokenizer, with its chat template.
     #[getter]
-    fn tokenizer(&self) -> PyResult<PyTokenizer> {
-        let model = self.lock()?;
+    fn tokenizer(&self, py: Python<'_>) -> PyResult<PyTokenizer> {
+        let model = self.lock(py)?;
         Ok(PyTokenizer {
             inner: model.tokenizer().map_err(model_err)?.clone(),
             template: model.chat_template().cloned(),
@@ -797,7 +819,7 @@ impl PyModelRuntime {
             logprobs,
         };
         let py = slf.py();
-        let opts = args.options(slf.get().lock()?.defaults())?;
+        let opts = args.options(slf.get().lock(py)?.defaults())?;
         let ids = slf.get().prompt_ids(py, prompt)?;
         if stream {
             return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
@@ -856,7 +878,7 @@ impl PyModelRuntime {
             logprobs,
         };
         let py = slf.py();
-        let opts = args.options(slf.get().lock()?.defaults())?;
+        let opts = args.options(slf.get().lock(py)?.defaults())?;
         let ids = slf.get().prompt_ids(py, prompt)?;
         PyGenerationStream::start(py, slf, ids, opts)
     }
@@ -917,7 +939,7 @@ impl PyModelRuntime {
             logprobs,
         };
         let py = slf.py();
-        let opts = args.options(slf.get().lock()?.defaults())?;
+        let opts = args.options(slf.get().lock(py)?.defaults())?;
         let ids = slf.get().chat_ids(py, messages, chat_template)?;
         if stream {
             return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
@@ -933,8 +955,8 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt.prefill([2, 651]).wait(); rt.cached_tokens()
     ///     [2, 651]
-    fn cached_tokens(&self) -> PyResult<Vec<u32>> {
-        Ok(self.lock()?.runtime().session().tokens().to_vec())
+    fn cached_tokens(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        Ok(self.lock(py)?.runtime().session().tokens().to_vec())
     }
 
     /// Every observation path the loaded model offers.
@@ -945,12 +967,12 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt.observation_points()[:2]
     ///     ['model.embed_tokens', 'model.layers.0.input']
-    fn observation_points(&self) -> PyResult<Vec<String>> {
-        Ok(self.lock()?.runtime().observation_points())
+    fn observation_points(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        Ok(self.lock(py)?.runtime().observation_points())
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let m = match self.lock() {
+        let m = match self.lock(py) {
             Ok(m) => m,
             Err(e) if e.is_instance_of::<RuntimeClosedError>(py) => return Ok("ModelRuntime(closed)".into()),
             Err(e) => return Err(e),
@@ -977,14 +999,14 @@ pub struct PyBackend {
 impl PyBackend {
     /// The backend's name (`candle`).
     #[getter]
-    fn name(&self) -> PyResult<String> {
-        Ok(self.runtime.get().lock()?.runtime().backend().descriptor().name)
+    fn name(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.runtime.get().lock(py)?.runtime().backend().descriptor().name)
     }
 
     /// The device the model runs on (`cpu`, `cuda:0`, ...).
     #[getter]
-    fn device(&self) -> PyResult<String> {
-        Ok(self.runtime.get().lock()?.runtime().backend().descriptor().device.to_string())
+    fn device(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.runtime.get().lock(py)?.runtime().backend().descriptor().device.to_string())
     }
 
     /// Every device this build can run on, with the dtypes each computes in.
@@ -995,13 +1017,13 @@ impl PyBackend {
     /// Example:
     ///     >>> rt.backend.devices()[0][0]
     ///     'cpu'
-    fn devices(&self) -> PyResult<Vec<(String, Vec<String>)>> {
-        let devs = self.runtime.get().lock()?.runtime().backend().devices().map_err(backend_err)?;
+    fn devices(&self, py: Python<'_>) -> PyResult<Vec<(String, Vec<String>)>> {
+        let devs = self.runtime.get().lock(py)?.runtime().backend().devices().map_err(backend_err)?;
         Ok(devs.into_iter().map(|(d, c)| (d.to_string(), c.dtypes)).collect())
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        Ok(format!("Backend(name={}, device={})", py_repr(py, &self.name()?), py_repr(py, &self.device()?)))
+        Ok(format!("Backend(name={}, device={})", py_repr(py, &self.name(py)?), py_repr(py, &self.device(py)?)))
     }
 }
 
@@ -1015,20 +1037,20 @@ pub struct PySession {
 impl PySession {
     /// Tokens held in the KV cache.
     #[getter]
-    fn position(&self) -> PyResult<usize> {
-        Ok(self.runtime.get().lock()?.runtime().session().position())
+    fn position(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.runtime.get().lock(py)?.runtime().session().position())
     }
 
     /// The most tokens the session may hold.
     #[getter]
-    fn max_context(&self) -> PyResult<usize> {
-        Ok(self.runtime.get().lock()?.runtime().session().max_context())
+    fn max_context(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.runtime.get().lock(py)?.runtime().session().max_context())
     }
 
     /// Bytes held by the KV cache.
     #[getter]
-    fn cache_bytes(&self) -> PyResult<usize> {
-        Ok(self.runtime.get().lock()?.runtime().session().cache_bytes())
+    fn cache_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.runtime.get().lock(py)?.runtime().session().cache_bytes())
     }
 
     /// Rewinds the cache to its first ``n`` tokens.
@@ -1042,9 +1064,9 @@ impl PySession {
     /// Example:
     ///     >>> rt.session.truncate(4); rt.session.position
     ///     4
-    fn truncate(&self, n: i64) -> PyResult<()> {
+    fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
         let n = non_negative("n", Some(n))?.unwrap_or(0);
-        self.runtime.get().lock()?.runtime_mut().session_mut().truncate(n).map_err(backend_err)
+        self.runtime.get().lock(py)?.runtime_mut().session_mut().truncate(n).map_err(backend_err)
     }
 
     /// Copies the session's tokens and KV cache; ``restore`` puts them back exactly.
@@ -1056,7 +1078,8 @@ impl PySession {
     ///     >>> snap = rt.session.snapshot()
     fn snapshot(&self, py: Python<'_>) -> PyResult<PySessionSnapshot> {
         let rt = self.runtime.get();
-        let snap = py.detach(|| catch_panic(|| rt.lock()?.runtime().session().snapshot().map_err(backend_err)))?;
+        let snap =
+            py.detach(|| catch_panic(|| rt.lock_detached()?.runtime().session().snapshot().map_err(backend_err)))?;
         Ok(PySessionSnapshot { inner: Arc::new(snap) })
     }
 
@@ -1073,7 +1096,9 @@ impl PySession {
     ///     >>> rt.session.restore(snap)
     fn restore(&self, py: Python<'_>, snapshot: PyRef<'_, PySessionSnapshot>) -> PyResult<()> {
         let (rt, snap) = (self.runtime.get(), Arc::clone(&snapshot.inner));
-        py.detach(|| catch_panic(|| rt.lock()?.runtime_mut().session_mut().restore(&snap).map_err(backend_err)))
+        py.detach(|| {
+            catch_panic(|| rt.lock_detached()?.runtime_mut().session_mut().restore(&snap).map_err(backend_err))
+        })
     }
 
     /// Empties the cache; after an internal error this also gives back a working session.
@@ -1081,13 +1106,13 @@ impl PySession {
     /// Example:
     ///     >>> rt.session.reset(); rt.session.position
     ///     0
-    fn reset(&self) -> PyResult<()> {
-        self.runtime.get().lock_and_recover()?.runtime_mut().session_mut().reset();
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        self.runtime.get().lock_and_recover(py)?.runtime_mut().session_mut().reset();
         Ok(())
     }
 
-    fn __repr__(&self) -> PyResult<String> {
-        Ok(format!("Session(position={}, max_context={})", self.position()?, self.max_context()?))
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!("Session(position={}, max_context={})", self.position(py)?, self.max_context(py)?))
     }
 }
 
@@ -1231,7 +1256,7 @@ pub struct PyInterventionScope {
 impl PyInterventionScope {
     fn __enter__(slf: PyRef<'_, Self>) -> PyResult<PyRef<'_, Self>> {
         {
-            let mut model = slf.runtime.get().lock()?;
+            let mut model = slf.runtime.get().lock(slf.py())?;
             let before = model.runtime().interventions();
             model.runtime_mut().set_interventions(slf.edits.clone()).map_err(runtime_err)?;
             *slf.saved.lock().map_err(|_| InternalError::new_err("intervention scope poisoned"))? = Some(before);
@@ -1241,13 +1266,14 @@ impl PyInterventionScope {
 
     fn __exit__(
         &self,
+        py: Python<'_>,
         _ty: Option<&Bound<'_, PyAny>>,
         _value: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let saved = self.saved.lock().map_err(|_| InternalError::new_err("intervention scope poisoned"))?.take();
         if let Some(before) = saved {
-            self.runtime.get().lock()?.runtime_mut().set_interventions(before).map_err(runtime_err)?;
+            self.runtime.get().lock(py)?.runtime_mut().set_interventions(before).map_err(runtime_err)?;
         }
         Ok(false)
     }
