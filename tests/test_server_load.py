@@ -117,6 +117,18 @@ def test_a_client_that_disconnects_before_its_answer_frees_its_slot(server):
     assert after["candlewick_request_timeouts_total"] == before["candlewick_request_timeouts_total"]
 
 
+def test_a_stream_whose_client_goes_away_is_counted_and_frees_its_slot(server):
+    before = metrics(server)["candlewick_client_disconnects_total"]
+    with raw_post(port_of(server), {**LONG, "stream": True}) as s:
+        got = b""
+        while b"data:" not in got:
+            chunk = s.recv(4096)
+            assert chunk, "the server closed the stream before any data"
+            got += chunk
+    wait_for(lambda: metrics(server)["candlewick_batch_size"] == 0, 2, "the slot freed after the disconnect")
+    wait_for(lambda: metrics(server)["candlewick_client_disconnects_total"] == before + 1, 2, "the disconnect counted")
+
+
 def test_a_disconnect_while_queued_answers_nobody_and_the_server_goes_on(server):
     # One request holds the only slot; a second waits in the queue and its client leaves.
     hold = raw_post(port_of(server), {**LONG, "max_tokens": 4000})

@@ -532,6 +532,10 @@ def build_app(server: Server) -> Starlette:
                         "choices": [], "usage": usage_of(results)}
                 yield sse(last)
             yield "data: [DONE]\n\n"
+        except (GeneratorExit, asyncio.CancelledError):
+            # How Starlette stops the stream of a client that went away.
+            server.metrics.disconnects += 1
+            raise
         finally:
             # A client that went away cancels what it asked for and frees the slots.
             for r in reqs:
