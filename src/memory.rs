@@ -12,3 +12,24 @@ pub fn release_freed_memory() {
         libc::malloc_trim(0);
     }
 }
+
+/// Bytes the operating system says it can still hand out (Linux's `MemAvailable`, capped by a
+/// cgroup's limit where one is set); `None` where it does not say.
+pub fn available_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    let mut available = kib.saturating_mul(1024);
+    // A container's limit is lower than what the host has free.
+    let cgroup = |path: &str| -> Option<u64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
+    if let (Some(limit), Some(used)) = (cgroup("/sys/fs/cgroup/memory.max"), cgroup("/sys/fs/cgroup/memory.current")) {
+        available = available.min(limit.saturating_sub(used));
+    }
+    Some(available)
+}

@@ -93,6 +93,22 @@ pub enum CandleError {
         /// The session's context size.
         max_context: usize,
     },
+    /// A step would need more memory than the machine has free: refused before allocating.
+    #[error("{operation} of {tokens} tokens at position {position} needs about {needed_mib} MiB, but only {available_mib} MiB are free{hint}")]
+    OutOfMemory {
+        /// The operation refused.
+        operation: &'static str,
+        /// Tokens in the refused step.
+        tokens: usize,
+        /// Tokens already in the cache.
+        position: usize,
+        /// What the step would allocate, in MiB.
+        needed_mib: u64,
+        /// What the operating system has free, in MiB.
+        available_mib: u64,
+        /// What to do instead, if anything (starts with "; ").
+        hint: String,
+    },
     /// A step, truncation or option the session cannot take.
     #[error("invalid {operation}: {reason}")]
     InvalidInput {

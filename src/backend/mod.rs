@@ -255,12 +255,16 @@ impl CandleBackend {
     }
 }
 
+/// The largest context a session takes: llama.cpp counts positions in 32 bits too, and no
+/// machine holds the cache of more.
+pub const MAX_CONTEXT_LIMIT: usize = u32::MAX as usize;
+
 fn validate_context(max_context: usize) -> Result<()> {
-    if max_context == 0 {
+    if max_context == 0 || max_context > MAX_CONTEXT_LIMIT {
         return Err(CandleError::InvalidOption {
             argument: "max_context",
             value: max_context.to_string(),
-            accepted: "positive token counts".into(),
+            accepted: format!("token counts from 1 to {MAX_CONTEXT_LIMIT}"),
         });
     }
     Ok(())

@@ -44,6 +44,12 @@ pyo3::create_exception!(candlewick, TokenOutOfRangeError, SessionError, "A token
 pyo3::create_exception!(candlewick, ContextFullError, SessionError, "The step would run past the session's context.");
 pyo3::create_exception!(
     candlewick,
+    OutOfMemoryError,
+    SessionError,
+    "The step would need more memory than the machine has free; it was refused before allocating."
+);
+pyo3::create_exception!(
+    candlewick,
     RuntimeClosedError,
     SessionError,
     "The runtime was closed (``ModelRuntime.close()``, or the end of its ``with`` block); load the model again."
@@ -109,6 +115,14 @@ fn invalid_option_type(py: Python<'_>) -> PyResult<&Bound<'_, pyo3::types::PyTyp
         .map(|t| t.bind(py))
 }
 
+/// An `InvalidOptionError` with `msg` (which names the option).
+pub fn invalid_option(py: Python<'_>, msg: String) -> PyErr {
+    match invalid_option_type(py) {
+        Ok(t) => PyErr::from_type(t.clone(), msg),
+        Err(e) => e,
+    }
+}
+
 /// Registers the exception classes on the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -122,6 +136,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SessionError", py.get_type::<SessionError>())?;
     m.add("TokenOutOfRangeError", py.get_type::<TokenOutOfRangeError>())?;
     m.add("ContextFullError", py.get_type::<ContextFullError>())?;
+    m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
     m.add("RuntimeClosedError", py.get_type::<RuntimeClosedError>())?;
     m.add("ObservationError", py.get_type::<PyObservationError>())?;
     m.add("TokenizerError", py.get_type::<TokenizerError>())?;
@@ -148,11 +163,9 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::UnsupportedConfig { .. } => UnsupportedError::new_err(msg),
         CandleError::TokenOutOfRange { .. } => TokenOutOfRangeError::new_err(msg),
         CandleError::ContextFull { .. } => ContextFullError::new_err(msg),
+        CandleError::OutOfMemory { .. } => OutOfMemoryError::new_err(msg),
         CandleError::InvalidInput { .. } => SessionError::new_err(msg),
-        CandleError::InvalidOption { .. } => Python::attach(|py| match invalid_option_type(py) {
-            Ok(t) => PyErr::from_type(t.clone(), msg),
-            Err(e) => e,
-        }),
+        CandleError::InvalidOption { .. } => Python::attach(|py| invalid_option(py, msg)),
         CandleError::Observation(_) => PyObservationError::new_err(msg),
         CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),
         CandleError::Candle { .. } => InternalError::new_err(msg),

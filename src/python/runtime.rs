@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
 use super::errors::{
-    backend_err, catch_panic, model_err, runtime_err, InternalError, RuntimeClosedError, SessionError,
+    backend_err, catch_panic, invalid_option, model_err, runtime_err, InternalError, RuntimeClosedError, SessionError,
     TokenOutOfRangeError,
 };
 use super::generation::{py_repr, run_to_end, Given, PyGenerationResult, PyGenerationStream, SamplingArgs};
@@ -208,6 +208,20 @@ fn non_negative(arg: &str, v: Option<i64>) -> PyResult<Option<usize>> {
     .transpose()
 }
 
+/// A count given to `load` (`max_context`, `threads`): an int from 0 up, any larger int (even
+/// past 64 bits) an `InvalidOptionError` naming it, not a bare `OverflowError`.
+fn count_option(py: Python<'_>, arg: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    let Some(v) = v.filter(|v| !v.is_none()) else { return Ok(None) };
+    if !v.is_instance_of::<pyo3::types::PyInt>() || v.is_instance_of::<pyo3::types::PyBool>() {
+        let kind = v.get_type().name()?;
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!("{arg} must be an int or None, not {kind}")));
+    }
+    match v.extract::<u64>().ok().and_then(|n| usize::try_from(n).ok()) {
+        Some(n) => Ok(Some(n)),
+        None => Err(invalid_option(py, format!("{arg} must be an int from 0 up to {}, got {v}", u64::MAX))),
+    }
+}
+
 #[pymethods]
 impl PyModelRuntime {
     /// Loads a Hugging Face directory or a GGUF file onto a device (the GIL is released while
@@ -241,15 +255,15 @@ impl PyModelRuntime {
         path: PathBuf,
         device: &str,
         dtype: Option<String>,
-        max_context: Option<i64>,
-        threads: Option<i64>,
+        max_context: Option<Bound<'_, PyAny>>,
+        threads: Option<Bound<'_, PyAny>>,
         quantize: Option<String>,
     ) -> PyResult<Self> {
         let options = ModelOptions {
             device: device.to_owned(),
             dtype,
-            max_context: non_negative("max_context", max_context)?,
-            threads: non_negative("threads", threads)?,
+            max_context: count_option(py, "max_context", max_context.as_ref())?,
+            threads: count_option(py, "threads", threads.as_ref())?,
             quantize,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;

@@ -204,6 +204,24 @@ impl Decoder {
         &self.config
     }
 
+    /// About how many bytes one step of `t` tokens at position `pos` allocates beyond what the
+    /// session holds, at its peak: one layer's attention scores and probabilities over every key
+    /// (with the mask), the activations, the logits rows asked for, and the cache's growth. A
+    /// step that cannot fit is refused with this before anything is allocated.
+    pub fn step_bytes(&self, pos: usize, t: usize, rows: LogitsRows) -> u64 {
+        let c = &self.config;
+        let (t, keys, f) = (t as u64, (pos + t) as u64, 4u64);
+        let mul = |xs: &[u64]| xs.iter().fold(1u64, |a, &x| a.saturating_mul(x));
+        // Scores, probabilities and one copy on the way (soft-capping, a dtype change).
+        let attention = mul(&[3, c.num_heads as u64, t, keys, f]).saturating_add(mul(&[t, keys, f]));
+        let width = 4 * c.hidden_size + 3 * c.intermediate_size + 3 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+        let activations = mul(&[t, width as u64, f]);
+        let logits = mul(&[if rows == LogitsRows::All { t } else { 1 }, c.vocab_size as u64, f]);
+        // Keys and values of every layer, at most twice over while the cache grows by copying.
+        let cache = mul(&[2, 2, c.num_layers() as u64, c.num_kv_heads as u64, c.head_dim as u64, keys, f]);
+        attention.saturating_add(activations).saturating_add(logits).saturating_add(cache)
+    }
+
     /// Parameters by storage type (`q4_k`, `q8_0`, `f32`, ...), counting a tied table once.
     pub fn weight_summary(&self) -> std::collections::BTreeMap<String, usize> {
         let mut parts = vec![self.embed.summary(), self.norm.summary()];

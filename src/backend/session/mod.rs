@@ -83,6 +83,9 @@ pub struct CandleSession {
     reusable: usize,
 }
 
+/// The most prompt tokens one step of a plain prefill runs: a longer prompt runs in chunks.
+pub const PREFILL_CHUNK: usize = 512;
+
 impl CandleSession {
     /// A session over a shared `decoder` with a cache of `max_context` positions.
     pub(crate) fn new(decoder: Arc<Decoder>, max_context: usize, capabilities: SessionCapabilities) -> Self {
@@ -129,6 +132,83 @@ impl CandleSession {
         Ok(self.edits.ready.then(&self.ready(call)?.ready))
     }
 
+    /// Refuses a step of `t` tokens that would need more memory than the machine has free.
+    /// `kept` counts what the step's observations will hold besides.
+    fn check_memory(&self, operation: &'static str, t: usize, rows: LogitsRows, kept: u64) -> Result<()> {
+        let position = self.cache.len();
+        let needed = self.decoder.step_bytes(position, t, rows).saturating_add(kept);
+        match crate::memory::available_bytes() {
+            Some(available) if needed > available => Err(CandleError::OutOfMemory {
+                operation,
+                tokens: t,
+                position,
+                needed_mib: needed >> 20,
+                available_mib: available >> 20,
+                hint: if rows == LogitsRows::All {
+                    "; every row's logits were asked for: ask for the last row's only, or run fewer tokens".into()
+                } else {
+                    "; run fewer tokens at once, or a smaller context".into()
+                },
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// About how many bytes the points `request` selects hold for a step of `t` tokens: every
+    /// layer's attention pattern spans the whole cache.
+    fn observation_bytes(&self, request: &ObservationRequest, t: usize) -> u64 {
+        let c = self.decoder.config();
+        let keys = (self.cache.len() + t) as u64;
+        let row = [c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads * c.head_dim].into_iter().max();
+        let (pattern, other) = (
+            (c.num_heads as u64).saturating_mul(t as u64).saturating_mul(keys).saturating_mul(4),
+            (t as u64).saturating_mul(row.unwrap_or(0) as u64 * 4),
+        );
+        self.decoder
+            .observation_points()
+            .iter()
+            .filter(|p| request.matches(p))
+            .map(|p| if p.ends_with("attention.pattern") { pattern } else { other })
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// A plain prompt (no hook to serve) in chunks of at most `PREFILL_CHUNK` tokens, so that
+    /// its attention scores and activations are one chunk's, however long the prompt; on
+    /// failure the session is as it was.
+    fn step_chunked(&mut self, operation: &'static str, tokens: &[u32], rows: LogitsRows) -> Result<StepOutput> {
+        if tokens.len() <= PREFILL_CHUNK {
+            return self.step(operation, tokens, rows, &mut NoHooks);
+        }
+        self.check_append(self.cache.len(), tokens).map_err(|e| match e {
+            CandleError::InvalidInput { reason, .. } => CandleError::InvalidInput { operation, reason },
+            other => other,
+        })?;
+        if rows == LogitsRows::All {
+            // Every chunk's logits are kept, then joined: twice the whole prompt's.
+            let vocab = self.decoder.config().vocab_size as u64;
+            let kept = (tokens.len() as u64).saturating_mul(vocab).saturating_mul(8);
+            self.check_memory(operation, PREFILL_CHUNK, rows, kept)?;
+        }
+        let start = self.cache.len();
+        let mut logits = Vec::new();
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            match self.step(operation, chunk, rows, &mut NoHooks) {
+                Ok(out) => logits.push(out.logits),
+                Err(e) => {
+                    self.cache.truncate(start);
+                    self.tokens.truncate(start);
+                    return Err(e);
+                }
+            }
+        }
+        let logits = match rows {
+            // The last chunk's last row is the prompt's.
+            LogitsRows::Last => logits.pop().expect("a prompt longer than a chunk has chunks"),
+            LogitsRows::All => Tensor::cat(&logits, 0).ctx(|| format!("joining the logits of {operation}'s chunks"))?,
+        };
+        Ok(StepOutput { logits, start_position: start, num_tokens: tokens.len() })
+    }
+
     /// Validates, runs and, on failure, rewinds the cache so the session is as it was.
     fn step(
         &mut self,
@@ -141,6 +221,7 @@ impl CandleSession {
             CandleError::InvalidInput { reason, .. } => CandleError::InvalidInput { operation, reason },
             other => other,
         })?;
+        self.check_memory(operation, tokens.len(), rows, 0)?;
         let start = self.cache.len();
         let kind = if matches!(operation, "decode" | "inspect_decode") { StepKind::Decode } else { StepKind::Prompt };
         match self.decoder.forward(tokens, &mut self.cache, rows, kind, hooks) {
@@ -170,12 +251,15 @@ impl CandleSession {
         if let Some(r) = request {
             r.validate(self.decoder.observation_points().iter().map(String::as_str))?;
         }
+        if let Some(r) = request {
+            self.check_memory(operation, tokens.len(), rows, self.observation_bytes(r, tokens.len()))?;
+        }
         let clean = call_edits.is_empty();
         let edits = self.edits_for_call(call_edits)?;
         let start = self.cache.len();
         let result = if request.is_none() && edits.is_empty() {
             // The plain forward pass: no hook is even consulted.
-            let output = self.step(operation, tokens, rows, &mut NoHooks)?;
+            let output = self.step_chunked(operation, tokens, rows)?;
             InspectedOutput { output, observations: ObservationSet::new() }
         } else {
             let mut hooks = StepHooks::new(request, &edits, start);
@@ -256,6 +340,10 @@ impl BackendSession<CandleBackend> for CandleSession {
 
     fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.decoder.config().vocab_size
     }
 
     fn reusable_tokens(&self) -> &[u32] {
