@@ -338,6 +338,7 @@ class ModelRuntime:
         max_context: int | None = None,
         threads: int | None = None,
         quantize: str | None = None,
+        check_tensors: bool = True,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
     @property

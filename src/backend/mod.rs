@@ -59,6 +59,9 @@ pub struct LoadOptions {
     pub max_context: Option<usize>,
     /// Quantize the matmul weights and embeddings to this type at load (a GGUF is de-quantized first).
     pub quantize: Option<GgmlDType>,
+    /// Skip the check that every weight and block scale is finite (llama.cpp's `--check-tensors`,
+    /// which candlewick runs by default).
+    pub skip_tensor_check: bool,
 }
 
 /// Parses `f32`, `f16`, `bf16` (and their long names).
@@ -182,7 +185,8 @@ impl CandleBackend {
         let text = std::fs::read_to_string(&config_path)
             .map_err(|source| CandleError::Io { path: config_path.display().to_string(), source })?;
         let arch = config::hf::parse_config(&text, &config_path.display().to_string())?;
-        let weights = SafetensorsWeights::open_dir(dir)?;
+        let mut weights = SafetensorsWeights::open_dir(dir)?;
+        weights.set_check_tensors(!options.skip_tensor_check);
         check_no_extra_layers(
             &weights.names(),
             arch.num_layers(),
@@ -234,6 +238,7 @@ impl CandleBackend {
         // The vocabulary has served the configuration's check; tens of MB not to hold while
         // the weights arrive.
         weights.drop_vocabulary();
+        weights.set_check_tensors(!options.skip_tensor_check);
         Ok(CandleModelConfig {
             arch,
             weights: Box::new(weights),

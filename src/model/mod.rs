@@ -65,11 +65,21 @@ pub struct ModelOptions {
     /// Quantize matmul weights and embeddings at load: `q8_0`, `q4_k`, ... (see
     /// `backend::weights::quantize::ACCEPTED`); `None` keeps the checkpoint's types.
     pub quantize: Option<String>,
+    /// Check that every weight and block scale is finite as it loads (llama.cpp's
+    /// `--check-tensors`); a NaN or infinity is then an artifact error naming the tensor.
+    pub check_tensors: bool,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        Self { device: "auto".into(), dtype: None, max_context: None, threads: None, quantize: None }
+        Self {
+            device: "auto".into(),
+            dtype: None,
+            max_context: None,
+            threads: None,
+            quantize: None,
+            check_tensors: true,
+        }
     }
 }
 
@@ -101,7 +111,12 @@ impl Model {
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
         let quantize = options.quantize.as_deref().map(parse_quantize).transpose()?;
         let backend = CandleBackend::new(&options.device)?;
-        let load = LoadOptions { dtype, max_context: options.max_context, quantize };
+        let load = LoadOptions {
+            dtype,
+            max_context: options.max_context,
+            quantize,
+            skip_tensor_check: !options.check_tensors,
+        };
         let (tokenizer, runtime) = match format {
             // The tokenizer first: its conversion's temporaries are freed (and handed back to the
             // OS) before the weights arrive, so the two never add up in the peak resident size.

@@ -242,6 +242,9 @@ impl PyModelRuntime {
     ///         raises ``ValueError``.
     ///     quantize (str | None): quantize the matmul weights at load (``"q8_0"``, ``"q4_k"``, ...;
     ///         a GGUF is de-quantized first; docs/cpu.md); None keeps the checkpoint's types.
+    ///     check_tensors (bool): check that every weight and block scale is finite as it loads
+    ///         (llama.cpp's ``--check-tensors``, on by default here): a NaN or infinity raises
+    ///         ``ArtifactError`` naming the tensor. False skips the check.
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.
@@ -249,7 +252,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true))]
     fn load(
         py: Python<'_>,
         path: PathBuf,
@@ -258,6 +261,7 @@ impl PyModelRuntime {
         max_context: Option<Bound<'_, PyAny>>,
         threads: Option<Bound<'_, PyAny>>,
         quantize: Option<String>,
+        check_tensors: bool,
     ) -> PyResult<Self> {
         let options = ModelOptions {
             device: device.to_owned(),
@@ -265,6 +269,7 @@ impl PyModelRuntime {
             max_context: count_option(py, "max_context", max_context.as_ref())?,
             threads: count_option(py, "threads", threads.as_ref())?,
             quantize,
+            check_tensors,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
         if let Some(report) = &model.info().quantized_at_load {

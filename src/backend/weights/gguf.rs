@@ -10,7 +10,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use super::{convert, WeightSource};
+use super::{convert, finite, WeightSource};
 use crate::backend::decoder::layers::Embedding;
 use crate::backend::error::{without_backtrace, CandleContext, CandleError, Result};
 use crate::backend::kernels::{self, interleaved::Interleaved, Weight};
@@ -448,6 +448,8 @@ pub struct GgufWeights {
     dequantize: bool,
     /// Tokens in `tokenizer.ggml.tokens`, kept when the vocabulary itself is handed on.
     vocabulary_len: Option<usize>,
+    /// Whether tensors are checked for non-finite values as they are read (`finite::check`).
+    check_tensors: bool,
 }
 
 /// The vocabulary arrays of the metadata (`tokenizer.ggml.*`): only the tokenizer reads them.
@@ -459,7 +461,13 @@ impl GgufWeights {
     pub fn open(path: &Path, dequantize: bool) -> Result<Self> {
         let content = read_content(path)?;
         let vocabulary_len = Metadata::new(&content.metadata).array_len(VOCABULARY_KEYS[0]);
-        Ok(Self { path: path.to_owned(), content, dequantize, vocabulary_len })
+        Ok(Self { path: path.to_owned(), content, dequantize, vocabulary_len, check_tensors: true })
+    }
+
+    /// Turns the check for NaN and infinite values off (`false`) or on, as llama.cpp's
+    /// `--check-tensors` does; on by default.
+    pub fn set_check_tensors(&mut self, check: bool) {
+        self.check_tensors = check;
     }
 
     /// The file's metadata.
@@ -515,8 +523,15 @@ impl GgufWeights {
                 .tensor(&mut BufReader::new(file), name, device)
                 .map_err(|e| self.malformed(name, without_backtrace(e).to_string()));
         }
-        read_blocks(|buf| read_at(&file, at, buf), info.ggml_dtype, info.shape.dims())
-            .map_err(|e| self.malformed(name, e))
+        let dtype = info.ggml_dtype;
+        let fill = |buf: &mut [u8]| {
+            read_at(&file, at, buf)?;
+            if self.check_tensors {
+                finite::check(dtype, buf, 0).map_err(skip_hint)?;
+            }
+            Ok(())
+        };
+        read_blocks(fill, dtype, info.shape.dims()).map_err(|e| self.malformed(name, e))
     }
 
     /// `name`'s description, its file, and where its data starts in the file.
@@ -553,10 +568,21 @@ impl GgufWeights {
             );
         }
         let (_, file, at) = self.open_tensor(name)?;
-        Interleaved::read(format, n, k, |offset, buf| read_at(&file, at + offset as u64, buf))
-            .map(|t| Some(Arc::new(t)))
-            .map_err(|e| self.malformed(name, e))
+        let block_bytes = dtype.type_size();
+        let read = |offset: usize, buf: &mut [u8]| {
+            read_at(&file, at + offset as u64, buf)?;
+            if self.check_tensors {
+                finite::check(dtype, buf, offset / block_bytes).map_err(skip_hint)?;
+            }
+            Ok(())
+        };
+        Interleaved::read(format, n, k, read).map(|t| Some(Arc::new(t))).map_err(|e| self.malformed(name, e))
     }
+}
+
+/// A failed finiteness check, with how to load the file anyway.
+fn skip_hint(reason: String) -> String {
+    format!("{reason}; load with check_tensors=False to skip this check")
 }
 
 /// Fills `buf` from `file` at `offset`, in chunks read in parallel: faulting in a fresh buffer's

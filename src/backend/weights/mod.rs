@@ -1,5 +1,6 @@
 //! Where weights come from: a checkpoint format behind one small interface.
 
+pub mod finite;
 pub mod gguf;
 pub mod quantize;
 pub mod requant;

@@ -6,13 +6,15 @@ use std::path::{Path, PathBuf};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
-use super::{convert, WeightSource};
+use super::{convert, finite, WeightSource};
 use crate::backend::error::{CandleContext, CandleError, Result};
 
 /// Memory-mapped safetensors files with their tensors' shapes indexed up front.
 pub struct SafetensorsWeights {
     files: MmapedSafetensors,
     index: HashMap<String, (Vec<usize>, String)>,
+    /// Whether tensors are checked for non-finite values as they load (`finite::check`).
+    check_tensors: bool,
 }
 
 impl SafetensorsWeights {
@@ -52,7 +54,12 @@ impl SafetensorsWeights {
             .into_iter()
             .map(|(name, view)| (name, (view.shape().to_vec(), format!("{:?}", view.dtype()))))
             .collect();
-        Ok(Self { files, index })
+        Ok(Self { files, index, check_tensors: true })
+    }
+
+    /// Turns the check for NaN and infinite values off (`false`) or on; on by default.
+    pub fn set_check_tensors(&mut self, check: bool) {
+        self.check_tensors = check;
     }
 
     /// The element type most tensors are stored in, if any are floating point.
@@ -124,8 +131,16 @@ impl WeightSource for SafetensorsWeights {
 
     fn dense(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         let (_, stored) = self.index.get(name).ok_or_else(|| CandleError::MissingTensor { name: name.to_owned() })?;
-        if float_dtype(stored).is_none() {
+        let Some(float) = float_dtype(stored) else {
             return Err(CandleError::UnsupportedTensorType { tensor: name.to_owned(), dtype: stored.clone() });
+        };
+        if let (true, Some(ggml)) = (self.check_tensors, finite::of_float(float)) {
+            let view = self.files.get(name).ctx(|| format!("reading tensor `{name}`"))?;
+            finite::check(ggml, view.data(), 0).map_err(|reason| CandleError::Malformed {
+                what: "safetensors tensor",
+                path: format!("`{name}`"),
+                reason: format!("{reason}; load with check_tensors=False to skip this check"),
+            })?;
         }
         let t = self.files.load(name, device).ctx(|| format!("loading tensor `{name}`"))?;
         convert(t, name, dtype)
