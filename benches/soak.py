@@ -277,6 +277,7 @@ def main():
             time.sleep(0.5)
         rss_warm = next((kib for at, kib in rss if at >= warm - t0), rss[0][1])
         rss_end = rss_kib(proc.pid)
+        rss_half = next((kib for at, kib in rss if at >= args.duration / 2), rss[-1][1])
 
         # Greedy requests that completed, replayed alone on the idle server.
         greedy = [r for r in records if r["greedy"] and r["status"] == 200 and not r.get("cancelled")]
@@ -338,6 +339,8 @@ def main():
         "rss_mib_after_warmup": round(rss_warm / 1024, 1), "rss_mib_end": round(rss_end / 1024, 1),
         "rss_growth_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
         "rss_mib_max": round(max(k for _, k in rss) / 1024, 1),
+        # From the middle of the run: flat once the working set is reached, whenever that was.
+        "rss_growth_second_half_pct": round(100 * (rss_end - rss_half) / rss_half, 2),
         "ttft_ms": {"p50": ms(percentile(ttft, 50)), "p99": ms(percentile(ttft, 99)),
                     "short_p50": ms(percentile(ttft_short, 50)), "long_p50": ms(percentile(ttft_long, 50))},
         "inter_token_ms": {"p50": ms(percentile(itl, 50)), "p99": ms(percentile(itl, 99))},
@@ -359,7 +362,8 @@ def main():
         print(f"    differs at token {d['token']}: margin {d.get('margin')} (top-2 gap {d.get('top2_gap')}) "
               f"{d['interventions']} {d['prompt'][:40]!r}")
     print(f"  server RSS {report['rss_mib_after_warmup']} MiB after warm-up, {report['rss_mib_end']} MiB at the end "
-          f"({report['rss_growth_pct']:+.2f}%), max {report['rss_mib_max']} MiB")
+          f"({report['rss_growth_pct']:+.2f}%; {report['rss_growth_second_half_pct']:+.2f}% over the second half), "
+          f"max {report['rss_mib_max']} MiB")
     print(f"  time to first token p50 {report['ttft_ms']['p50']} ms, p99 {report['ttft_ms']['p99']} ms "
           f"(short prompts p50 {report['ttft_ms']['short_p50']}, long {report['ttft_ms']['long_p50']})")
     print(f"  inter-token p50 {report['inter_token_ms']['p50']} ms, p99 {report['inter_token_ms']['p99']} ms; "
