@@ -14,7 +14,7 @@ pub fn release_freed_memory() {
 }
 
 /// Bytes the operating system says it can still hand out (Linux's `MemAvailable`, capped by a
-/// cgroup's limit where one is set); `None` where it does not say.
+/// cgroup's limit and an address-space limit where one is set); `None` where it does not say.
 pub fn available_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: u64 = meminfo
@@ -31,5 +31,32 @@ pub fn available_bytes() -> Option<u64> {
     if let (Some(limit), Some(used)) = (cgroup("/sys/fs/cgroup/memory.max"), cgroup("/sys/fs/cgroup/memory.current")) {
         available = available.min(limit.saturating_sub(used));
     }
+    // A process whose address space is capped (`ulimit -v`, RLIMIT_AS) fails an allocation past
+    // the cap, however much memory the machine has: what is left under it counts too.
+    if let Some(left) = address_space_left() {
+        available = available.min(left);
+    }
     Some(available)
+}
+
+/// Bytes of address space left under RLIMIT_AS, when one is set.
+#[cfg(not(unix))]
+fn address_space_left() -> Option<u64> {
+    None
+}
+
+/// Bytes of address space left under RLIMIT_AS, when one is set.
+#[cfg(unix)]
+fn address_space_left() -> Option<u64> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) } != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    // The first field of statm is the process's virtual size in pages.
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().next()?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64;
+    Some((limit.rlim_cur as u64).saturating_sub(pages.saturating_mul(page)))
 }

@@ -137,6 +137,7 @@ class Engine:
         seed: int | None = None,
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
+        skip_special_tokens: bool = True,
     ) -> EngineRequest: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -400,6 +401,7 @@ class ModelRuntime:
         seed: int | None = None,
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
+        skip_special_tokens: bool = True,
     ) -> list[GenerationResult]: ...
     def fork(self) -> ModelRuntime: ...
     def unembed(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
@@ -434,6 +436,7 @@ class ModelRuntime:
         seed: int | None = None,
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
+        skip_special_tokens: bool = True,
     ) -> GenerationResult: ...
     @overload
     def generate(
@@ -454,6 +457,7 @@ class ModelRuntime:
         seed: int | None = None,
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
+        skip_special_tokens: bool = True,
     ) -> GenerationStream: ...
     def stream(
         self,
@@ -472,6 +476,7 @@ class ModelRuntime:
         seed: int | None = None,
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
+        skip_special_tokens: bool = True,
     ) -> GenerationStream: ...
     @overload
     def chat(
@@ -493,6 +498,7 @@ class ModelRuntime:
         seed: int | None = None,
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
+        skip_special_tokens: bool = True,
     ) -> GenerationResult: ...
     @overload
     def chat(
@@ -514,4 +520,5 @@ class ModelRuntime:
         seed: int | None = None,
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
+        skip_special_tokens: bool = True,
     ) -> GenerationStream: ...

@@ -116,6 +116,7 @@ def sampling(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        skip_special_tokens=not args.special,
     )
     if args.stop:
         kw["stop"] = args.stop
@@ -321,6 +322,8 @@ def parser() -> argparse.ArgumentParser:
                         help="penalty of tokens already seen; 1: off")
     sample.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     sample.add_argument("--stop", action="append", help="stop string (repeatable)")
+    sample.add_argument("--special", action="store_true",
+                        help="print control tokens (such as <start_of_image>) in the text; left out by default")
     sample.add_argument(
         "--control-vector",
         action="append",

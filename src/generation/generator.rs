@@ -76,6 +76,9 @@ pub struct GenerateOptions {
     pub ignore_eos: bool,
     /// Report each generated token's log-probability and this many most likely alternatives.
     pub logprobs: Option<usize>,
+    /// Leave control tokens (special tokens, markup such as `<start_of_image>`) out of the text,
+    /// as llama-cpp-python does; their ids and log-probabilities stay in the result.
+    pub skip_special_tokens: bool,
 }
 
 /// The default number of tokens to generate (a macro, not a constant, so that the Python
@@ -103,6 +106,7 @@ impl Default for GenerateOptions {
             eos_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            skip_special_tokens: true,
         }
     }
 }
@@ -290,7 +294,7 @@ impl Generation {
         Ok(Self {
             sampler: Sampler::new(options.sampling),
             stops: StopStrings::new(options.stop),
-            detok: IncrementalDecoder::new(tokenizer, true),
+            detok: IncrementalDecoder::new(tokenizer, options.skip_special_tokens),
             eos,
             max_tokens: options.max_tokens,
             context: prompt.to_vec(),

@@ -92,7 +92,7 @@ impl PyEngine {
     #[pyo3(text_signature = None, signature = (prompt, *, interventions=None, chat=false, chat_template=None,
         max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
-        logprobs=None))]
+        logprobs=None, skip_special_tokens=true))]
     #[allow(clippy::too_many_arguments)]
     fn submit<'py>(
         &self,
@@ -114,6 +114,7 @@ impl PyEngine {
         seed: Option<Bound<'py, PyAny>>,
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
     ) -> PyResult<PyEngineRequest> {
         let args = SamplingArgs {
             max_tokens,
@@ -129,6 +130,7 @@ impl PyEngine {
             seed,
             ignore_eos,
             logprobs,
+            skip_special_tokens,
         };
         let rt = self.runtime.get();
         let opts = args.options(rt.lock(py)?.defaults())?;

@@ -6,13 +6,14 @@ use pyo3::exceptions::PyStopIteration;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::errors::{catch_panic, generation_err, model_err, GenerationOptionError, InternalError};
+use super::errors::{catch_panic, generation_err, invalid_option, model_err, GenerationOptionError, InternalError};
 use super::gil::lock_released;
 use super::runtime::PyModelRuntime;
 use crate::generation::{GenerateOptions, Generation, GenerationResult, TokenLogprobs};
 
+/// An `InvalidOptionError` (a `ValueError` too) naming the argument.
 fn value_err(arg: &str, why: &str) -> PyErr {
-    pyo3::exceptions::PyValueError::new_err(format!("{arg}: {why}"))
+    Python::attach(|py| invalid_option(py, format!("{arg}: {why}")))
 }
 
 fn type_err(arg: &str, want: &str, v: &Bound<'_, PyAny>) -> PyErr {
@@ -21,8 +22,17 @@ fn type_err(arg: &str, want: &str, v: &Bound<'_, PyAny>) -> PyErr {
 }
 
 fn count(arg: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let n: i64 = v.extract().map_err(|_| type_err(arg, "an int", v))?;
+    let n: i64 = v.extract().map_err(|_| int_err(arg, v))?;
     usize::try_from(n).map_err(|_| value_err(arg, &format!("must be >= 0, got {n}")))
+}
+
+/// The error for a value that is not an int of 64 bits: out of range if it is an int at all.
+fn int_err(arg: &str, v: &Bound<'_, PyAny>) -> PyErr {
+    if v.is_instance_of::<pyo3::types::PyInt>() {
+        value_err(arg, &format!("{v} is out of range"))
+    } else {
+        type_err(arg, "an int", v)
+    }
 }
 
 fn number(arg: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
@@ -75,6 +85,8 @@ pub struct SamplingArgs<'py> {
     pub ignore_eos: bool,
     /// `N`: each token's log-probability and the N most likely alternatives.
     pub logprobs: Option<Bound<'py, PyAny>>,
+    /// Leave control tokens out of the generated text.
+    pub skip_special_tokens: bool,
 }
 
 impl SamplingArgs<'_> {
@@ -105,7 +117,7 @@ impl SamplingArgs<'_> {
             s.top_k = count("top_k", v)?;
         }
         if let Some(v) = self.seed.as_ref().filter(|v| !v.is_none()) {
-            let n: i64 = v.extract().map_err(|_| type_err("seed", "an int", v))?;
+            let n: i64 = v.extract().map_err(|_| int_err("seed", v))?;
             s.seed = match n {
                 -1 => None,
                 n if n >= 0 => Some(n as u64),
@@ -116,7 +128,7 @@ impl SamplingArgs<'_> {
             let d = v.cast::<PyDict>().map_err(|_| type_err("logit_bias", "a dict {token_id: bias}", v))?;
             s.logit_bias = Vec::new();
             for (id, bias) in d.iter() {
-                let id: i64 = id.extract().map_err(|_| type_err("logit_bias key", "an int token id", &id))?;
+                let id: i64 = id.extract().map_err(|_| int_err("logit_bias key", &id))?;
                 let id = u32::try_from(id).map_err(|_| value_err("logit_bias", &format!("{id} is not a token id")))?;
                 s.logit_bias.push((id, number("logit_bias value", &bias)?));
             }
@@ -136,6 +148,7 @@ impl SamplingArgs<'_> {
                 Some(count("logprobs", v)?)
             };
         }
+        o.skip_special_tokens = self.skip_special_tokens;
         o.sampling.validate().map_err(GenerationOptionError::new_err)?;
         Ok(o)
     }

@@ -2,6 +2,7 @@
 
 use pyo3::prelude::*;
 
+use super::errors::invalid_option;
 use super::generation::py_repr;
 
 use crate::core::{EditOp, Intervention};
@@ -19,7 +20,7 @@ fn positions_of(positions: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
             ps.into_iter()
                 .map(|p| {
                     usize::try_from(p).map_err(|_| {
-                        pyo3::exceptions::PyValueError::new_err(format!("positions: {p} is not a valid position"))
+                        Python::attach(|py| invalid_option(py, format!("positions: {p} is not a valid position")))
                     })
                 })
                 .collect()
@@ -85,7 +86,7 @@ impl PyIntervention {
     #[pyo3(signature = (point, index, factor, positions=None))]
     fn scale(point: String, index: Vec<i64>, factor: f32, positions: Option<Vec<i64>>) -> PyResult<Self> {
         let index = positions_of(Some(index))
-            .map_err(|_| pyo3::exceptions::PyValueError::new_err("index: unit indices must be >= 0"))?
+            .map_err(|_| Python::attach(|py| invalid_option(py, "index: unit indices must be >= 0".into())))?
             .unwrap_or_default();
         let op = EditOp::Scale { index, factor };
         Ok(Self { inner: Intervention { point, op, positions: positions_of(positions)? } })

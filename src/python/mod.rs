@@ -9,7 +9,7 @@ macro_rules! sampling_signature {
             crate::default_max_tokens!(),
             ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
             "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
-            "ignore_eos=False, logprobs=None"
+            "ignore_eos=False, logprobs=None, skip_special_tokens=True"
         )
     };
 }
@@ -33,7 +33,9 @@ macro_rules! sampling_args_doc {
             "    seed (int | None): the sampling seed; None or -1: random.\n",
             "    ignore_eos (bool): keep generating past end-of-sequence tokens.\n",
             "    logprobs (int | None): N: report each token's log-probability and the N most likely\n",
-            "        alternatives. The sampling defaults (None) are ``generation_defaults()``."
+            "        alternatives. The sampling defaults (None) are ``generation_defaults()``.\n",
+            "    skip_special_tokens (bool): leave control tokens (special tokens, and markup such as\n",
+            "        Gemma's ``<start_of_image>``) out of the text; their ids and logprobs stay."
         )
     };
 }

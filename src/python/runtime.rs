@@ -203,7 +203,7 @@ fn request_of(request: Option<PyRef<'_, PyObservationRequest>>) -> ObservationRe
 
 fn non_negative(arg: &str, v: Option<i64>) -> PyResult<Option<usize>> {
     v.map(|v| {
-        usize::try_from(v).map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("{arg} must be >= 0, got {v}")))
+        usize::try_from(v).map_err(|_| Python::attach(|py| invalid_option(py, format!("{arg} must be >= 0, got {v}"))))
     })
     .transpose()
 }
@@ -629,7 +629,7 @@ impl PyModelRuntime {
     ///     >>> [r.text for r in rt.generate_batch(["Hello", "Bonjour"], max_tokens=4, temperature=0)]
     #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None))]
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch<'py>(
         &self,
@@ -648,6 +648,7 @@ impl PyModelRuntime {
         seed: Option<Bound<'py, PyAny>>,
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
     ) -> PyResult<Vec<PyGenerationResult>> {
         let args = SamplingArgs {
             max_tokens,
@@ -663,6 +664,7 @@ impl PyModelRuntime {
             seed,
             ignore_eos,
             logprobs,
+            skip_special_tokens,
         };
         let opts = args.options(self.lock(py)?.defaults())?;
         let prompts = prompts
@@ -802,7 +804,7 @@ impl PyModelRuntime {
     ///     ('length', 16)
     #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
         top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None))]
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         slf: &Bound<'py, Self>,
@@ -821,6 +823,7 @@ impl PyModelRuntime {
         seed: Option<Bound<'py, PyAny>>,
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -836,6 +839,7 @@ impl PyModelRuntime {
             seed,
             ignore_eos,
             logprobs,
+            skip_special_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -862,7 +866,7 @@ impl PyModelRuntime {
     ///     ...     print(piece, end="", flush=True)
     #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None))]
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true))]
     #[allow(clippy::too_many_arguments)]
     fn stream<'py>(
         slf: &Bound<'py, Self>,
@@ -880,6 +884,7 @@ impl PyModelRuntime {
         seed: Option<Bound<'py, PyAny>>,
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
     ) -> PyResult<PyGenerationStream> {
         let args = SamplingArgs {
             max_tokens,
@@ -895,6 +900,7 @@ impl PyModelRuntime {
             seed,
             ignore_eos,
             logprobs,
+            skip_special_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -921,7 +927,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (messages, *, stream=false, chat_template=None,
         max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
-        logprobs=None))]
+        logprobs=None, skip_special_tokens=true))]
     #[allow(clippy::too_many_arguments)]
     fn chat<'py>(
         slf: &Bound<'py, Self>,
@@ -941,6 +947,7 @@ impl PyModelRuntime {
         seed: Option<Bound<'py, PyAny>>,
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -956,6 +963,7 @@ impl PyModelRuntime {
             seed,
             ignore_eos,
             logprobs,
+            skip_special_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -1083,8 +1091,8 @@ impl PySession {
     /// Example:
     ///     >>> rt.session.truncate(4); rt.session.position
     ///     4
-    fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        let n = non_negative("n", Some(n))?.unwrap_or(0);
+    fn truncate(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = count_option(py, "n", Some(n))?.unwrap_or(0);
         self.runtime.get().lock(py)?.runtime_mut().session_mut().truncate(n).map_err(backend_err)
     }
 

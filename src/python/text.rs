@@ -5,7 +5,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
-use super::errors::text_err;
+use super::errors::{invalid_option, text_err};
 use crate::text::{ChatRenderOptions, ChatTemplate, TemplateValue, Tokenizer};
 
 /// How deep chat data may nest (messages, parts, tool schemas); deeper is surely a mistake,
@@ -34,7 +34,7 @@ pub fn template_value(what: &str, value: &Bound<'_, PyAny>) -> PyResult<Template
 
 fn to_value(what: &str, v: &Bound<'_, PyAny>, depth: usize) -> PyResult<TemplateValue> {
     if depth > MAX_DEPTH {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!("{what} nests deeper than {MAX_DEPTH} levels")));
+        return Err(invalid_option(v.py(), format!("{what} nests deeper than {MAX_DEPTH} levels")));
     }
     if v.is_none() {
         return Ok(TemplateValue::none());
@@ -46,9 +46,9 @@ fn to_value(what: &str, v: &Bound<'_, PyAny>, depth: usize) -> PyResult<Template
         return Ok(TemplateValue::string(s.to_str()?));
     }
     if v.is_instance_of::<PyInt>() {
-        let n: i64 = v.extract().map_err(|_| {
-            pyo3::exceptions::PyValueError::new_err(format!("{what}: the integer {v} does not fit in 64 bits"))
-        })?;
+        let n: i64 = v
+            .extract()
+            .map_err(|_| invalid_option(v.py(), format!("{what}: the integer {v} does not fit in 64 bits")))?;
         return Ok(TemplateValue::int(n));
     }
     if let Ok(f) = v.cast::<PyFloat>() {

@@ -45,8 +45,12 @@ impl IncrementalDecoder {
         Self { tokenizer, skip_special_tokens, ids: tail.to_vec(), prefix_offset: 0, read_offset: tail.len() }
     }
 
-    /// Adds one token; returns the text it completes, if any.
+    /// Adds one token; returns the text it completes, if any. When skipping special tokens,
+    /// a control token (`Tokenizer::is_control`) adds no text.
     pub fn push(&mut self, id: u32) -> Result<Option<String>, TextError> {
+        if self.skip_special_tokens && self.tokenizer.is_control(id) {
+            return Ok(None);
+        }
         self.ids.push(id);
         self.emit(false)
     }

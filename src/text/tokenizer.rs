@@ -37,6 +37,9 @@ pub struct Tokenizer {
     bos_token: Option<String>,
     eos_token: Option<String>,
     vocab_size: usize,
+    /// Added tokens that are not text: the special ones, and markup (`<start_of_image>`,
+    /// `[multimodal]`) that a vocabulary lists as user-defined. Left out of generated text.
+    control_ids: std::collections::HashSet<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -59,6 +62,22 @@ const _: () = {
     const fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<Tokenizer>();
 };
+
+/// The ids of `inner`'s control tokens: its special added tokens, and added tokens that read as
+/// markup, `<...>` or `[...]` without spaces (Gemma's GGUF lists `<start_of_image>` as
+/// user-defined, where llama.cpp and the Hugging Face tokenizer treat it as a control token).
+fn control_ids(inner: &tokenizers::Tokenizer) -> std::collections::HashSet<u32> {
+    let markup = |t: &str| {
+        let bracketed = (t.starts_with('<') && t.ends_with('>')) || (t.starts_with('[') && t.ends_with(']'));
+        bracketed && t.len() > 2 && !t.chars().any(char::is_whitespace)
+    };
+    inner
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| t.special || markup(&t.content))
+        .map(|(id, _)| id)
+        .collect()
+}
 
 fn read_json_opt(path: &Path) -> Result<Option<Json>, TextError> {
     let text = match std::fs::read_to_string(path) {
@@ -200,7 +219,19 @@ impl Tokenizer {
         };
 
         let vocab_size = inner.get_vocab(true).values().map(|&id| id as usize + 1).max().unwrap_or(0);
-        Ok(Self { inner, bos_id, eos_ids, add_bos, bos_fix, chat_template, bos_token, eos_token, vocab_size })
+        let control_ids = control_ids(&inner);
+        Ok(Self {
+            inner,
+            bos_id,
+            eos_ids,
+            add_bos,
+            bos_fix,
+            chat_template,
+            bos_token,
+            eos_token,
+            vocab_size,
+            control_ids,
+        })
     }
 
     /// Converts a GGUF vocabulary into a tokenizer, as transformers' GGUF loader does.
@@ -210,6 +241,7 @@ impl Tokenizer {
     pub fn from_gguf(metadata: &HashMap<String, gguf_file::Value>) -> Result<Self, TextError> {
         let g = tokenizer_from_gguf(metadata)?;
         Ok(Self {
+            control_ids: control_ids(&g.tokenizer),
             inner: g.tokenizer,
             bos_id: g.bos_id,
             eos_ids: g.eos_ids,
@@ -221,6 +253,12 @@ impl Tokenizer {
             eos_token: g.eos_token,
             vocab_size: g.vocab_size,
         })
+    }
+
+    /// Whether `id` is a control token (special, or markup listed as user-defined), which
+    /// generated text leaves out unless asked to keep it.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.control_ids.contains(&id)
     }
 
     /// Reads only the metadata of a GGUF file and converts its vocabulary.

@@ -447,3 +447,113 @@ def template_cases(rng, scratch, n_random):
                  for _ in range(rng.randint(1, 3))]
         src = "".join(parts)
         yield Case("template", src[:60], {"kind": "template", "path": str(model), "template": src, "messages": messages})
+
+
+# ------------------------------------------------------------------------------------------
+# Non-finite weights (issue 23): a NaN or infinity anywhere in a float tensor or a block scale
+# ------------------------------------------------------------------------------------------
+
+
+def nonfinite_cases(rng, scratch, archs, n_random):
+    """One NaN or infinity written over a random float of a random tensor: must be refused."""
+    n = 0
+    for arch in archs:
+        data, hlen, header = safetensors_parts(TINY / arch / "model.safetensors")
+        names = sorted(k for k in header if k != "__metadata__" and header[k]["dtype"] == "F32")
+        for _ in range(max(1, n_random // 5)):
+            name = rng.choice(names)
+            a, b = header[name]["data_offsets"]
+            at = 8 + hlen + a + 4 * rng.randrange((b - a) // 4)
+            value = rng.choice([float("nan"), float("inf"), float("-inf")])
+            blob = bytearray(data)
+            blob[at:at + 4] = struct.pack("<f", value)
+            d = copy_dir(TINY / arch, scratch / f"nf-{n}")
+            n += 1
+            (d / "model.safetensors").write_bytes(bytes(blob))
+            yield Case("non-finite", f"{arch} {name} = {value}", {"kind": "load", "path": str(d)}, True)
+
+
+# ------------------------------------------------------------------------------------------
+# API calls with hostile sizes and options (issue 23): a failed call raises a typed error and
+# leaves the session exactly as it was
+# ------------------------------------------------------------------------------------------
+
+HUGE = [2**31, 2**32, 2**63 - 1, 2**64 - 1, 2**64, 10**18, -1, -(2**63)]
+
+
+def api_cases(rng, scratch, n_random):
+    """Each case loads the tiny Llama (with a word-level tokenizer), prefills a few tokens, then
+    makes one hostile call; `must_reject` calls must raise a typed error without moving the
+    session (the worker checks its position and tokens)."""
+    model = tiny_with_tokenizer(scratch)
+    vocab = 512
+    fixed = [
+        # Contexts past 2^32 - 1 tokens are refused; 2^31 is a context like any other.
+        ("load", {"max_context": v}, not 0 < v < 2**32) for v in HUGE + [0]
+    ] + [
+        ("load", {"threads": v}, True) for v in [0, -1, 2**64 - 1, 10**6]
+    ] + [
+        ("generate", {"logit_bias": {str(vocab + 5): 1.0}, "max_tokens": 4}, True),
+        ("generate", {"logit_bias": {str(2**40): 1.0}}, True),
+        ("stream", {"logit_bias": {str(vocab): 1.0}}, True),
+        ("chat", {"logit_bias": {str(vocab + 1): 1.0}}, True),
+        ("generate_batch", {"logit_bias": {str(vocab + 1): 1.0}}, True),
+        ("engine", {"logit_bias": {str(vocab + 1): 1.0}}, True),
+        ("engine", {"prompt_ids": [3, vocab]}, True),
+        ("engine", {"prompt_ids": [3] * 5000}, True),
+        ("load", {"max_context": 10**9, "check_tensors": False}, False),
+        ("prefill", {"ids": [3, vocab + 7]}, True),
+        ("prefill", {"ids": [3, -1]}, True),
+        ("prefill", {"ids": [3, 2**40]}, True),
+        ("prefill", {"ids": []}, True),
+        # Under the worker's 4 GiB address-space cap: refused before allocating, never an abort.
+        ("prefill", {"n": 3_000_000, "all_logits": True, "context": 10**9}, True),
+        ("inspect_prefill", {"n": 100_000, "select": ["model.layers.0.attention.pattern"], "context": 10**9}, True),
+        ("trace", {"n": 60_000, "select": ["model.layers"], "context": 10**9}, True),
+        ("truncate", {"to": 10**6}, True),
+        ("truncate", {"to": -1}, True),
+        ("generate", {"max_tokens": -3}, True),
+        ("generate", {"temperature": float("nan")}, True),
+        ("generate", {"top_p": 7.0}, True),
+        ("generate", {"seed": -5}, True),
+        ("generate", {"logprobs": 10**9, "max_tokens": 2}, False),
+        ("generate", {"max_tokens": 2**63 - 1, "context": 8}, False),
+        ("unembed", {"shape": [3, 65]}, True),
+        ("unembed", {"shape": [0, 64]}, False),
+    ]
+    for op, args, must_reject in fixed:
+        yield Case("api", f"{op} {json.dumps(args)[:60]}", {"kind": "call", "path": str(model), "op": op, "args": args},
+                   must_reject)
+    for _ in range(n_random):
+        op = rng.choice(["generate", "stream", "prefill", "decode", "truncate"])
+        value = rng.choice(HUGE + [0, 1, vocab - 1, vocab, vocab + 1])
+        args = {"generate": {"max_tokens": value, "context": 8},
+                "stream": {"top_k": value, "max_tokens": 2},
+                "prefill": {"ids": [3, value]},
+                "decode": {"ids": [value]},
+                "truncate": {"to": value}}[op]
+        yield Case("api", f"random {op} {json.dumps(args)[:60]}",
+                   {"kind": "call", "path": str(model), "op": op, "args": args})
+
+
+def thread_cases(rng, scratch, n_random):
+    """Several Python threads making mixed calls on one runtime: they must finish (a deadlock is
+    a hang) and raise nothing but typed errors."""
+    model = tiny_with_tokenizer(scratch)
+    for i in range(max(2, n_random // 5)):
+        seed = rng.randrange(2**31)
+        yield Case("threads", f"seed {seed}",
+                   {"kind": "threads", "path": str(model), "seed": seed, "threads": rng.choice([2, 3, 4]), "calls": 12})
+
+
+def tiny_with_tokenizer(scratch):
+    """The tiny Llama with a word-level tokenizer (`t0` … `t511`), made once per scratch dir."""
+    dest = scratch / "tiny-tok"
+    if not dest.exists():
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        shutil.copytree(TINY / "llama", dest)
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(dest / "tokenizer.json"))
+    return dest

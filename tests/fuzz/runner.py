@@ -97,6 +97,10 @@ def generate(seed, long_mode, n_random, scratch):
     yield from fuzz_cases.safetensors_cases(rng, scratch, archs, n_random)
     yield from fuzz_cases.gguf_cases(rng, scratch, n_random * 3)
     yield from fuzz_cases.template_cases(rng, scratch, n_random)
+    # Issue 23's classes: non-finite weights, hostile sizes and options on the API, threads.
+    yield from fuzz_cases.nonfinite_cases(rng, scratch, archs, n_random)
+    yield from fuzz_cases.api_cases(rng, scratch, n_random)
+    yield from fuzz_cases.thread_cases(rng, scratch, n_random)
 
 
 def run(seed=0, long_mode=False, n_random=None, timeout=None, verbose=False, out=sys.stdout):

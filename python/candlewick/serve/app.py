@@ -115,6 +115,8 @@ SAMPLING = {
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "stop": "stop",
     # llama-cpp-python's extensions.
     "top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
+    # vLLM's: control tokens (special tokens, markup such as <start_of_image>) in the text or not.
+    "skip_special_tokens": "skip_special_tokens",
 }
 
 

@@ -144,7 +144,7 @@ impl CandleSession {
                 position,
                 needed_mib: needed >> 20,
                 available_mib: available >> 20,
-                hint: if rows == LogitsRows::All {
+                hint: if rows == LogitsRows::All && operation == "prefill" {
                     "; every row's logits were asked for: ask for the last row's only, or run fewer tokens".into()
                 } else {
                     "; run fewer tokens at once, or a smaller context".into()
