@@ -138,6 +138,10 @@ class Engine:
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
         skip_special_tokens: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> EngineRequest: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -402,6 +406,10 @@ class ModelRuntime:
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
         skip_special_tokens: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> list[GenerationResult]: ...
     def fork(self) -> ModelRuntime: ...
     def unembed(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
@@ -437,6 +445,10 @@ class ModelRuntime:
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
         skip_special_tokens: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> GenerationResult: ...
     @overload
     def generate(
@@ -458,6 +470,10 @@ class ModelRuntime:
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
         skip_special_tokens: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> GenerationStream: ...
     def stream(
         self,
@@ -477,6 +493,10 @@ class ModelRuntime:
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
         skip_special_tokens: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> GenerationStream: ...
     @overload
     def chat(
@@ -499,6 +519,10 @@ class ModelRuntime:
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
         skip_special_tokens: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> GenerationResult: ...
     @overload
     def chat(
@@ -521,4 +545,8 @@ class ModelRuntime:
         ignore_eos: bool = False,
         logprobs: int | bool | None = None,
         skip_special_tokens: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> GenerationStream: ...

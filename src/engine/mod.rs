@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use crate::backend::CandleError;
 use crate::core::{BackendSession, Intervention};
-use crate::generation::{step_together, GenerateOptions, Generation, GenerationError, GenerationResult, TokenLogprobs};
+use crate::generation::{
+    step_together, Constraint, GenerateOptions, Generation, GenerationError, GenerationResult, TokenLogprobs,
+};
 use crate::model::{Model, ModelError};
 
 /// Why the engine refused or failed a request.
@@ -119,9 +121,10 @@ pub struct Engine {
     stats: Arc<EngineStats>,
     shutdown: Arc<AtomicBool>,
     options: EngineOptions,
-    /// The model's vocabulary and context, to refuse a bad request at submission.
+    /// The model's vocabulary, context and tokenizer, to refuse a bad request at submission.
     vocab_size: usize,
     max_context: usize,
+    tokenizer: Option<Arc<crate::text::Tokenizer>>,
 }
 
 impl Engine {
@@ -131,6 +134,7 @@ impl Engine {
         let mut template = model.fork_empty()?;
         let vocab_size = template.runtime().session().vocab_size();
         let max_context = template.runtime().session().max_context();
+        let tokenizer = template.tokenizer().ok().cloned();
         template.runtime_mut().set_interventions(Vec::new()).map_err(ModelError::from)?;
         let (tx, rx) = mpsc::sync_channel(options.max_queue.max(1));
         let stats = Arc::new(EngineStats::default());
@@ -149,7 +153,7 @@ impl Engine {
                     })
                 })?
         };
-        Ok(Self { queue: Some(tx), worker: Some(worker), stats, shutdown, options, vocab_size, max_context })
+        Ok(Self { queue: Some(tx), worker: Some(worker), stats, shutdown, options, vocab_size, max_context, tokenizer })
     }
 
     /// Queues a request; it joins the running batch at the next step. A full queue refuses at once.
@@ -192,6 +196,13 @@ impl Engine {
                 operation: "submit",
                 reason: "the prompt has no tokens".into(),
             }));
+        }
+        if let (Some(spec), Some(tokenizer)) = (&options.constraint, &self.tokenizer) {
+            // Compiled here once to refuse a schema llguidance cannot take; the request compiles
+            // its own when it starts (a grammar's state is the request's).
+            let factory = tokenizer.constraint_factory(self.vocab_size).map_err(|e| EngineError::Model(e.into()))?;
+            Constraint::new(spec, &factory)
+                .map_err(|why| EngineError::Model(ModelError::Generation(GenerationError::InvalidOptions(why))))?;
         }
         if let Some((index, &token)) = prompt.iter().enumerate().find(|(_, &t)| t as usize >= self.vocab_size) {
             return Err(refused(CandleError::TokenOutOfRange { token, index, vocab_size: self.vocab_size }));

@@ -7,6 +7,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::constraint::{Constraint, ConstraintSpec};
 use super::sampling::{Sampler, SamplingParams};
 use super::stopping::{StopScan, StopStrings};
 use crate::core::{BackendProvider, BackendSession, ModelRuntime, RuntimeError};
@@ -28,6 +29,9 @@ pub enum GenerationError<E: std::error::Error + 'static> {
     /// between two steps of this generation, so its context is no longer this generation's.
     #[error("the session changed under this generation (another call stepped, rewound or reset it); start a new one")]
     SessionChanged,
+    /// The output constraint failed while following the generated tokens.
+    #[error("the output constraint failed: {0}")]
+    Constraint(String),
     /// The model produced logits that are not finite (NaN or infinite), so no token can be chosen.
     #[error("the model produced non-finite logits at position {position}; the weights or an intervention are broken")]
     NonFiniteLogits {
@@ -79,6 +83,8 @@ pub struct GenerateOptions {
     /// Leave control tokens (special tokens, markup such as `<start_of_image>`) out of the text,
     /// as llama-cpp-python does; their ids and log-probabilities stay in the result.
     pub skip_special_tokens: bool,
+    /// What the output must match (a JSON schema, a grammar, ...); `None` leaves it free.
+    pub constraint: Option<ConstraintSpec>,
 }
 
 /// The default number of tokens to generate (a macro, not a constant, so that the Python
@@ -107,6 +113,7 @@ impl Default for GenerateOptions {
             ignore_eos: false,
             logprobs: None,
             skip_special_tokens: true,
+            constraint: None,
         }
     }
 }
@@ -240,6 +247,8 @@ pub struct Generation {
     /// The runtime's epoch after this generation's last step: any other change to the session
     /// moves it (see `ModelRuntime::epoch`).
     epoch: u64,
+    /// What the output must match, following the generated tokens.
+    constraint: Option<Constraint>,
 }
 
 /// The last row of a step's logits on the host, refusing NaN or infinite values.
@@ -270,6 +279,13 @@ impl Generation {
         if prompt.is_empty() {
             return Err(GenerationError::InvalidOptions("the prompt has no tokens".into()));
         }
+        let constraint = match &options.constraint {
+            Some(spec) => {
+                let factory = tokenizer.constraint_factory(rt.session().vocab_size())?;
+                Some(Constraint::new(spec, &factory).map_err(GenerationError::InvalidOptions)?)
+            }
+            None => None,
+        };
         let started = Instant::now();
         // Reuse the longest prefix the session holds (computed under the edits on now); at least
         // one token is run to get logits.
@@ -310,6 +326,7 @@ impl Generation {
             logprobs: Vec::new(),
             logprobs_taken: 0,
             epoch: rt.epoch(),
+            constraint,
         })
     }
 
@@ -365,7 +382,17 @@ impl Generation {
         // Log-probabilities are the model's own (raw logits), so they are taken before adjusting.
         let raw = self.logprobs_top.map(|_| logits.clone());
         self.sampler.adjust(&mut logits, &self.context);
-        let token = self.sampler.sample(&logits);
+        let mut token = self.sampler.sample(&logits);
+        if let Some(c) = self.constraint.as_mut() {
+            // Sample first; mask and sample again only when the pick does not fit.
+            if !c.allows(token) {
+                if !c.mask(&mut logits).map_err(GenerationError::Constraint)? {
+                    // Nothing may follow: the output is as complete as it can be.
+                    return self.end(FinishReason::Stop).map(Advance::Done);
+                }
+                token = self.sampler.sample(&logits);
+            }
+        }
         if let (Some(top), Some(raw)) = (self.logprobs_top, raw) {
             if !self.eos.contains(&token) {
                 self.logprobs.push(TokenLogprobs::of(&raw, token, top));
@@ -376,6 +403,9 @@ impl Generation {
         }
         if self.eos.contains(&token) {
             return self.end(FinishReason::Eos).map(Advance::Done);
+        }
+        if let Some(c) = self.constraint.as_mut() {
+            c.accept(token).map_err(GenerationError::Constraint)?;
         }
         self.generated.push(token);
         self.context.push(token);
@@ -389,6 +419,10 @@ impl Generation {
                 return self.end(FinishReason::Stop).map(Advance::Done);
             }
             StopScan::SafeUpTo(_) => self.scanned = self.text.len(),
+        }
+        if self.constraint.as_ref().is_some_and(Constraint::is_stopped) {
+            // The output is complete and the constraint allows nothing after it.
+            return self.end(FinishReason::Stop).map(Advance::Done);
         }
         if self.generated.len() >= self.max_tokens || position >= max_context {
             return self.end(FinishReason::Length).map(Advance::Done);

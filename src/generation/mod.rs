@@ -1,11 +1,13 @@
 //! Generation: sampling, stopping and the token loop over a runtime's session.
 
 pub mod batch;
+pub mod constraint;
 pub mod generator;
 pub mod sampling;
 pub mod stopping;
 
 pub use batch::{generate_batch, step_together};
+pub use constraint::{Constraint, ConstraintSpec};
 pub use generator::{
     Advance, FinishReason, GenerateOptions, Generation, GenerationError, GenerationResult, TokenLogprobs, Usage,
 };

@@ -92,7 +92,8 @@ impl PyEngine {
     #[pyo3(text_signature = None, signature = (prompt, *, interventions=None, chat=false, chat_template=None,
         max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
-        logprobs=None, skip_special_tokens=true))]
+        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit<'py>(
         &self,
@@ -115,6 +116,10 @@ impl PyEngine {
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
         skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
     ) -> PyResult<PyEngineRequest> {
         let args = SamplingArgs {
             max_tokens,
@@ -131,6 +136,10 @@ impl PyEngine {
             ignore_eos,
             logprobs,
             skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
         };
         let rt = self.runtime.get();
         let opts = args.options(rt.lock(py)?.defaults())?;

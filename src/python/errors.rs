@@ -183,6 +183,7 @@ pub fn generation_err(e: GenerationError<CandleError>) -> PyErr {
         GenerationError::Runtime(e) => runtime_err(e),
         GenerationError::Text(e) => text_err(e),
         GenerationError::InvalidOptions(m) => GenerationOptionError::new_err(m),
+        e @ GenerationError::Constraint(_) => GenerationOptionError::new_err(e.to_string()),
         e @ GenerationError::NonFiniteLogits { .. } => NonFiniteLogitsError::new_err(e.to_string()),
         e @ GenerationError::SessionChanged => SessionError::new_err(e.to_string()),
     }

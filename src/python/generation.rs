@@ -9,7 +9,7 @@ use pyo3::types::PyDict;
 use super::errors::{catch_panic, generation_err, invalid_option, model_err, GenerationOptionError, InternalError};
 use super::gil::lock_released;
 use super::runtime::PyModelRuntime;
-use crate::generation::{GenerateOptions, Generation, GenerationResult, TokenLogprobs};
+use crate::generation::{ConstraintSpec, GenerateOptions, Generation, GenerationResult, TokenLogprobs};
 
 /// An `InvalidOptionError` (a `ValueError` too) naming the argument.
 fn value_err(arg: &str, why: &str) -> PyErr {
@@ -87,6 +87,14 @@ pub struct SamplingArgs<'py> {
     pub logprobs: Option<Bound<'py, PyAny>>,
     /// Leave control tokens out of the generated text.
     pub skip_special_tokens: bool,
+    /// OpenAI's `response_format` dict.
+    pub response_format: Option<Bound<'py, PyAny>>,
+    /// A Lark grammar.
+    pub grammar: Option<String>,
+    /// A regular expression.
+    pub regex: Option<String>,
+    /// Strings, one of which is the output.
+    pub choice: Option<Vec<String>>,
 }
 
 impl SamplingArgs<'_> {
@@ -149,8 +157,66 @@ impl SamplingArgs<'_> {
             };
         }
         o.skip_special_tokens = self.skip_special_tokens;
+        o.constraint = self.constraint()?;
         o.sampling.validate().map_err(GenerationOptionError::new_err)?;
         Ok(o)
+    }
+}
+
+impl SamplingArgs<'_> {
+    /// The one output constraint these arguments ask for, if any.
+    fn constraint(&self) -> PyResult<Option<ConstraintSpec>> {
+        let format = match &self.response_format {
+            Some(v) if !v.is_none() => response_format(v)?,
+            _ => None,
+        };
+        let given: Vec<(&str, ConstraintSpec)> = [
+            ("response_format", format),
+            ("grammar", self.grammar.clone().map(ConstraintSpec::Lark)),
+            ("regex", self.regex.clone().map(ConstraintSpec::Regex)),
+            ("choice", self.choice.clone().map(ConstraintSpec::Choice)),
+        ]
+        .into_iter()
+        .filter_map(|(name, spec)| spec.map(|s| (name, s)))
+        .collect();
+        match given.len() {
+            0 => Ok(None),
+            1 => Ok(given.into_iter().next().map(|(_, s)| s)),
+            _ => {
+                let names: Vec<&str> = given.iter().map(|(n, _)| *n).collect();
+                Err(GenerationOptionError::new_err(format!(
+                    "give one output constraint at most, not {}",
+                    names.join(" and ")
+                )))
+            }
+        }
+    }
+}
+
+/// OpenAI's `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}` (llama.cpp's
+/// server also takes a `schema` there), `{"type": "json_schema", "json_schema": {"name", "schema",
+/// "strict"}}`.
+pub fn response_format(v: &Bound<'_, PyAny>) -> PyResult<Option<ConstraintSpec>> {
+    let text: String = v.py().import("json")?.call_method1("dumps", (v,))?.extract()?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| value_err("response_format", &e.to_string()))?;
+    let bad = |why: &str| Err(GenerationOptionError::new_err(format!("response_format: {why}")));
+    let Some(kind) = value.get("type").and_then(|t| t.as_str()) else {
+        return bad("a dict with a \"type\" (\"text\", \"json_object\" or \"json_schema\")");
+    };
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(match value.get("schema") {
+            Some(schema) if !schema.is_null() => ConstraintSpec::JsonSchema(schema.clone()),
+            _ => ConstraintSpec::JsonObject,
+        })),
+        "json_schema" => match value.get("json_schema").and_then(|j| j.get("schema")) {
+            Some(schema) if schema.is_object() || schema.is_boolean() => {
+                Ok(Some(ConstraintSpec::JsonSchema(schema.clone())))
+            }
+            _ => bad("\"json_schema\" needs {\"name\", \"schema\"} with the schema an object"),
+        },
+        other => bad(&format!("unknown type {other:?} (\"text\", \"json_object\" or \"json_schema\")")),
     }
 }
 

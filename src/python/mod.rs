@@ -9,7 +9,8 @@ macro_rules! sampling_signature {
             crate::default_max_tokens!(),
             ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
             "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
-            "ignore_eos=False, logprobs=None, skip_special_tokens=True"
+            "ignore_eos=False, logprobs=None, skip_special_tokens=True, response_format=None, grammar=None, ",
+            "regex=None, choice=None"
         )
     };
 }
@@ -35,7 +36,15 @@ macro_rules! sampling_args_doc {
             "    logprobs (int | None): N: report each token's log-probability and the N most likely\n",
             "        alternatives. The sampling defaults (None) are ``generation_defaults()``.\n",
             "    skip_special_tokens (bool): leave control tokens (special tokens, and markup such as\n",
-            "        Gemma's ``<start_of_image>``) out of the text; their ids and logprobs stay."
+            "        Gemma's ``<start_of_image>``) out of the text; their ids and logprobs stay.\n",
+            "    response_format (dict | None): OpenAI's ``{\"type\": \"json_object\"}`` or\n",
+            "        ``{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}``: the\n",
+            "        output is JSON (valid against the schema).\n",
+            "    grammar (str | None): a Lark grammar (llguidance's dialect) the output follows.\n",
+            "    regex (str | None): a regular expression the whole output matches.\n",
+            "    choice (list[str] | None): the output is exactly one of these strings.\n",
+            "        One constraint at most; an unsatisfiable or unsupported one raises\n",
+            "        ``GenerationOptionError`` naming it, before any step."
         )
     };
 }

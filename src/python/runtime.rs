@@ -629,7 +629,8 @@ impl PyModelRuntime {
     ///     >>> [r.text for r in rt.generate_batch(["Hello", "Bonjour"], max_tokens=4, temperature=0)]
     #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true))]
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch<'py>(
         &self,
@@ -649,6 +650,10 @@ impl PyModelRuntime {
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
         skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
     ) -> PyResult<Vec<PyGenerationResult>> {
         let args = SamplingArgs {
             max_tokens,
@@ -665,6 +670,10 @@ impl PyModelRuntime {
             ignore_eos,
             logprobs,
             skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
         };
         let opts = args.options(self.lock(py)?.defaults())?;
         let prompts = prompts
@@ -804,7 +813,8 @@ impl PyModelRuntime {
     ///     ('length', 16)
     #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
         top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true))]
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         slf: &Bound<'py, Self>,
@@ -824,6 +834,10 @@ impl PyModelRuntime {
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
         skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -840,6 +854,10 @@ impl PyModelRuntime {
             ignore_eos,
             logprobs,
             skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -866,7 +884,8 @@ impl PyModelRuntime {
     ///     ...     print(piece, end="", flush=True)
     #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true))]
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None))]
     #[allow(clippy::too_many_arguments)]
     fn stream<'py>(
         slf: &Bound<'py, Self>,
@@ -885,6 +904,10 @@ impl PyModelRuntime {
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
         skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
     ) -> PyResult<PyGenerationStream> {
         let args = SamplingArgs {
             max_tokens,
@@ -901,6 +924,10 @@ impl PyModelRuntime {
             ignore_eos,
             logprobs,
             skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -927,7 +954,8 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (messages, *, stream=false, chat_template=None,
         max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
-        logprobs=None, skip_special_tokens=true))]
+        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat<'py>(
         slf: &Bound<'py, Self>,
@@ -948,6 +976,10 @@ impl PyModelRuntime {
         ignore_eos: bool,
         logprobs: Option<Bound<'py, PyAny>>,
         skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -964,6 +996,10 @@ impl PyModelRuntime {
             ignore_eos,
             logprobs,
             skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;

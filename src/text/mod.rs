@@ -11,6 +11,7 @@ mod error;
 mod gguf;
 mod merge_cache;
 mod python_json_dumps;
+mod token_bytes;
 mod tokenizer;
 
 #[cfg(test)]

@@ -40,6 +40,8 @@ pub struct Tokenizer {
     /// Added tokens that are not text: the special ones, and markup (`<start_of_image>`,
     /// `[multimodal]`) that a vocabulary lists as user-defined. Left out of generated text.
     control_ids: std::collections::HashSet<u32>,
+    /// llguidance's parser factory over the vocabulary, built at the first constrained generation.
+    constraint_env: std::sync::OnceLock<(usize, std::sync::Arc<llguidance::ParserFactory>)>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -231,6 +233,7 @@ impl Tokenizer {
             eos_token,
             vocab_size,
             control_ids,
+            constraint_env: Default::default(),
         })
     }
 
@@ -241,6 +244,7 @@ impl Tokenizer {
     pub fn from_gguf(metadata: &HashMap<String, gguf_file::Value>) -> Result<Self, TextError> {
         let g = tokenizer_from_gguf(metadata)?;
         Ok(Self {
+            constraint_env: Default::default(),
             control_ids: control_ids(&g.tokenizer),
             inner: g.tokenizer,
             bos_id: g.bos_id,
@@ -259,6 +263,28 @@ impl Tokenizer {
     /// generated text leaves out unless asked to keep it.
     pub fn is_control(&self, id: u32) -> bool {
         self.control_ids.contains(&id)
+    }
+
+    /// llguidance's parser factory over this vocabulary, for a model with `vocab_size` logits a
+    /// row: built once (the token trie and its bias slices; a few hundred milliseconds for a
+    /// 262k-token vocabulary) and kept.
+    pub fn constraint_factory(
+        &self,
+        vocab_size: usize,
+    ) -> Result<std::sync::Arc<llguidance::ParserFactory>, TextError> {
+        if let Some((n, factory)) = self.constraint_env.get() {
+            if *n == vocab_size {
+                return Ok(factory.clone());
+            }
+        }
+        let env = super::token_bytes::tok_env(self, vocab_size)?;
+        let mut factory = llguidance::ParserFactory::new_simple(&env)
+            .map_err(|e| TextError::tokenizer("preparing constrained decoding", e))?;
+        // Grammar errors come back as values; nothing is written to stderr.
+        factory.quiet();
+        let factory = std::sync::Arc::new(factory);
+        let _ = self.constraint_env.set((vocab_size, factory.clone()));
+        Ok(factory)
     }
 
     /// Reads only the metadata of a GGUF file and converts its vocabulary.

