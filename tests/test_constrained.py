@@ -118,3 +118,22 @@ def test_a_bad_constraint_is_refused_before_any_step(rt, kw, match):
         with pytest.raises(cw.GenerationOptionError, match=match):
             engine.submit("Hi", **kw)
         assert engine.stats()["submitted"] == 0
+
+
+def test_chat_with_tools_returns_parsed_calls(rt):
+    from test_server_tools import ASK, SCHEMAS, TEMPLATE, TOOLS
+
+    r = rt.chat(ASK, chat_template=TEMPLATE, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0.0)
+    assert r.finish_reason == "tool_calls" and r.tool_calls
+    for c in r.tool_calls:
+        jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
+    named = rt.chat(ASK, chat_template=TEMPLATE, tools=TOOLS, parallel_tool_calls=False, max_tokens=80,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0.0)
+    assert [c["function"]["name"] for c in named.tool_calls] == ["get_weather"]
+    assert rt.tokenizer.tool_call_format(chat_template=TEMPLATE) == "hermes"
+    plain = rt.chat(ASK, chat_template=TEMPLATE, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0.0)
+    assert plain.tool_calls is None and plain.finish_reason != "tool_calls"
+    with pytest.raises(cw.GenerationOptionError, match="not among the tools"):
+        rt.chat(ASK, chat_template=TEMPLATE, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
+    with pytest.raises(cw.GenerationOptionError, match="stream"):
+        rt.chat(ASK, chat_template=TEMPLATE, tools=TOOLS, stream=True)

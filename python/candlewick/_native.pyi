@@ -285,6 +285,18 @@ class Tokenizer:
     def vocab_size(self) -> int: ...
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, id: int) -> str | None: ...
+    def tool_call_format(self, name: str | None = None, chat_template: str | None = None) -> str: ...
+    def tool_call_grammar(
+        self,
+        tools: Sequence[Mapping[str, Any]],
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        format: str | None = None,
+        chat_template: str | None = None,
+    ) -> str | None: ...
+    def parse_tool_calls(
+        self, ids: Sequence[int], format: str | None = None, chat_template: str | None = None
+    ) -> tuple[str, list[dict[str, Any]]]: ...
     @property
     def chat_template(self) -> str | None: ...
     def apply_chat_template(
@@ -311,11 +323,13 @@ class GenerationResult:
     @property
     def token_ids(self) -> list[int]: ...
     @property
-    def finish_reason(self) -> Literal["stop", "length", "eos", "cancelled"]: ...
+    def finish_reason(self) -> Literal["stop", "length", "eos", "cancelled", "tool_calls"]: ...
     @property
     def usage(self) -> dict[str, Any]: ...
     @property
     def logprobs(self) -> list[dict[str, Any]] | None: ...
+    @property
+    def tool_calls(self) -> list[dict[str, Any]] | None: ...
 
 @final
 class GenerationStream:
@@ -505,6 +519,10 @@ class ModelRuntime:
         *,
         stream: Literal[False] = False,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        tool_call_format: str | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -531,6 +549,10 @@ class ModelRuntime:
         *,
         stream: Literal[True],
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        tool_call_format: str | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,

@@ -233,6 +233,19 @@ impl Model {
         Ok(self.tokenizer()?.encode(&text, false)?)
     }
 
+    /// `chat_ids` with one more template variable (`tools`, `documents`, ...).
+    pub fn chat_ids_with(
+        &self,
+        messages: &TemplateValue,
+        template: Option<&str>,
+        extra: Option<(&str, TemplateValue)>,
+    ) -> Result<Vec<u32>, ModelError> {
+        let extra = extra.map(|(k, v)| TemplateValue::map(vec![(k.to_owned(), v)]));
+        let options = ChatRenderOptions { add_generation_prompt: true, extra, ..ChatRenderOptions::default() };
+        let text = self.render_chat(messages, &options, template)?;
+        Ok(self.tokenizer()?.encode(&text, false)?)
+    }
+
     /// Reads a llama.cpp control vector and adds its edits to the kept interventions (returned).
     pub fn load_control_vector(
         &mut self,

@@ -244,7 +244,11 @@ pub fn load_err(e: ModelLoadError<CandleError>) -> PyErr {
 
 /// The Python exception for a text error.
 pub fn text_err(e: crate::text::TextError) -> PyErr {
-    TokenizerError::new_err(e.to_string())
+    match e {
+        // A bad `tools` / `tool_choice` is a generation option, not a tokenizer failure.
+        e @ crate::text::TextError::InvalidToolCall { .. } => GenerationOptionError::new_err(e.to_string()),
+        e => TokenizerError::new_err(e.to_string()),
+    }
 }
 
 /// Runs `f` under `catch_unwind`, turning a Rust panic into `InternalError` instead of unwinding into Python.

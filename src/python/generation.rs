@@ -257,12 +257,15 @@ pub struct PyGenerationResult {
     text: String,
     /// The generated token ids.
     token_ids: Vec<u32>,
-    /// `stop`, `length`, `eos`, or `cancelled` for a stream closed early.
+    /// `stop`, `length`, `eos`, `tool_calls` (with tools), or `cancelled` for a stream closed early.
     finish_reason: &'static str,
     /// Token counts and timings.
     usage: Py<PyDict>,
     /// With `logprobs=N`: per generated token a dict `{"token", "logprob", "top_logprobs": [(id, logprob)]}`.
     logprobs: Option<Vec<Py<PyDict>>>,
+    /// With `chat(..., tools=...)`: the calls the model made, as OpenAI's `tool_calls`
+    /// entries; None otherwise (and `text` holds the text outside them).
+    tool_calls: Option<Vec<Py<PyDict>>>,
 }
 
 #[pymethods]
@@ -311,7 +314,27 @@ pub fn to_result(py: Python<'_>, r: GenerationResult) -> PyResult<PyGenerationRe
         finish_reason: r.finish_reason.as_str(),
         usage: d.unbind(),
         logprobs,
+        tool_calls: None,
     })
+}
+
+impl PyGenerationResult {
+    /// This result with the model's tool calls split out of its text (when it made any).
+    pub fn with_tool_calls(mut self, text: String, calls: Vec<Py<PyDict>>) -> Self {
+        if !calls.is_empty() {
+            self.text = text;
+            self.finish_reason = "tool_calls";
+            self.tool_calls = Some(calls);
+        } else {
+            self.tool_calls = Some(Vec::new());
+        }
+        self
+    }
+
+    /// The generated token ids.
+    pub fn ids(&self) -> &[u32] {
+        &self.token_ids
+    }
 }
 
 /// Runs a whole generation in Rust; Ctrl-C raises KeyboardInterrupt within one step.

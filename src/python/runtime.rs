@@ -12,14 +12,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
 use super::errors::{
-    backend_err, catch_panic, invalid_option, model_err, runtime_err, InternalError, RuntimeClosedError, SessionError,
-    TokenOutOfRangeError,
+    backend_err, catch_panic, invalid_option, model_err, runtime_err, text_err, GenerationOptionError, InternalError,
+    RuntimeClosedError, SessionError, TokenOutOfRangeError,
 };
 use super::generation::{py_repr, run_to_end, Given, PyGenerationResult, PyGenerationStream, SamplingArgs};
 use super::gil::lock_released;
 use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
-use super::text::{conversation, PyTokenizer};
+use super::text::{conversation, template_value, tool_calls_to_py, tool_choice_of, tools_of, PyTokenizer};
 use crate::backend::session::CandleCompletion;
 use crate::backend::session::SessionSnapshot;
 use crate::backend::StepOutput;
@@ -28,6 +28,7 @@ use crate::core::{
     SnapshotSession,
 };
 use crate::model::{Model, ModelOptions, Prompt};
+use crate::text::ToolChoice;
 
 static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -935,7 +936,12 @@ impl PyModelRuntime {
         PyGenerationStream::start(py, slf, ids, opts)
     }
 
-    #[doc = concat!("chat($self, messages, *, stream=False, chat_template=None, ", sampling_signature!(), ")\n--\n")]
+    #[doc = concat!(
+        "chat($self, messages, *, stream=False, chat_template=None, tools=None, tool_choice=None, ",
+        "parallel_tool_calls=True, tool_call_format=None, ",
+        sampling_signature!(),
+        ")\n--\n"
+    )]
     /// Answers a conversation through the model's chat template (base models such as the
     /// default Gemma 3 270M ship none: pass ``chat_template``, or use an instruction-tuned model).
     ///
@@ -944,15 +950,24 @@ impl PyModelRuntime {
     ///         or a list of ``{"type": "text", "text": ...}`` parts, as OpenAI clients send it.
     ///     stream (bool): return a ``GenerationStream`` of text pieces instead of the result.
     ///     chat_template (str | None): a Jinja template to use instead of the model's.
+    ///     tools (list[dict] | None): OpenAI tool objects, rendered by the template; the answer's
+    ///         calls come back parsed in ``result.tool_calls`` (``finish_reason`` ``"tool_calls"``).
+    ///     tool_choice (str | dict | None): ``"auto"`` (the default), ``"none"``, ``"required"`` or
+    ///         ``{"type": "function", "function": {"name": ...}}``; the last two constrain the output
+    ///         to a call whose arguments validate against the function's parameter schema.
+    ///     parallel_tool_calls (bool): allow several calls in one answer.
+    ///     tool_call_format (str | None): ``"hermes"``, ``"mistral"`` or ``"llama3"``; None detects
+    ///         it from the chat template.
     #[doc = sampling_args_doc!()]
     ///
     /// Returns:
-    ///     GenerationResult: the assistant's answer (or a ``GenerationStream`` with ``stream=True``).
+    ///     GenerationResult: the assistant's answer (or a ``GenerationStream`` with ``stream=True``,
+    ///     which takes no tools).
     ///
     /// Example:
     ///     >>> rt.chat([{"role": "user", "content": "Hi!"}], max_tokens=32).text
-    #[pyo3(text_signature = None, signature = (messages, *, stream=false, chat_template=None,
-        max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+    #[pyo3(text_signature = None, signature = (messages, *, stream=false, chat_template=None, tools=None,
+        tool_choice=None, parallel_tool_calls=true, tool_call_format=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
         logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
         choice=None))]
@@ -962,6 +977,10 @@ impl PyModelRuntime {
         messages: &Bound<'py, PyAny>,
         stream: bool,
         chat_template: Option<&str>,
+        tools: Option<Bound<'py, PyAny>>,
+        tool_choice: Option<Bound<'py, PyAny>>,
+        parallel_tool_calls: bool,
+        tool_call_format: Option<&str>,
         max_tokens: Given<'py>,
         temperature: Option<Bound<'py, PyAny>>,
         top_k: Option<Bound<'py, PyAny>>,
@@ -1002,12 +1021,57 @@ impl PyModelRuntime {
             choice,
         };
         let py = slf.py();
-        let opts = args.options(slf.get().lock(py)?.defaults())?;
-        let ids = slf.get().chat_ids(py, messages, chat_template)?;
+        let mut opts = args.options(slf.get().lock(py)?.defaults())?;
+        let tools = tools.filter(|t| !t.is_none());
+        let Some(tools) = tools else {
+            let ids = slf.get().chat_ids(py, messages, chat_template)?;
+            if stream {
+                return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
+            }
+            return Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any());
+        };
         if stream {
-            return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
+            return Err(GenerationOptionError::new_err(
+                "chat(stream=True) takes no tools yet: call with stream=False, or use the server, which streams tool calls",
+            ));
         }
-        Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any())
+        let tool_values = tools_of(&tools)?;
+        let choice = tool_choice_of(tool_choice.as_ref())?;
+        let rt = slf.get();
+        let (format, ids) = {
+            let messages = conversation("messages", messages)?;
+            let tools_value = template_value("tools", &tools)?;
+            py.detach(|| {
+                catch_panic(|| {
+                    let model = rt.lock_detached()?;
+                    let tokenizer = model.tokenizer().map_err(model_err)?;
+                    let format = tokenizer.tool_call_format(tool_call_format, chat_template).map_err(text_err)?;
+                    let grammar = tokenizer
+                        .tool_call_grammar(format, &tool_values, &choice, parallel_tool_calls)
+                        .map_err(text_err)?;
+                    if let Some(g) = grammar {
+                        if opts.constraint.is_some() {
+                            return Err(GenerationOptionError::new_err(
+                                "tool_choice \"required\" or a named function constrains the output already: give no other constraint",
+                            ));
+                        }
+                        opts.constraint = Some(crate::generation::ConstraintSpec::Lark(g));
+                    }
+                    let ids = model.chat_ids_with(&messages, chat_template, Some(("tools", tools_value))).map_err(model_err)?;
+                    Ok((format, ids))
+                })
+            })?
+        };
+        let result = run_to_end(py, rt, ids, opts)?;
+        if choice == ToolChoice::None {
+            return Ok(Bound::new(py, result)?.into_any());
+        }
+        let (text, calls) = {
+            let model = rt.lock(py)?;
+            model.tokenizer().map_err(model_err)?.parse_tool_calls(format, result.ids()).map_err(text_err)?
+        };
+        let calls = tool_calls_to_py(py, &calls)?;
+        Ok(Bound::new(py, result.with_tool_calls(text, calls))?.into_any())
     }
 
     /// The token ids the session holds, oldest first.

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::{invalid_option, text_err};
-use crate::text::{ChatRenderOptions, ChatTemplate, TemplateValue, Tokenizer};
+use crate::text::{ChatRenderOptions, ChatTemplate, TemplateValue, TextError, Tokenizer, ToolCall, ToolChoice};
 
 /// How deep chat data may nest (messages, parts, tool schemas); deeper is surely a mistake,
 /// and the conversion recurses.
@@ -85,6 +85,69 @@ pub fn conversation(what: &str, messages: &Bound<'_, PyAny>) -> PyResult<Templat
         )));
     }
     template_value(what, messages)
+}
+
+/// A Python value (dicts, lists, strings, numbers) as JSON, through Python's own `json`.
+pub fn json_of(what: &str, v: &Bound<'_, PyAny>) -> PyResult<serde_json::Value> {
+    let text: String = v.py().import("json")?.call_method1("dumps", (v,))?.extract()?;
+    serde_json::from_str(&text).map_err(|e| invalid_option(v.py(), format!("{what}: {e}")))
+}
+
+/// OpenAI's `tool_choice`: `"auto"`, `"none"`, `"required"` or `{"type": "function",
+/// "function": {"name": ...}}`.
+pub fn tool_choice_of(v: Option<&Bound<'_, PyAny>>) -> PyResult<ToolChoice> {
+    let Some(v) = v.filter(|v| !v.is_none()) else { return Ok(ToolChoice::Auto) };
+    if let Ok(s) = v.extract::<String>() {
+        return match s.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" => Ok(ToolChoice::Required),
+            other => Err(text_err(TextError::InvalidToolCall {
+                reason: format!("tool_choice {other:?} is not \"auto\", \"none\", \"required\" or a function"),
+            })),
+        };
+    }
+    let value = json_of("tool_choice", v)?;
+    match value.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str()) {
+        Some(name) => Ok(ToolChoice::Function(name.to_owned())),
+        None => Err(text_err(TextError::InvalidToolCall {
+            reason: "tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}".into(),
+        })),
+    }
+}
+
+/// `tools` as a list of JSON values (OpenAI tool objects).
+pub fn tools_of(v: &Bound<'_, PyAny>) -> PyResult<Vec<serde_json::Value>> {
+    match json_of("tools", v)? {
+        serde_json::Value::Array(items) => Ok(items),
+        _ => Err(text_err(TextError::InvalidToolCall { reason: "tools must be a list of tool objects".into() })),
+    }
+}
+
+/// Calls as OpenAI's `tool_calls` entries: `{"id", "type": "function", "function": {"name",
+/// "arguments"}}`, the arguments a JSON string.
+pub fn tool_calls_to_py(py: Python<'_>, calls: &[ToolCall]) -> PyResult<Vec<Py<PyDict>>> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let f = PyDict::new(py);
+            f.set_item("name", &c.name)?;
+            f.set_item("arguments", c.arguments.to_string())?;
+            let d = PyDict::new(py);
+            // Unique within a process: a counter and the call's index.
+            d.set_item("id", format!("call_{:x}{i}", next_call_id()))?;
+            d.set_item("type", "function")?;
+            d.set_item("function", f)?;
+            Ok(d.unbind())
+        })
+        .collect()
+}
+
+fn next_call_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0x5eed_0000);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 #[pymethods]
@@ -169,6 +232,71 @@ impl PyTokenizer {
     ///     '<bos>'
     fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// The format the model writes tool calls in (``"hermes"``, ``"mistral"`` or ``"llama3"``),
+    /// detected from the chat template unless named.
+    ///
+    /// Args:
+    ///     name (str | None): a format to use instead of the detected one.
+    ///     chat_template (str | None): a template to detect from instead of the model's.
+    ///
+    /// Returns:
+    ///     str: the format's name.
+    #[pyo3(signature = (name=None, chat_template=None))]
+    fn tool_call_format(&self, name: Option<&str>, chat_template: Option<&str>) -> PyResult<&'static str> {
+        Ok(self.inner.tool_call_format(name, chat_template).map_err(text_err)?.as_str())
+    }
+
+    /// The Lark grammar (for ``grammar=``) that makes the model call ``tools`` as
+    /// ``tool_choice`` asks, with arguments valid against each function's parameter schema.
+    ///
+    /// Args:
+    ///     tools (list[dict]): OpenAI tool objects.
+    ///     tool_choice (str | dict | None): ``"required"`` (the default) or ``{"type": "function",
+    ///         "function": {"name": ...}}``; ``"auto"`` and ``"none"`` need no grammar.
+    ///     parallel_tool_calls (bool): allow several calls.
+    ///     format (str | None): the tool-call format; None detects it from the template.
+    ///     chat_template (str | None): a template to detect from instead of the model's.
+    ///
+    /// Returns:
+    ///     str | None: the grammar, or None when the choice needs none.
+    #[pyo3(signature = (tools, tool_choice=None, parallel_tool_calls=true, format=None, chat_template=None))]
+    fn tool_call_grammar(
+        &self,
+        tools: &Bound<'_, PyAny>,
+        tool_choice: Option<&Bound<'_, PyAny>>,
+        parallel_tool_calls: bool,
+        format: Option<&str>,
+        chat_template: Option<&str>,
+    ) -> PyResult<Option<String>> {
+        let format = self.inner.tool_call_format(format, chat_template).map_err(text_err)?;
+        // Left out, the grammar is for a call of any tool.
+        let choice =
+            if tool_choice.is_none_or(|c| c.is_none()) { ToolChoice::Required } else { tool_choice_of(tool_choice)? };
+        self.inner.tool_call_grammar(format, &tools_of(tools)?, &choice, parallel_tool_calls).map_err(text_err)
+    }
+
+    /// Splits generated token ids into the message's text and its tool calls.
+    ///
+    /// Args:
+    ///     ids (Sequence[int]): the generated ids (``GenerationResult.token_ids``).
+    ///     format (str | None): the tool-call format; None detects it from the template.
+    ///     chat_template (str | None): a template to detect from instead of the model's.
+    ///
+    /// Returns:
+    ///     tuple[str, list[dict]]: the text outside the calls, and OpenAI ``tool_calls`` entries.
+    #[pyo3(signature = (ids, format=None, chat_template=None))]
+    fn parse_tool_calls(
+        &self,
+        py: Python<'_>,
+        ids: Vec<u32>,
+        format: Option<&str>,
+        chat_template: Option<&str>,
+    ) -> PyResult<(String, Vec<Py<PyDict>>)> {
+        let format = self.inner.tool_call_format(format, chat_template).map_err(text_err)?;
+        let (text, calls) = self.inner.parse_tool_calls(format, &ids).map_err(text_err)?;
+        Ok((text, tool_calls_to_py(py, &calls)?))
     }
 
     /// The Jinja chat template, if the model ships one.

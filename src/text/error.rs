@@ -40,6 +40,13 @@ pub enum TextError {
         pre: String,
     },
 
+    /// Tools, a tool choice or a tool-call format that cannot be used.
+    #[error("invalid tool call request: {reason}")]
+    InvalidToolCall {
+        /// What is wrong.
+        reason: String,
+    },
+
     /// The `tokenizers` crate failed while building, encoding or decoding.
     #[error("tokenizer error while {context}: {message}")]
     Tokenizer {

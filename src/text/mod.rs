@@ -13,6 +13,7 @@ mod merge_cache;
 mod python_json_dumps;
 mod token_bytes;
 mod tokenizer;
+pub mod tool_calls;
 
 #[cfg(test)]
 mod tests;
@@ -21,3 +22,4 @@ pub use chat_template::{ChatMessage, ChatRenderOptions, ChatTemplate, TemplateVa
 pub use detokenizer::IncrementalDecoder;
 pub use error::TextError;
 pub use tokenizer::Tokenizer;
+pub use tool_calls::{ToolCall, ToolCallFormat, ToolChoice};

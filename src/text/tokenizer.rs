@@ -287,6 +287,45 @@ impl Tokenizer {
         Ok(factory)
     }
 
+    /// The format this model writes tool calls in: named (`hermes`, `mistral`, `llama3`), or
+    /// detected from `template` or the model's own chat template.
+    pub fn tool_call_format(
+        &self,
+        name: Option<&str>,
+        template: Option<&str>,
+    ) -> Result<super::ToolCallFormat, TextError> {
+        match name {
+            Some(n) => super::ToolCallFormat::from_name(n).ok_or_else(|| TextError::InvalidToolCall {
+                reason: format!("unknown tool-call format {n:?} (hermes, mistral, llama3)"),
+            }),
+            None => Ok(super::ToolCallFormat::detect(template.or(self.chat_template.as_deref()).unwrap_or(""))),
+        }
+    }
+
+    /// The Lark grammar that makes the model call `tools` as `choice` asks, in `format` (None
+    /// when the choice needs no constraint: `auto`, `none`). Markup the vocabulary holds as one
+    /// control token (`<tool_call>`) is written as that token.
+    pub fn tool_call_grammar(
+        &self,
+        format: super::ToolCallFormat,
+        tools: &[serde_json::Value],
+        choice: &super::ToolChoice,
+        parallel: bool,
+    ) -> Result<Option<String>, TextError> {
+        let is_token = |m: &str| self.inner.token_to_id(m).is_some_and(|id| self.is_control(id));
+        format.grammar(tools, choice, parallel, is_token).map_err(|reason| TextError::InvalidToolCall { reason })
+    }
+
+    /// The text and tool calls of generated `ids` (decoded with their control tokens, which
+    /// some formats call with).
+    pub fn parse_tool_calls(
+        &self,
+        format: super::ToolCallFormat,
+        ids: &[u32],
+    ) -> Result<(String, Vec<super::ToolCall>), TextError> {
+        Ok(format.parse(&self.decode(ids, false)?))
+    }
+
     /// Reads only the metadata of a GGUF file and converts its vocabulary.
     pub fn from_gguf_file(path: &Path) -> Result<Self, TextError> {
         // The validating reader the weights use: a malformed header is refused, never parsed

@@ -110,6 +110,31 @@ class Metrics:
             self.token_latency_count += usage["completion_tokens"] - 1
 
 
+# The request fields each endpoint honours (OpenAI's, llama-cpp-python's sampling extensions,
+# vLLM's skip_special_tokens and candlewick's own); any other field is a 400 naming it, never
+# silently ignored. A field sent as null counts as absent.
+COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop",
+    "logit_bias", "logprobs", "n", "stream", "stream_options", "response_format", "user",
+    "top_k", "min_p", "repeat_penalty", "ignore_eos", "skip_special_tokens",
+    "interventions", "control_vector", "observe",
+}
+FIELDS = {
+    "completions": COMMON_FIELDS | {"prompt"},
+    "chat_completions": COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                         "parallel_tool_calls"},
+}
+
+
+def check_fields(body: dict, route: str) -> None:
+    """Refuses a field the server does not honour (OpenAI's `best_of`, `echo`, `suffix`,
+    `audio`, `prediction`, ...) with a 400 naming it."""
+    unknown = sorted(k for k, v in body.items() if v is not None and k not in FIELDS[route])
+    if unknown:
+        raise ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                       "this server does not honour it", param=unknown[0], code="unsupported_field")
+
+
 SAMPLING = {
     "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "stop": "stop",
@@ -117,6 +142,8 @@ SAMPLING = {
     "top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
     # vLLM's: control tokens (special tokens, markup such as <start_of_image>) in the text or not.
     "skip_special_tokens": "skip_special_tokens",
+    # Constrained output (JSON object or schema), checked by the engine before any step.
+    "response_format": "response_format",
 }
 
 
@@ -254,6 +281,31 @@ class Server:
             kw["logprobs"] = top
         return kw
 
+    def tools(self, body: dict, kw: dict) -> Optional[ToolRequest]:
+        """A chat request's `tools`, `tool_choice` and `parallel_tool_calls`: the prompt rendered
+        with the tools and, for "required" or a named function, the grammar of a call added to
+        `kw`; None without tools."""
+        tools = body.get("tools")
+        if tools is None:
+            if body.get("tool_choice") not in (None, "none", "auto"):
+                raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+            return None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise ApiError(400, "tools must be a list of tool objects", param="tools")
+        choice = body.get("tool_choice") or "auto"
+        tok = self.runtime.tokenizer
+        grammar = tok.tool_call_grammar(tools, choice, body.get("parallel_tool_calls") is not False,
+                                        chat_template=self.chat_template) if choice not in ("auto", "none") else None
+        if grammar is not None:
+            if "response_format" in kw:
+                raise ApiError(400, "tool_choice \"required\" or a named function constrains the output: "
+                               "response_format cannot be given with it", param="response_format")
+            kw["grammar"] = grammar
+        ids = tok.apply_chat_template(body["messages"], tools=tools, chat_template=self.chat_template,
+                                      add_generation_prompt=True)
+        return ToolRequest(prompt=list(ids), runtime=self.runtime, template=self.chat_template,
+                           parsed=choice != "none")
+
     def piece(self, token: int) -> str:
         return self.runtime.tokenizer.decode([token])
 
@@ -387,6 +439,32 @@ def usage_of(results) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def tool_chunk(base: dict, call: dict) -> dict:
+    """A chat chunk whose delta carries one tool-call fragment."""
+    base["choices"][0]["delta"] = {"tool_calls": [call]}
+    return base
+
+
+@dataclass
+class ToolRequest:
+    """A chat request with `tools`: its prompt rendered with them, and how its answer is read."""
+
+    prompt: list
+    runtime: Any
+    template: Optional[str]
+    parsed: bool  # false for tool_choice "none": the answer is text
+
+    def message(self, result) -> tuple:
+        """The assistant message of `result` and its finish reason: its tool calls split out of
+        the text (finish "tool_calls") when it made any."""
+        if not self.parsed:
+            return {"role": "assistant", "content": result.text}, finish(result)
+        text, calls = self.runtime.tokenizer.parse_tool_calls(result.token_ids, chat_template=self.template)
+        if not calls:
+            return {"role": "assistant", "content": result.text}, finish(result)
+        return {"role": "assistant", "content": text or None, "tool_calls": calls}, "tool_calls"
+
+
 def finish(r) -> str:
     return "stop" if r.finish_reason in ("stop", "eos") else "length"
 
@@ -419,6 +497,7 @@ def build_app(server: Server) -> Starlette:
             body = await within(server.body(request), deadline)
         except asyncio.TimeoutError:
             raise ApiError(408, "the request body did not arrive within the server's limit", code="request_timeout")
+        check_fields(body, "chat_completions" if chat else "completions")
         if chat:
             prompt = body.get("messages")
             if not isinstance(prompt, list) or not prompt:
@@ -436,6 +515,10 @@ def build_app(server: Server) -> Starlette:
         if not isinstance(n, int) or not 1 <= n <= 16:
             raise ApiError(400, "n must be an integer from 1 to 16", param="n")
         extension = server.observe(body, prompt, chat)
+        tools = server.tools(body, kw) if chat else None
+        if tools is not None:
+            # The prompt is rendered here, with the tools; the engine gets its ids.
+            prompt, chat = tools.prompt, False
         reqs = server.submit_all(prompt, chat, kw, edits, n)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
@@ -451,8 +534,8 @@ def build_app(server: Server) -> Starlette:
                     r.cancel()
                 raise
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream(reqs, rid, chat, include_usage, extension, deadline),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream(reqs, rid, chat or tools is not None, include_usage, extension, deadline,
+                                            tools), media_type="text/event-stream")
         try:
             results = await server.guard(request, wait_all(reqs), reqs, deadline)
         finally:
@@ -463,7 +546,13 @@ def build_app(server: Server) -> Starlette:
             raise server.shutdown_error()
         for r in results:
             server.metrics.record(r.usage)
-        if chat:
+        if tools is not None:
+            choices = []
+            for i, r in enumerate(results):
+                message, reason = tools.message(r)
+                choices.append({"index": i, "message": message, "finish_reason": reason,
+                                "logprobs": server.logprobs_of(r, True)})
+        elif chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
                         "finish_reason": finish(r), "logprobs": server.logprobs_of(r, True)}
                        for i, r in enumerate(results)]
@@ -476,7 +565,7 @@ def build_app(server: Server) -> Starlette:
             out["candlewick"] = extension
         return JSONResponse(out)
 
-    async def stream(reqs, rid, chat, include_usage, extension, deadline):
+    async def stream(reqs, rid, chat, include_usage, extension, deadline, tools=None):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i, text=None, reason=None, role=False, logprobs=None):
@@ -520,6 +609,8 @@ def build_app(server: Server) -> Starlette:
                         lp = server.logprobs_json(r.logprobs, chat, at)
                         sent += len(r.logprobs)
                     at += len(piece)
+                    if tools is not None and tools.parsed:
+                        continue  # held back: the answer may be tool calls, known at the end
                     yield sse(chunk(i, text=piece, logprobs=lp))
                 if r.result is None:  # cancelled by a shutdown: say so, as for a timeout
                     yield sse(server.shutdown_error().response_body())
@@ -528,7 +619,19 @@ def build_app(server: Server) -> Starlette:
                 server.metrics.record(r.result.usage)
                 rest = r.result.logprobs[sent:] if r.result.logprobs is not None else []
                 lp = server.logprobs_json(rest, chat, at) if rest else None
-                yield sse(chunk(i, reason=finish(r.result), logprobs=lp))
+                reason = finish(r.result)
+                if tools is not None and tools.parsed:
+                    message, reason = tools.message(r.result)
+                    if message["content"]:
+                        yield sse(chunk(i, text=message["content"]))
+                    # As OpenAI streams them: each call's id and name, then its arguments.
+                    for k, call in enumerate(message.get("tool_calls") or []):
+                        head = {"index": k, "id": call["id"], "type": "function",
+                                "function": {"name": call["function"]["name"], "arguments": ""}}
+                        yield sse(tool_chunk(chunk(i), head))
+                        yield sse(tool_chunk(chunk(i), {"index": k, "function": {
+                            "arguments": call["function"]["arguments"]}}))
+                yield sse(chunk(i, reason=reason, logprobs=lp))
             if include_usage:
                 last = {"id": rid, "object": obj, "created": int(time.time()), "model": server.model_name,
                         "choices": [], "usage": usage_of(results)}
