@@ -437,7 +437,11 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         eos_token_ids: cfg.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
         bos_token_id: cfg.bos_token_id.and_then(|ids| ids.into_vec().first().copied()),
     };
-    config.validate(path, &|name| name.to_owned())?;
+    // GPT-2 and GPT-NeoX name their norms' epsilon after LayerNorm.
+    config.validate(path, &|name| match name {
+        "rms_norm_eps" if gpt => "layer_norm_eps".to_owned(),
+        other => other.to_owned(),
+    })?;
     Ok(config)
 }
 

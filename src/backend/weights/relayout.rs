@@ -96,7 +96,7 @@ impl<S: WeightSource> WeightSource for Relayout<S> {
 fn qkv_by_kind(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     let dims = t.dims().to_vec();
     let rows = dims[0];
-    if rows % (3 * heads) != 0 {
+    if heads == 0 || !rows.is_multiple_of(3 * heads) {
         candle_core::bail!("{rows} rows do not split into q, k, v of {heads} heads");
     }
     let d = rows / (3 * heads);
