@@ -42,9 +42,9 @@ def test_missing_path():
 
 def test_unknown_model_type(llama_copy):
     cfg = json.loads((llama_copy / "config.json").read_text())
-    cfg["model_type"] = "gpt_neox"
+    cfg["model_type"] = "mamba"
     (llama_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(cw.UnsupportedArchitectureError, match="gpt_neox"):
+    with pytest.raises(cw.UnsupportedArchitectureError, match="mamba"):
         cw.ModelRuntime.load(llama_copy)
 
 

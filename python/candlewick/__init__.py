@@ -42,6 +42,7 @@ from ._native import (
     UnsupportedTensorTypeError,
     __version__,
     build_info,
+    supported_architectures,
 )
 from . import _native, interventions
 from ._native import QueueFullError
@@ -96,6 +97,7 @@ __all__ = [
     "UnsupportedTensorTypeError",
     "__version__",
     "build_info",
+    "supported_architectures",
     "interventions",
     "save_control_vector",
     "Engine",

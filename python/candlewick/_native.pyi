@@ -47,6 +47,7 @@ __all__ = [
     "UnsupportedTensorTypeError",
     "__version__",
     "build_info",
+    "supported_architectures",
     "generation_defaults",
     "save_control_vector",
 ]
@@ -103,6 +104,7 @@ class Intervention:
     def __eq__(self, other: object, /) -> bool: ...
 
 def build_info() -> dict[str, Any]: ...
+def supported_architectures(format: str | None = None) -> list[str]: ...
 def generation_defaults() -> dict[str, Any]: ...
 def save_control_vector(
     path: str | PathLike[str], directions: Mapping[int, Sequence[float]], model_hint: str = ""

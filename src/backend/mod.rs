@@ -29,6 +29,7 @@ use error::Result;
 pub use session::{CandleSession, StepOutput};
 pub use weights::gguf::GgufWeights;
 use weights::gguf::Metadata;
+use weights::relayout;
 use weights::safetensors::SafetensorsWeights;
 use weights::{WeightLoader, WeightSource};
 
@@ -187,19 +188,20 @@ impl CandleBackend {
         let arch = config::hf::parse_config(&text, &config_path.display().to_string())?;
         let mut weights = SafetensorsWeights::open_dir(dir)?;
         weights.set_check_tensors(!options.skip_tensor_check);
+        let stored = weights.dominant_dtype().unwrap_or(DType::F32);
+        let weights = relayout::for_architecture(weights, &arch);
         check_no_extra_layers(
             &weights.names(),
             arch.num_layers(),
-            "model.layers.",
+            Naming::HuggingFace.layer_prefix(arch.architecture),
             &config_path.display().to_string(),
         )?;
-        let stored = weights.dominant_dtype().unwrap_or(DType::F32);
         let dtype = self.choose_dtype(options.dtype, stored);
         let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
         validate_context(max_context)?;
         Ok(CandleModelConfig {
             arch,
-            weights: Box::new(weights),
+            weights,
             naming: Naming::HuggingFace,
             dtype,
             max_context,

@@ -3,6 +3,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::backend::config::Architecture;
 use crate::backend::device;
 use crate::backend::kernels::{self, int8_gemm};
 
@@ -42,4 +43,40 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         device::available_devices().into_iter().map(|(d, _)| format!("{}:{}", d.kind, d.ordinal)).collect();
     d.set_item("devices", devices)?;
     Ok(d)
+}
+
+/// The architectures this build loads, by the name ``model_info["architecture"]`` gives them.
+///
+/// Args:
+///     format (str | None): ``"hf"`` for Hugging Face directories (every architecture),
+///         ``"gguf"`` for the subset whose GGUF files (llama.cpp's ``general.architecture``) load;
+///         ``None`` (the default) for all of them.
+///
+/// Returns:
+///     list[str]: names such as ``"llama"``, ``"gemma2"``, ``"gpt_neox"``, in the order they were added.
+///
+/// Raises:
+///     InvalidOptionError: ``format`` is neither ``"hf"``, ``"gguf"`` nor ``None``.
+///
+/// Example:
+///     >>> "gemma3" in candlewick.supported_architectures("gguf")
+///     True
+#[pyfunction]
+#[pyo3(signature = (format = None))]
+pub fn supported_architectures(py: Python<'_>, format: Option<&str>) -> PyResult<Vec<&'static str>> {
+    let gguf_only = match format {
+        None | Some("hf") => false,
+        Some("gguf") => true,
+        Some(other) => {
+            return Err(crate::python::errors::invalid_option(
+                py,
+                format!("format must be \"hf\", \"gguf\" or None, not {other:?}"),
+            ))
+        }
+    };
+    Ok(Architecture::ALL
+        .into_iter()
+        .filter(|a| !gguf_only || a.gguf_name().is_some())
+        .map(Architecture::name)
+        .collect())
 }

@@ -86,6 +86,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(intervention::save_control_vector, m)?)?;
     m.add_function(wrap_pyfunction!(generation::generation_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(build_info::build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info::supported_architectures, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,6 +1,9 @@
 //! GGUF metadata (llama.cpp's keys) to an `ArchConfig`.
 
-use super::{check_layer_count, Activation, ArchConfig, Architecture, LayerConfig, RopeConfig, RopeScaling};
+use super::{
+    check_layer_count, Activation, ArchConfig, Architecture, BlockNorms, LayerConfig, NormKind, QkNorm, RopeConfig,
+    RopeScaling,
+};
 use crate::backend::error::{CandleError, Result};
 use crate::backend::weights::gguf::Metadata;
 
@@ -14,15 +17,10 @@ pub fn parse_config(
     path: &str,
 ) -> Result<ArchConfig> {
     let name = md.string("general.architecture")?;
-    let arch = match name.as_str() {
-        "llama" => Architecture::Llama,
-        "mistral" => Architecture::Mistral,
-        "qwen2" => Architecture::Qwen2,
-        "qwen3" => Architecture::Qwen3,
-        "gemma3" => Architecture::Gemma3,
-        "phi3" => Architecture::Phi3,
-        other => return Err(CandleError::UnsupportedArchitecture { name: other.to_owned() }),
-    };
+    let arch = Architecture::ALL
+        .into_iter()
+        .find(|a| a.gguf_name() == Some(name.as_str()))
+        .ok_or_else(|| CandleError::UnsupportedArchitecture { name: name.clone() })?;
     let key = |k: &str| format!("{name}.{k}");
     // As llama.cpp requires: an embedding row without a token would be generated and then
     // decode to nothing, silently dropping text.
@@ -74,13 +72,13 @@ pub fn parse_config(
                 match (sliding, window) {
                     (true, Some(w)) => LayerConfig {
                         sliding_window: Some(w),
-                        rope: RopeConfig { theta: 10_000.0, scaling: RopeScaling::None },
+                        rope: Some(RopeConfig { theta: 10_000.0, scaling: RopeScaling::None }),
                     },
-                    _ => LayerConfig { sliding_window: None, rope: full },
+                    _ => LayerConfig { sliding_window: None, rope: Some(full) },
                 }
             } else {
                 let w = if matches!(arch, Architecture::Mistral | Architecture::Phi3) { window } else { None };
-                LayerConfig { sliding_window: w, rope: full }
+                LayerConfig { sliding_window: w, rope: Some(full) }
             }
         })
         .collect();
@@ -95,6 +93,10 @@ pub fn parse_config(
         head_dim,
         layers,
         rms_norm_eps: md.opt_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
+        norm_kind: NormKind::Rms,
+        block_norms: if has("post_attention_norm") { BlockNorms::Sandwich } else { BlockNorms::Pre },
+        parallel_residual: false,
+        learned_positions: false,
         max_position_embeddings: md.opt_usize(&key("context_length"))?.unwrap_or(4096),
         tie_word_embeddings: !has_tensor("output.weight"),
         partial_rotary_factor: rotary as f64 / head_dim as f64,
@@ -103,13 +105,17 @@ pub fn parse_config(
         qkv_bias: has_tensor("blk.0.attn_q.bias") || has_tensor("blk.0.attn_qkv.bias"),
         o_bias: has_tensor("blk.0.attn_output.bias"),
         mlp_bias: has_tensor("blk.0.ffn_down.bias"),
-        qk_norm: has("attn_q_norm"),
+        mlp_gated: true,
+        qk_norm: if has("attn_q_norm") { QkNorm::PerHead } else { QkNorm::None },
         // llama.cpp's converter stores Gemma norms with the 1 already added.
         norm_weight_offset: false,
-        sandwich_norms: has("post_attention_norm"),
         embed_scale: gemma.then(|| (hidden as f64).sqrt()),
+        embed_multiplier: None,
+        residual_multiplier: None,
+        logits_divisor: None,
         activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
         attn_scale: (head_dim as f64).powf(-0.5),
+        attn_scale_by_layer: false,
         attn_softcap: md.opt_f64(&key("attn_logit_softcapping"))?,
         final_softcap: md.opt_f64(&key("final_logit_softcapping"))?,
         eos_token_ids: md.token_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),

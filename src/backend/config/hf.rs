@@ -6,7 +6,10 @@
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::{check_layer_count, invalid, Activation, ArchConfig, Architecture, LayerConfig, RopeConfig, RopeScaling};
+use super::{
+    check_layer_count, invalid, Activation, ArchConfig, Architecture, BlockNorms, LayerConfig, NormKind, QkNorm,
+    RopeConfig, RopeScaling,
+};
 use crate::backend::error::{CandleError, Result};
 
 type Json = Map<String, Value>;
@@ -51,18 +54,24 @@ enum LayerType {
     FullAttention,
 }
 
-/// The keys of `config.json` candlewick reads; every one optional at this level.
+/// The keys of `config.json` candlewick reads; every one optional at this level. The aliases
+/// are GPT-2's and GPT-NeoX's older names of the same quantities.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default)]
 struct HfConfig {
     model_type: Option<String>,
+    #[serde(alias = "n_embd")]
     hidden_size: Option<usize>,
+    #[serde(alias = "n_head")]
     num_attention_heads: Option<usize>,
+    #[serde(alias = "n_layer")]
     num_hidden_layers: Option<usize>,
     num_key_value_heads: Option<usize>,
+    #[serde(alias = "n_inner")]
     intermediate_size: Option<usize>,
     vocab_size: Option<usize>,
     head_dim: Option<usize>,
+    #[serde(alias = "rotary_emb_base")]
     rope_theta: Option<f64>,
     rope_local_base_freq: Option<f64>,
     rope_scaling: Option<RopeParams>,
@@ -74,19 +83,34 @@ struct HfConfig {
     sliding_window_pattern_legacy: Option<usize>,
     use_sliding_window: Option<bool>,
     max_window_layers: Option<usize>,
+    #[serde(alias = "rotary_pct")]
     partial_rotary_factor: Option<f64>,
     hidden_activation: Option<String>,
+    #[serde(alias = "activation_function")]
     hidden_act: Option<String>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     query_pre_attn_scalar: Option<f64>,
     rms_norm_eps: Option<f64>,
+    #[serde(alias = "layer_norm_epsilon")]
+    layer_norm_eps: Option<f64>,
+    #[serde(alias = "n_positions")]
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
     attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
     eos_token_id: Option<TokenIds>,
     bos_token_id: Option<TokenIds>,
+    /// SmolLM3: 1 where a layer uses RoPE, 0 where it does not.
+    no_rope_layers: Option<Vec<u8>>,
+    no_rope_layer_interval: Option<usize>,
+    embedding_multiplier: Option<f64>,
+    residual_multiplier: Option<f64>,
+    attention_multiplier: Option<f64>,
+    logits_scaling: Option<f64>,
+    use_parallel_residual: Option<bool>,
+    scale_attn_weights: Option<bool>,
+    scale_attn_by_inverse_layer_idx: Option<bool>,
 }
 
 /// Deserializes `map` as `T`; on failure, finds the key whose value is at fault so the error
@@ -219,8 +243,17 @@ fn sliding_layers(cfg: &HfConfig, arch: Architecture, n_layers: usize, source: &
             let from = cfg.max_window_layers.unwrap_or(n_layers);
             (0..n_layers).map(|i| on && i >= from).collect()
         }
+        // transformers' default for Gemma 2 without `layer_types`: even layers slide.
+        Architecture::Gemma2 => (0..n_layers).map(|i| has_window && i % 2 == 0).collect(),
         Architecture::Mistral | Architecture::Phi3 => vec![has_window; n_layers],
-        Architecture::Llama => vec![false; n_layers],
+        Architecture::SmolLm3 => vec![has_window && cfg.use_sliding_window.unwrap_or(false); n_layers],
+        Architecture::Llama
+        | Architecture::Olmo2
+        | Architecture::Granite
+        | Architecture::GptNeoX
+        | Architecture::Gpt2 => {
+            vec![false; n_layers]
+        }
     })
 }
 
@@ -233,8 +266,38 @@ fn architecture(model_type: &str) -> Result<Architecture> {
         "qwen3" => Architecture::Qwen3,
         "gemma3_text" | "gemma3" => Architecture::Gemma3,
         "phi3" => Architecture::Phi3,
+        "gemma2" => Architecture::Gemma2,
+        "olmo2" => Architecture::Olmo2,
+        "smollm3" => Architecture::SmolLm3,
+        "granite" => Architecture::Granite,
+        "gpt_neox" => Architecture::GptNeoX,
+        "gpt2" => Architecture::Gpt2,
         other => return Err(CandleError::UnsupportedArchitecture { name: other.to_owned() }),
     })
+}
+
+/// Which layers rotate q and k: all, except SmolLM3's `no_rope_layers` (or every
+/// `no_rope_layer_interval`-th layer, transformers' default when the list is absent) and GPT-2's.
+fn rope_layers(cfg: &HfConfig, arch: Architecture, n_layers: usize, source: &str) -> Result<Vec<bool>> {
+    match arch {
+        Architecture::Gpt2 => Ok(vec![false; n_layers]),
+        Architecture::SmolLm3 => match &cfg.no_rope_layers {
+            Some(flags) if flags.len() != n_layers => Err(invalid(
+                source,
+                "no_rope_layers",
+                format!("has {} entries for {n_layers} layers (`num_hidden_layers`)", flags.len()),
+            )),
+            Some(flags) => Ok(flags.iter().map(|&f| f != 0).collect()),
+            None => {
+                let every = cfg.no_rope_layer_interval.unwrap_or(4);
+                if every == 0 {
+                    return Err(invalid(source, "no_rope_layer_interval", "an interval of 0 layers"));
+                }
+                Ok((0..n_layers).map(|i| (i + 1) % every != 0).collect())
+            }
+        },
+        _ => Ok(vec![true; n_layers]),
+    }
 }
 
 /// Parses a `config.json` document.
@@ -266,16 +329,20 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
     }
     let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
     let head_dim = cfg.head_dim.unwrap_or(hidden / heads);
-    let gemma = arch == Architecture::Gemma3;
+    let gemma = matches!(arch, Architecture::Gemma2 | Architecture::Gemma3);
+    // GPT-2 and GPT-NeoX: LayerNorm, biases on every projection, an ungated MLP.
+    let gpt = matches!(arch, Architecture::Gpt2 | Architecture::GptNeoX);
     let (full_rope, sliding_rope) = rope_by_layer_type(&cfg, arch, path)?;
+    let rotates = rope_layers(&cfg, arch, n_layers, path)?;
     let layers = sliding_layers(&cfg, arch, n_layers, path)?
         .into_iter()
-        .map(|sliding| {
+        .zip(rotates)
+        .map(|(sliding, rotates)| {
             Ok(if sliding {
                 let w = cfg.sliding_window.ok_or_else(|| invalid(path, "sliding_window", "sliding layers need one"))?;
-                LayerConfig { sliding_window: Some(w), rope: sliding_rope }
+                LayerConfig { sliding_window: Some(w), rope: rotates.then_some(sliding_rope) }
             } else {
-                LayerConfig { sliding_window: None, rope: full_rope }
+                LayerConfig { sliding_window: None, rope: rotates.then_some(full_rope) }
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -291,49 +358,90 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
     let (act_key, act_name) = match (&cfg.hidden_activation, &cfg.hidden_act) {
         (Some(a), _) => ("hidden_activation", a.as_str()),
         (None, Some(a)) => ("hidden_act", a.as_str()),
-        (None, None) => ("hidden_act", if gemma { "gelu_pytorch_tanh" } else { "silu" }),
+        (None, None) => (
+            "hidden_act",
+            match arch {
+                _ if gemma => "gelu_pytorch_tanh",
+                Architecture::Gpt2 => "gelu_new",
+                Architecture::GptNeoX => "gelu",
+                _ => "silu",
+            },
+        ),
     };
     let activation = match act_name {
         "silu" | "swish" => Activation::Silu,
         "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Activation::GeluTanh,
         "gelu" => Activation::Gelu,
+        "relu" => Activation::Relu,
         other => return Err(CandleError::UnsupportedConfig { what: format!("activation `{other}` (`{act_key}`)") }),
     };
-    let attention_bias = cfg.attention_bias.unwrap_or(false);
-    let attn_scale = if gemma {
-        cfg.query_pre_attn_scalar.unwrap_or(head_dim as f64).powf(-0.5)
-    } else {
-        (head_dim as f64).powf(-0.5)
+    // GPT-NeoX's query_key_value and dense carry biases unless `attention_bias` says otherwise.
+    let attention_bias = cfg.attention_bias.unwrap_or(gpt);
+    let attn_scale = match arch {
+        _ if gemma => cfg.query_pre_attn_scalar.unwrap_or(head_dim as f64).powf(-0.5),
+        Architecture::Granite => cfg.attention_multiplier.unwrap_or((head_dim as f64).powf(-0.5)),
+        Architecture::Gpt2 if !cfg.scale_attn_weights.unwrap_or(true) => 1.0,
+        _ => (head_dim as f64).powf(-0.5),
+    };
+    let granite = arch == Architecture::Granite;
+    let intermediate_size = match (cfg.intermediate_size, arch) {
+        (Some(n), _) => n,
+        // GPT-2's `n_inner: null` means four times the width.
+        (None, Architecture::Gpt2) => 4 * hidden,
+        (None, _) => required(None, path, "intermediate_size")?,
     };
     let config = ArchConfig {
         architecture: arch,
         vocab_size: required(cfg.vocab_size, path, "vocab_size")?,
         hidden_size: hidden,
-        intermediate_size: required(cfg.intermediate_size, path, "intermediate_size")?,
+        intermediate_size,
         num_heads: heads,
         num_kv_heads: kv_heads,
         head_dim,
         layers,
-        rms_norm_eps: cfg.rms_norm_eps.unwrap_or(1e-6),
+        rms_norm_eps: match gpt {
+            true => cfg.layer_norm_eps.unwrap_or(1e-5),
+            false => cfg.rms_norm_eps.unwrap_or(1e-6),
+        },
+        norm_kind: if gpt { NormKind::Layer } else { NormKind::Rms },
+        block_norms: match arch {
+            _ if gemma => BlockNorms::Sandwich,
+            Architecture::Olmo2 => BlockNorms::Post,
+            _ => BlockNorms::Pre,
+        },
+        parallel_residual: arch == Architecture::GptNeoX && cfg.use_parallel_residual.unwrap_or(true),
+        learned_positions: arch == Architecture::Gpt2,
         max_position_embeddings: cfg.max_position_embeddings.unwrap_or(4096),
-        tie_word_embeddings: cfg.tie_word_embeddings.unwrap_or(gemma),
+        tie_word_embeddings: cfg.tie_word_embeddings.unwrap_or(gemma || arch == Architecture::Gpt2),
         partial_rotary_factor,
         rope_interleaved: false,
         qkv_bias: arch == Architecture::Qwen2 || attention_bias,
         o_bias: attention_bias && arch != Architecture::Qwen2,
-        mlp_bias: cfg.mlp_bias.unwrap_or(false),
-        qk_norm: matches!(arch, Architecture::Qwen3 | Architecture::Gemma3),
+        mlp_bias: cfg.mlp_bias.unwrap_or(gpt),
+        mlp_gated: !gpt,
+        qk_norm: match arch {
+            Architecture::Qwen3 | Architecture::Gemma3 => QkNorm::PerHead,
+            Architecture::Olmo2 => QkNorm::Whole,
+            _ => QkNorm::None,
+        },
         norm_weight_offset: gemma,
-        sandwich_norms: gemma,
         embed_scale: gemma.then(|| (hidden as f64).sqrt()),
+        embed_multiplier: cfg.embedding_multiplier.filter(|_| granite),
+        residual_multiplier: cfg.residual_multiplier.filter(|_| granite),
+        logits_divisor: cfg.logits_scaling.filter(|_| granite),
         activation,
         attn_scale,
+        attn_scale_by_layer: arch == Architecture::Gpt2 && cfg.scale_attn_by_inverse_layer_idx.unwrap_or(false),
         attn_softcap: cfg.attn_logit_softcapping,
         final_softcap: cfg.final_logit_softcapping,
         eos_token_ids: cfg.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
         bos_token_id: cfg.bos_token_id.and_then(|ids| ids.into_vec().first().copied()),
     };
-    config.validate(path, &|name| name.to_owned())?;
+    // GPT-2 and GPT-NeoX name their norms' epsilon after LayerNorm.
+    config.validate(path, &|name| match name {
+        "rms_norm_eps" if gpt => "layer_norm_eps".to_owned(),
+        other => other.to_owned(),
+    })?;
     Ok(config)
 }
 
@@ -343,8 +451,8 @@ mod tests {
 
     #[test]
     fn unknown_model_type_is_unsupported() {
-        let err = parse_config(r#"{"model_type": "gpt_neox"}"#, "x").unwrap_err();
-        assert!(matches!(err, CandleError::UnsupportedArchitecture { ref name } if name == "gpt_neox"));
+        let err = parse_config(r#"{"model_type": "mamba"}"#, "x").unwrap_err();
+        assert!(matches!(err, CandleError::UnsupportedArchitecture { ref name } if name == "mamba"));
     }
 
     const LLAMA: &str = r#"{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"num_key_value_heads":2,
@@ -415,9 +523,81 @@ mod tests {
         )
         .unwrap();
         assert_eq!(cfg.layers[0].sliding_window, Some(512));
-        assert_eq!(cfg.layers[0].rope.theta, 10000.0);
+        assert_eq!(cfg.layers[0].rope.unwrap().theta, 10000.0);
         assert_eq!(cfg.layers[5].sliding_window, None);
-        assert_eq!(cfg.layers[5].rope.theta, 1_000_000.0);
+        assert_eq!(cfg.layers[5].rope.unwrap().theta, 1_000_000.0);
         assert!((cfg.attn_scale - 1.0 / 16.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn gpt2_keys_and_variants() {
+        let cfg = parse_config(
+            r#"{"model_type":"gpt2","n_embd":96,"n_layer":2,"n_head":6,"n_inner":null,"n_positions":512,
+                "vocab_size":10,"activation_function":"relu","scale_attn_by_inverse_layer_idx":true,
+                "layer_norm_epsilon":1e-5}"#,
+            "x",
+        )
+        .unwrap();
+        assert_eq!((cfg.hidden_size, cfg.head_dim, cfg.intermediate_size), (96, 16, 384));
+        assert_eq!(cfg.activation, Activation::Relu);
+        assert!(cfg.attn_scale_by_layer && cfg.learned_positions && cfg.tie_word_embeddings);
+        assert!(cfg.layers.iter().all(|l| l.rope.is_none()));
+        assert_eq!((cfg.norm_kind, cfg.mlp_gated, cfg.qkv_bias, cfg.mlp_bias), (NormKind::Layer, false, true, true));
+    }
+
+    #[test]
+    fn neox_serial_and_legacy_rotary_keys() {
+        let cfg = parse_config(
+            r#"{"model_type":"gpt_neox","hidden_size":64,"num_hidden_layers":3,"num_attention_heads":4,
+                "intermediate_size":128,"vocab_size":10,"use_parallel_residual":false,"hidden_act":"gelu_new",
+                "rotary_pct":0.5,"rotary_emb_base":500.0}"#,
+            "x",
+        )
+        .unwrap();
+        assert!(!cfg.parallel_residual);
+        assert_eq!((cfg.rotary_dim(), cfg.activation), (8, Activation::GeluTanh));
+        assert_eq!(cfg.layers[0].rope.unwrap().theta, 500.0);
+        assert!(cfg.o_bias && !cfg.tie_word_embeddings);
+    }
+
+    #[test]
+    fn smollm3_rope_layers_from_the_list_or_the_interval() {
+        let base = r#"{"model_type":"smollm3","hidden_size":64,"num_attention_heads":4,"num_hidden_layers":8,
+                "intermediate_size":128,"vocab_size":10"#;
+        let cfg = parse_config(&format!("{base}}}"), "x").unwrap();
+        let rotating: Vec<bool> = cfg.layers.iter().map(|l| l.rope.is_some()).collect();
+        assert_eq!(rotating, [true, true, true, false, true, true, true, false]);
+        let err = parse_config(&format!(r#"{base},"no_rope_layers":[1,0]}}"#), "x").unwrap_err();
+        assert!(err.to_string().contains("no_rope_layers"), "{err}");
+    }
+
+    #[test]
+    fn gemma2_without_layer_types_slides_on_even_layers() {
+        let cfg = parse_config(
+            r#"{"model_type":"gemma2","hidden_size":64,"num_attention_heads":4,"num_key_value_heads":2,
+                "num_hidden_layers":4,"intermediate_size":128,"vocab_size":10,"head_dim":32,"sliding_window":6,
+                "query_pre_attn_scalar":64,"attn_logit_softcapping":50.0}"#,
+            "x",
+        )
+        .unwrap();
+        let windows: Vec<_> = cfg.layers.iter().map(|l| l.sliding_window).collect();
+        assert_eq!(windows, [Some(6), None, Some(6), None]);
+        assert_eq!((cfg.block_norms, cfg.qk_norm, cfg.attn_scale), (BlockNorms::Sandwich, QkNorm::None, 0.125));
+        assert_eq!(cfg.attn_softcap, Some(50.0));
+    }
+
+    #[test]
+    fn granite_multipliers_are_read_and_checked() {
+        let base = r#"{"model_type":"granite","hidden_size":64,"num_attention_heads":4,"num_hidden_layers":2,
+                "intermediate_size":128,"vocab_size":10,"embedding_multiplier":12.0,"attention_multiplier":0.0625,
+                "logits_scaling":2.0"#;
+        let cfg = parse_config(&format!(r#"{base},"residual_multiplier":0.22}}"#), "x").unwrap();
+        assert_eq!(
+            (cfg.embed_multiplier, cfg.residual_multiplier, cfg.logits_divisor),
+            (Some(12.0), Some(0.22), Some(2.0))
+        );
+        assert_eq!(cfg.attn_scale, 0.0625);
+        let err = parse_config(&format!(r#"{base},"residual_multiplier":-1.0}}"#), "x").unwrap_err();
+        assert!(err.to_string().contains("residual_multiplier"), "{err}");
     }
 }

@@ -31,6 +31,18 @@ pub enum Architecture {
     Gemma3,
     /// Phi-3: fused qkv and gate_up projections.
     Phi3,
+    /// Gemma 2: Gemma 3's layout without q/k norms, with soft-capped scores and logits.
+    Gemma2,
+    /// OLMo 2: norms after each branch only, q/k RMS-normalised over the whole projection.
+    Olmo2,
+    /// SmolLM3: Llama with some layers left without RoPE (`no_rope_layers`).
+    SmolLm3,
+    /// Granite: Llama with embedding, residual, attention and logit multipliers.
+    Granite,
+    /// GPT-NeoX (Pythia): LayerNorm, fused per-head qkv, partial RoPE, usually a parallel residual.
+    GptNeoX,
+    /// GPT-2: learned absolute positions, LayerNorm, fused qkv, ungated MLP.
+    Gpt2,
 }
 
 impl Architecture {
@@ -43,8 +55,87 @@ impl Architecture {
             Self::Qwen3 => "qwen3",
             Self::Gemma3 => "gemma3",
             Self::Phi3 => "phi3",
+            Self::Gemma2 => "gemma2",
+            Self::Olmo2 => "olmo2",
+            Self::SmolLm3 => "smollm3",
+            Self::Granite => "granite",
+            Self::GptNeoX => "gpt_neox",
+            Self::Gpt2 => "gpt2",
         }
     }
+
+    /// The `general.architecture` llama.cpp's converter writes for it, where candlewick reads
+    /// that architecture's GGUF files (`None` where it does not yet).
+    pub fn gguf_name(self) -> Option<&'static str> {
+        match self {
+            Self::Llama => Some("llama"),
+            Self::Mistral => Some("mistral"),
+            Self::Qwen2 => Some("qwen2"),
+            Self::Qwen3 => Some("qwen3"),
+            Self::Gemma3 => Some("gemma3"),
+            Self::Phi3 => Some("phi3"),
+            Self::Gemma2 | Self::Olmo2 | Self::SmolLm3 | Self::Granite | Self::GptNeoX | Self::Gpt2 => None,
+        }
+    }
+
+    /// Every architecture the decoder loads, in the order they were added.
+    pub const ALL: [Architecture; 12] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Gemma3,
+        Self::Phi3,
+        Self::Gemma2,
+        Self::Olmo2,
+        Self::SmolLm3,
+        Self::Granite,
+        Self::GptNeoX,
+        Self::Gpt2,
+    ];
+}
+
+/// Which norms surround a block's attention and MLP branches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockNorms {
+    /// A norm before each branch (Llama and most others).
+    Pre,
+    /// A norm before and after each branch (Gemma 2 and 3).
+    Sandwich,
+    /// A norm after each branch only, on its output (OLMo 2).
+    Post,
+}
+
+impl BlockNorms {
+    /// Whether each branch's input is normalised.
+    pub fn pre(self) -> bool {
+        matches!(self, Self::Pre | Self::Sandwich)
+    }
+
+    /// Whether each branch's output is normalised before it joins the residual.
+    pub fn post(self) -> bool {
+        matches!(self, Self::Sandwich | Self::Post)
+    }
+}
+
+/// The normalisation every norm of the model computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// Root-mean-square norm with a scale.
+    Rms,
+    /// LayerNorm: mean removed, then a scale and a bias (GPT-2, GPT-NeoX).
+    Layer,
+}
+
+/// Where q and k are RMS-normalised before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    /// Not at all.
+    None,
+    /// Each head on its own, one `[head_dim]` scale shared by the heads (Qwen3, Gemma 3).
+    PerHead,
+    /// The whole projection at once, one `[heads · head_dim]` scale (OLMo 2).
+    Whole,
 }
 
 /// The MLP's gate activation.
@@ -56,6 +147,8 @@ pub enum Activation {
     GeluTanh,
     /// GELU with erf.
     Gelu,
+    /// max(x, 0).
+    Relu,
 }
 
 /// How rotary frequencies are rescaled for long contexts.
@@ -128,8 +221,9 @@ impl RopeConfig {
 pub struct LayerConfig {
     /// Keys further back than this many positions (counting the query's own) are masked.
     pub sliding_window: Option<usize>,
-    /// The layer's rotary embedding.
-    pub rope: RopeConfig,
+    /// The layer's rotary embedding; `None` for a layer that rotates nothing (SmolLM3's
+    /// `no_rope_layers`, and every layer of a model with learned positions).
+    pub rope: Option<RopeConfig>,
 }
 
 /// Everything the generic decoder needs to know about a model.
@@ -151,8 +245,17 @@ pub struct ArchConfig {
     pub head_dim: usize,
     /// Per-layer attention span and RoPE; its length is the layer count.
     pub layers: Vec<LayerConfig>,
-    /// Epsilon of every RMS norm.
+    /// Epsilon of every norm, RMS or LayerNorm (`layer_norm_eps` where the model has those).
     pub rms_norm_eps: f64,
+    /// What every norm computes.
+    pub norm_kind: NormKind,
+    /// Which norms surround each branch.
+    pub block_norms: BlockNorms,
+    /// Whether attention and MLP both read the layer's input and add to it together (GPT-NeoX,
+    /// `use_parallel_residual`) rather than the MLP reading the stream after attention's add.
+    pub parallel_residual: bool,
+    /// Whether a learned table of absolute positions is added after the embedding (GPT-2).
+    pub learned_positions: bool,
     /// The longest context the model was trained for.
     pub max_position_embeddings: usize,
     /// Whether the output projection is the embedding matrix.
@@ -167,18 +270,28 @@ pub struct ArchConfig {
     pub o_bias: bool,
     /// Whether the MLP projections carry biases.
     pub mlp_bias: bool,
-    /// Whether q and k are RMS-normalised per head before RoPE.
-    pub qk_norm: bool,
+    /// Whether the MLP is gated (`down(act(gate) · up)`) rather than `down(act(up))` (GPT-2, GPT-NeoX).
+    pub mlp_gated: bool,
+    /// Where q and k are RMS-normalised before RoPE.
+    pub qk_norm: QkNorm,
     /// Whether norms scale by (1 + w) rather than w (Gemma).
     pub norm_weight_offset: bool,
-    /// Whether attention and MLP outputs are normalised before joining the residual (Gemma 3).
-    pub sandwich_norms: bool,
-    /// Multiplier of the embeddings (Gemma: sqrt(hidden_size)).
+    /// Multiplier of the embeddings, inside `model.embed_tokens` (Gemma: sqrt(hidden_size)).
     pub embed_scale: Option<f64>,
-    /// The MLP's gate activation.
+    /// Multiplier of the embeddings after `model.embed_tokens` (Granite's `embedding_multiplier`,
+    /// which transformers applies outside the embedding module).
+    pub embed_multiplier: Option<f64>,
+    /// Multiplier of each branch's output as it joins the residual, after its observation point
+    /// (Granite's `residual_multiplier`).
+    pub residual_multiplier: Option<f64>,
+    /// Divisor of the logits before any soft cap (Granite's `logits_scaling`).
+    pub logits_divisor: Option<f64>,
+    /// The MLP's activation (of the gate where the MLP is gated).
     pub activation: Activation,
     /// Multiplier of q·k.
     pub attn_scale: f64,
+    /// Whether layer i's q·k is further divided by i + 1 (GPT-2's `scale_attn_by_inverse_layer_idx`).
+    pub attn_scale_by_layer: bool,
     /// Soft cap of attention scores.
     pub attn_softcap: Option<f64>,
     /// Soft cap of the final logits.
@@ -243,7 +356,7 @@ impl ArchConfig {
         // RoPE rotates pairs: fewer than two rotated dimensions leaves nothing to rotate, and
         // the decoder's kernels would be handed empty tables.
         let rotary = self.rotary_dim();
-        if rotary < 2 {
+        if rotary < 2 && self.layers.iter().any(|l| l.rope.is_some()) {
             return bad(
                 "partial_rotary_factor",
                 format!("rotates {rotary} of {} head dimensions; at least 2 are needed", self.head_dim),
@@ -260,6 +373,17 @@ impl ArchConfig {
                 return bad("hidden_size", format!("gives an embedding scale of {s}"));
             }
         }
+        for (name, m) in [
+            ("embedding_multiplier", self.embed_multiplier),
+            ("residual_multiplier", self.residual_multiplier),
+            ("logits_scaling", self.logits_divisor),
+        ] {
+            if let Some(m) = m {
+                if !(m.is_finite() && m > 0.0) {
+                    return bad(name, format!("{m} is not a finite positive number"));
+                }
+            }
+        }
         for (name, cap) in
             [("attn_logit_softcapping", self.attn_softcap), ("final_logit_softcapping", self.final_softcap)]
         {
@@ -273,10 +397,10 @@ impl ArchConfig {
             if layer.sliding_window == Some(0) {
                 return bad("sliding_window", format!("layer {i} has a window of 0 positions"));
             }
-            layer
-                .rope
-                .validate()
-                .map_err(|(name, reason)| invalid(source, &field(name), format!("layer {i}: {reason}")))?;
+            if let Some(rope) = &layer.rope {
+                rope.validate()
+                    .map_err(|(name, reason)| invalid(source, &field(name), format!("layer {i}: {reason}")))?;
+            }
         }
         // eos/bos ids past the vocabulary are the tokenizer's to report (it does, when used): the
         // model still runs on ids, and such an id is never generated, so it cannot stop anything.

@@ -58,7 +58,7 @@ impl CustomOp1 for FastActivation {
         let out: Vec<f32> = match self.0 {
             Activation::Silu => src.iter().map(|&x| silu(x)).collect(),
             Activation::GeluTanh => src.iter().map(|&x| gelu_tanh(x)).collect(),
-            Activation::Gelu => candle_core::bail!("no fast path for erf GELU"),
+            Activation::Gelu | Activation::Relu => candle_core::bail!("no fast path for {:?}", self.0),
         };
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
@@ -66,7 +66,8 @@ impl CustomOp1 for FastActivation {
 
 /// Applies `activation` to `x`, through the vectorised path where it applies.
 pub fn apply(activation: Activation, x: &Tensor) -> candle_core::Result<Tensor> {
-    let fast = x.device().is_cpu() && x.dtype() == DType::F32 && activation != Activation::Gelu;
+    let fast =
+        x.device().is_cpu() && x.dtype() == DType::F32 && matches!(activation, Activation::Silu | Activation::GeluTanh);
     if fast {
         return x.contiguous()?.apply_op1_no_bwd(&FastActivation(activation));
     }
@@ -74,6 +75,7 @@ pub fn apply(activation: Activation, x: &Tensor) -> candle_core::Result<Tensor> 
         Activation::Silu => candle_nn::ops::silu(x),
         Activation::GeluTanh => x.gelu(),
         Activation::Gelu => x.gelu_erf(),
+        Activation::Relu => x.relu(),
     }
 }
 

@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::hooks::Hooks;
-use super::layers::{Linear, RmsNorm};
+use super::layers::{Linear, Norm};
 use super::rope;
 use crate::backend::kernels;
 use crate::backend::kv_cache::LayerKv;
@@ -25,6 +25,17 @@ pub enum QkvProj {
     Fused(Linear),
 }
 
+/// The q and k norms of one layer.
+#[derive(Debug, Clone)]
+pub struct QkNorms {
+    /// The query norm.
+    pub q: Norm,
+    /// The key norm.
+    pub k: Norm,
+    /// Whether they normalise the whole projection (`[heads · head_dim]`) rather than each head.
+    pub whole: bool,
+}
+
 /// One layer's self-attention.
 #[derive(Debug, Clone)]
 pub struct Attention {
@@ -32,8 +43,8 @@ pub struct Attention {
     pub qkv: QkvProj,
     /// Output projection.
     pub o: Linear,
-    /// Per-head norms of q and k (Qwen3, Gemma 3).
-    pub qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Norms of q and k before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
+    pub qk_norm: Option<QkNorms>,
     /// Query heads.
     pub num_heads: usize,
     /// Key/value heads.
@@ -54,10 +65,8 @@ pub struct Attention {
 
 /// What one forward step shares between the layers of one variant.
 pub struct StepTables {
-    /// RoPE cos table `[t, rot/2]`.
-    pub cos: Tensor,
-    /// RoPE sin table `[t, rot/2]`.
-    pub sin: Tensor,
+    /// RoPE cos and sin tables `[t, rot/2]`; `None` where the layer rotates nothing.
+    pub rope: Option<(Tensor, Tensor)>,
     /// The first key any query of the step can see (0 unless a sliding window cuts earlier ones).
     pub key_start: usize,
     /// Additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is masked.
@@ -71,8 +80,7 @@ pub struct StepTables {
 impl StepTables {
     /// Tables for queries `pos..pos + t` of a layer variant with an optional sliding window.
     pub fn new(
-        cos: Tensor,
-        sin: Tensor,
+        rope: Option<(Tensor, Tensor)>,
         pos: usize,
         t: usize,
         window: Option<usize>,
@@ -98,7 +106,7 @@ impl StepTables {
             }
             Some(Tensor::from_vec(m, (t, keys), device)?)
         };
-        Ok(Self { cos, sin, key_start, mask, decoding: false })
+        Ok(Self { rope, key_start, mask, decoding: false })
     }
 }
 
@@ -156,18 +164,26 @@ impl Attention {
     ) -> candle_core::Result<Tensor> {
         let t = q.dim(0)?;
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (mut q, mut k) = (q.clone(), k.clone());
+        if let Some(n) = self.qk_norm.as_ref().filter(|n| n.whole) {
+            (q, k) = (n.q.forward(&q)?, n.k.forward(&k)?);
+        }
         let mut q = q.reshape((t, nh, d))?;
         let mut k = k.reshape((t, nkv, d))?;
-        if let Some((qn, kn)) = &self.qk_norm {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
+        if let Some(n) = self.qk_norm.as_ref().filter(|n| !n.whole) {
+            (q, k) = (n.q.forward(&q)?, n.k.forward(&k)?);
         }
         // [1, heads, t, d]
         let q = q.transpose(0, 1)?.unsqueeze(0)?;
         let k = k.transpose(0, 1)?.unsqueeze(0)?;
         let v = v.reshape((t, nkv, d))?.transpose(0, 1)?.unsqueeze(0)?;
-        let q = rope::apply(&q, &tables.cos, &tables.sin, self.rope_interleaved)?;
-        let k = rope::apply(&k, &tables.cos, &tables.sin, self.rope_interleaved)?;
+        let (q, k) = match &tables.rope {
+            Some((cos, sin)) => {
+                (rope::apply(&q, cos, sin, self.rope_interleaved)?, rope::apply(&k, cos, sin, self.rope_interleaved)?)
+            }
+            // The same contiguous layout the rotation would have produced, for the cache's append.
+            None => (q.contiguous()?, k.contiguous()?),
+        };
         // Keys and values are rounded to the cache's dtype before anything reads them, so a
         // prompt's rows see the same keys a later decode step reads back.
         let (k, v) = (k.to_dtype(self.cache_dtype)?, v.to_dtype(self.cache_dtype)?);

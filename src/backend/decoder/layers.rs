@@ -1,11 +1,11 @@
-//! The decoder's small building blocks: linear maps, RMS norms, embeddings, the MLP.
+//! The decoder's small building blocks: linear maps, norms, embeddings, the MLP.
 
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Tensor, D};
 
-use crate::backend::config::Activation;
+use crate::backend::config::{Activation, NormKind};
 use crate::backend::kernels::interleaved::Interleaved;
 use crate::backend::kernels::Weight;
 
@@ -46,31 +46,55 @@ impl Linear {
     }
 }
 
-/// Root-mean-square norm over the last dimension, computed in float32.
+/// An RMS norm or a LayerNorm over the last dimension, computed in float32.
 #[derive(Debug, Clone)]
-pub struct RmsNorm {
+pub struct Norm {
+    kind: NormKind,
     /// The effective scale (Gemma's 1 + w already added).
     weight: Tensor,
+    /// LayerNorm's shift (zero where a LayerNorm has none).
+    bias: Option<Tensor>,
     eps: f32,
 }
 
-impl RmsNorm {
-    /// The scale's number of parameters (stored as float32).
+impl Norm {
+    /// The parameters' storage type and count (stored as float32).
     pub fn summary(&self) -> (String, usize) {
-        ("f32".into(), self.weight.elem_count())
+        ("f32".into(), self.weight.elem_count() + self.bias.as_ref().map_or(0, Tensor::elem_count))
     }
 
-    /// A norm with a float32 scale; `offset` adds Gemma's 1 to the stored weight.
-    pub fn new(weight: Tensor, eps: f64, offset: bool) -> candle_core::Result<Self> {
+    /// An RMS norm with a float32 scale; `offset` adds Gemma's 1 to the stored weight.
+    pub fn rms(weight: Tensor, eps: f64, offset: bool) -> candle_core::Result<Self> {
         let weight = if offset { (weight + 1.0)? } else { weight };
-        Ok(Self { weight, eps: eps as f32 })
+        Ok(Self { kind: NormKind::Rms, weight, bias: None, eps: eps as f32 })
+    }
+
+    /// A norm of `kind` with a float32 scale and, for a LayerNorm, an optional shift.
+    pub fn new(
+        kind: NormKind,
+        weight: Tensor,
+        bias: Option<Tensor>,
+        eps: f64,
+        offset: bool,
+    ) -> candle_core::Result<Self> {
+        let mut norm = Self::rms(weight, eps, offset)?;
+        norm.kind = kind;
+        norm.bias = bias;
+        Ok(norm)
     }
 
     /// Normalises `x` over its last dimension, returning its dtype.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let dtype = x.dtype();
         let xf = x.to_dtype(DType::F32)?.contiguous()?;
-        candle_nn::ops::rms_norm(&xf, &self.weight, self.eps)?.to_dtype(dtype)
+        let y = match (self.kind, &self.bias) {
+            (NormKind::Rms, _) => candle_nn::ops::rms_norm(&xf, &self.weight, self.eps)?,
+            (NormKind::Layer, Some(b)) => candle_nn::ops::layer_norm(&xf, &self.weight, b, self.eps)?,
+            (NormKind::Layer, None) => {
+                candle_nn::ops::layer_norm(&xf, &self.weight, &self.weight.zeros_like()?, self.eps)?
+            }
+        };
+        y.to_dtype(dtype)
     }
 }
 
@@ -125,10 +149,10 @@ impl Embedding {
     }
 }
 
-/// The gated MLP: `down(act(gate(x)) * up(x))`.
+/// The MLP: gated, `down(act(gate(x)) * up(x))`, or plain, `down(act(up(x)))`.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    /// Separate gate and up, or one fused map whose output halves are gate then up.
+    /// Separate gate and up, one fused map whose output halves are gate then up, or up alone.
     pub gate_up: GateUp,
     /// The down projection.
     pub down: Linear,
@@ -148,9 +172,19 @@ pub enum GateUp {
     },
     /// One map of twice the width (Phi-3).
     Fused(Linear),
+    /// No gate: the activation of the up projection is the hidden state (GPT-2, GPT-NeoX).
+    Ungated(Linear),
 }
 
 impl Mlp {
+    /// The MLP's projections, for summaries.
+    pub fn linears(&self) -> Vec<&Linear> {
+        match &self.gate_up {
+            GateUp::Separate { gate, up } => vec![gate, up, &self.down],
+            GateUp::Fused(l) | GateUp::Ungated(l) => vec![l, &self.down],
+        }
+    }
+
     /// Applies the MLP to `[rows, hidden]`, passing its hidden activation through `at_hidden`
     /// (where hooks observe or edit it).
     pub fn forward(
@@ -164,6 +198,10 @@ impl Mlp {
                 let y = gu.forward(x)?;
                 let half = y.dim(D::Minus1)? / 2;
                 (y.narrow(D::Minus1, 0, half)?, y.narrow(D::Minus1, half, half)?)
+            }
+            GateUp::Ungated(up) => {
+                let hidden = at_hidden(super::activation::apply(self.activation, &up.forward(x)?)?)?;
+                return self.down.forward(&hidden);
             }
         };
         let gate = super::activation::apply(self.activation, &gate)?;

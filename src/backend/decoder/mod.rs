@@ -13,13 +13,13 @@ pub mod rope;
 
 use candle_core::{DType, Device, Tensor};
 
-use attention::{Attention, QkvProj, StepTables};
+use attention::{Attention, QkNorms, QkvProj, StepTables};
 use hooks::Hooks;
-use layers::{Embedding, GateUp, Linear, Mlp, RmsNorm};
+use layers::{Embedding, GateUp, Linear, Mlp, Norm};
 use names::{Naming, Slot};
 use rope::Rope;
 
-use crate::backend::config::{ArchConfig, LayerConfig};
+use crate::backend::config::{ArchConfig, LayerConfig, NormKind, QkNorm};
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::kv_cache::KvCache;
 use crate::backend::weights::quantize::QuantizeReport;
@@ -29,12 +29,12 @@ use crate::core::{LayerPoint, Point};
 /// One decoder layer.
 #[derive(Debug, Clone)]
 struct Block {
-    attn_in_norm: RmsNorm,
+    attn_in_norm: Option<Norm>,
     attn: Attention,
-    attn_out_norm: Option<RmsNorm>,
-    mlp_in_norm: RmsNorm,
+    attn_out_norm: Option<Norm>,
+    mlp_in_norm: Option<Norm>,
     mlp: Mlp,
-    mlp_out_norm: Option<RmsNorm>,
+    mlp_out_norm: Option<Norm>,
     /// Index into the decoder's distinct layer variants (rope + window).
     variant: usize,
 }
@@ -67,10 +67,12 @@ pub struct Decoder {
     config: ArchConfig,
     embed: Embedding,
     blocks: Vec<Block>,
-    norm: RmsNorm,
+    /// The learned absolute positions `[max_positions, hidden]` (GPT-2), added after the embedding.
+    positions: Option<Tensor>,
+    norm: Norm,
     lm_head: Linear,
     /// The distinct layer variants (rope + sliding window) and their rotary tables.
-    variants: Vec<(LayerConfig, Rope)>,
+    variants: Vec<(LayerConfig, Option<Rope>)>,
     /// The embedding multiplier, rounded to the weights' dtype as transformers does.
     embed_scale: Option<f64>,
     dtype: DType,
@@ -89,10 +91,21 @@ impl Decoder {
         let arch = c.architecture;
         let (h, d, nh, nkv, inter) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size);
         let name = |slot: Slot, layer: usize, suffix: &str| format!("{}.{suffix}", naming.stem(arch, slot, layer));
-        let norm = |slot: Slot, layer: usize, width: usize| -> Result<RmsNorm> {
+        let norm = |slot: Slot, layer: usize, width: usize| -> Result<Norm> {
             let n = name(slot, layer, "weight");
             let t = w.dense_f32(&n, &[width])?;
-            RmsNorm::new(t, c.rms_norm_eps, c.norm_weight_offset).ctx(|| format!("preparing norm `{n}`"))
+            let bias = match c.norm_kind {
+                NormKind::Layer => Some(w.dense_f32(&name(slot, layer, "bias"), &[width])?),
+                NormKind::Rms => None,
+            };
+            Norm::new(c.norm_kind, t, bias, c.rms_norm_eps, c.norm_weight_offset)
+                .ctx(|| format!("preparing norm `{n}`"))
+        };
+        // q/k norms are RMS norms whatever the block norms are.
+        let qk_norm = |slot: Slot, layer: usize, width: usize| -> Result<Norm> {
+            let n = name(slot, layer, "weight");
+            Norm::rms(w.dense_f32(&n, &[width])?, c.rms_norm_eps, c.norm_weight_offset)
+                .ctx(|| format!("preparing norm `{n}`"))
         };
         let linear = |slot: Slot, layer: usize, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let weight = w.matmul(&name(slot, layer, "weight"), out, inp)?;
@@ -102,13 +115,13 @@ impl Decoder {
         let embed_name = name(Slot::Embed, 0, "weight");
         let embed = w.embedding(&embed_name, c.vocab_size, h, c.tie_word_embeddings)?;
 
-        let mut variants: Vec<(LayerConfig, Rope)> = Vec::new();
+        let mut variants: Vec<(LayerConfig, Option<Rope>)> = Vec::new();
         let mut blocks = Vec::with_capacity(c.num_layers());
         for (i, lc) in c.layers.iter().enumerate() {
             let variant = match variants.iter().position(|(k, _)| k == lc) {
                 Some(k) => k,
                 None => {
-                    variants.push((*lc, Rope::new(&lc.rope, c.rotary_dim())));
+                    variants.push((*lc, lc.rope.as_ref().map(|r| Rope::new(r, c.rotary_dim()))));
                     variants.len() - 1
                 }
             };
@@ -122,7 +135,17 @@ impl Decoder {
                     v: linear(Slot::V, i, nkv * d, h, c.qkv_bias)?,
                 }
             };
-            let qk_norm = if c.qk_norm { Some((norm(Slot::QNorm, i, d)?, norm(Slot::KNorm, i, d)?)) } else { None };
+            let qk_norm = match c.qk_norm {
+                QkNorm::None => None,
+                QkNorm::PerHead => {
+                    Some(QkNorms { q: qk_norm(Slot::QNorm, i, d)?, k: qk_norm(Slot::KNorm, i, d)?, whole: false })
+                }
+                QkNorm::Whole => Some(QkNorms {
+                    q: qk_norm(Slot::QNorm, i, nh * d)?,
+                    k: qk_norm(Slot::KNorm, i, nkv * d)?,
+                    whole: true,
+                }),
+            };
             let o = linear(Slot::O, i, h, nh * d, c.o_bias)?;
             let cache_dtype = cache_dtype(w.dtype(), w.device(), o.is_quantized());
             let attn = Attention {
@@ -132,7 +155,7 @@ impl Decoder {
                 num_heads: nh,
                 num_kv_heads: nkv,
                 head_dim: d,
-                scale: c.attn_scale,
+                scale: if c.attn_scale_by_layer { c.attn_scale / (i + 1) as f64 } else { c.attn_scale },
                 softcap: c.attn_softcap,
                 rope_interleaved: c.rope_interleaved,
                 cache_dtype,
@@ -140,7 +163,9 @@ impl Decoder {
             };
             // Phi-3 fuses gate and up; GGUF names the fused one like the plain up projection.
             let fused_gate_up = !w.contains(&name(Slot::Gate, i, "weight"));
-            let gate_up = if fused_gate_up {
+            let gate_up = if !c.mlp_gated {
+                GateUp::Ungated(linear(Slot::Up, i, inter, h, c.mlp_bias)?)
+            } else if fused_gate_up {
                 GateUp::Fused(linear(Slot::GateUp, i, 2 * inter, h, c.mlp_bias)?)
             } else {
                 GateUp::Separate {
@@ -149,13 +174,14 @@ impl Decoder {
                 }
             };
             let mlp = Mlp { gate_up, down: linear(Slot::Down, i, h, inter, c.mlp_bias)?, activation: c.activation };
+            let (pre, post) = (c.block_norms.pre(), c.block_norms.post());
             blocks.push(Block {
-                attn_in_norm: norm(Slot::AttnInNorm, i, h)?,
+                attn_in_norm: if pre { Some(norm(Slot::AttnInNorm, i, h)?) } else { None },
                 attn,
-                attn_out_norm: if c.sandwich_norms { Some(norm(Slot::AttnOutNorm, i, h)?) } else { None },
-                mlp_in_norm: norm(Slot::MlpInNorm, i, h)?,
+                attn_out_norm: if post { Some(norm(Slot::AttnOutNorm, i, h)?) } else { None },
+                mlp_in_norm: if pre { Some(norm(Slot::MlpInNorm, i, h)?) } else { None },
                 mlp,
-                mlp_out_norm: if c.sandwich_norms { Some(norm(Slot::MlpOutNorm, i, h)?) } else { None },
+                mlp_out_norm: if post { Some(norm(Slot::MlpOutNorm, i, h)?) } else { None },
                 variant,
             });
         }
@@ -165,7 +191,13 @@ impl Decoder {
         } else {
             Linear::new(w.output(&head_name, c.vocab_size, h)?, None)
         };
+        let positions = if c.learned_positions {
+            Some(w.dense(&name(Slot::PosEmbed, 0, "weight"), &[c.max_position_embeddings, h])?)
+        } else {
+            None
+        };
         let mut decoder = Self {
+            positions,
             norm: norm(Slot::FinalNorm, 0, h)?,
             embed,
             blocks,
@@ -226,24 +258,25 @@ impl Decoder {
     pub fn weight_summary(&self) -> std::collections::BTreeMap<String, usize> {
         let mut parts = vec![self.embed.summary(), self.norm.summary()];
         for b in &self.blocks {
-            for n in [Some(&b.attn_in_norm), b.attn_out_norm.as_ref(), Some(&b.mlp_in_norm), b.mlp_out_norm.as_ref()] {
-                parts.extend(n.map(RmsNorm::summary));
+            for n in [&b.attn_in_norm, &b.attn_out_norm, &b.mlp_in_norm, &b.mlp_out_norm] {
+                parts.extend(n.as_ref().map(Norm::summary));
             }
-            if let Some((q, k)) = &b.attn.qk_norm {
-                parts.extend([q.summary(), k.summary()]);
+            if let Some(n) = &b.attn.qk_norm {
+                parts.extend([n.q.summary(), n.k.summary()]);
             }
-            let linears: Vec<&Linear> = match (&b.attn.qkv, &b.mlp.gate_up) {
-                (QkvProj::Separate { q, k, v }, GateUp::Separate { gate, up }) => vec![q, k, v, gate, up],
-                (QkvProj::Separate { q, k, v }, GateUp::Fused(gu)) => vec![q, k, v, gu],
-                (QkvProj::Fused(qkv), GateUp::Separate { gate, up }) => vec![qkv, gate, up],
-                (QkvProj::Fused(qkv), GateUp::Fused(gu)) => vec![qkv, gu],
+            let attn: Vec<&Linear> = match &b.attn.qkv {
+                QkvProj::Separate { q, k, v } => vec![q, k, v],
+                QkvProj::Fused(qkv) => vec![qkv],
             };
-            for l in linears.into_iter().chain([&b.attn.o, &b.mlp.down]) {
+            for l in attn.into_iter().chain([&b.attn.o]).chain(b.mlp.linears()) {
                 parts.extend(l.summary());
             }
         }
         if !self.config.tie_word_embeddings {
             parts.extend(self.lm_head.summary());
+        }
+        if let Some(p) = &self.positions {
+            parts.push((layers::dtype_name(p.dtype()), p.elem_count()));
         }
         let mut by_type = std::collections::BTreeMap::new();
         for (ty, n) in parts {
@@ -328,6 +361,12 @@ impl Decoder {
             x = (x * s)?;
         }
         x = at_each(items, &lens, Point::Embed, x)?;
+        if let Some(m) = self.config.embed_multiplier {
+            x = (x * m)?;
+        }
+        if let Some(table) = &self.positions {
+            x = (x + self.position_rows(table, &lens, &positions)?)?;
+        }
         let tables = items
             .iter()
             .zip(&positions)
@@ -336,8 +375,8 @@ impl Decoder {
                 self.variants
                     .iter()
                     .map(|(lc, rope)| {
-                        let (cos, sin) = rope.tables(pos, t, &self.device)?;
-                        let mut tables = StepTables::new(cos, sin, pos, t, lc.sliding_window, &self.device)?;
+                        let rope = rope.as_ref().map(|r| r.tables(pos, t, &self.device)).transpose()?;
+                        let mut tables = StepTables::new(rope, pos, t, lc.sliding_window, &self.device)?;
                         tables.decoding = kind == StepKind::Decode;
                         Ok(tables)
                     })
@@ -346,7 +385,7 @@ impl Decoder {
             .collect::<candle_core::Result<Vec<_>>>()?;
         for (i, b) in self.blocks.iter().enumerate() {
             x = at_each(items, &lens, Point::Layer(i, LayerPoint::Input), x)?;
-            let (q, k, v) = b.attn.project(&b.attn_in_norm.forward(&x)?)?;
+            let (q, k, v) = b.attn.project(&norm_or_same(&b.attn_in_norm, &x)?)?;
             let mut heads = Vec::with_capacity(items.len());
             let mut offset = 0;
             for (s, it) in items.iter_mut().enumerate() {
@@ -374,15 +413,20 @@ impl Decoder {
                 None => a,
             };
             let a = at_each(items, &lens, Point::Layer(i, LayerPoint::AttentionOutput), a)?;
-            x = (x + a)?;
+            let a = self.to_residual(a)?;
+            // A parallel residual's MLP reads the layer's input; a sequential one reads it after attention's add.
+            if !self.config.parallel_residual {
+                x = (x + &a)?;
+            }
             let hidden_point = Point::Layer(i, LayerPoint::MlpHidden);
-            let m = b.mlp.forward(&b.mlp_in_norm.forward(&x)?, |h| at_each(items, &lens, hidden_point, h))?;
+            let m = b.mlp.forward(&norm_or_same(&b.mlp_in_norm, &x)?, |h| at_each(items, &lens, hidden_point, h))?;
             let m = match &b.mlp_out_norm {
                 Some(n) => n.forward(&m)?,
                 None => m,
             };
             let m = at_each(items, &lens, Point::Layer(i, LayerPoint::MlpOutput), m)?;
-            x = (x + m)?;
+            let m = self.to_residual(m)?;
+            x = if self.config.parallel_residual { ((x + a)? + m)? } else { (x + m)? };
             x = at_each(items, &lens, Point::Layer(i, LayerPoint::Output), x)?;
         }
         for (it, &t) in items.iter_mut().zip(&lens) {
@@ -417,9 +461,36 @@ impl Decoder {
         split_rows(&logits, &per_item)
     }
 
-    /// The output projection of normed states, with any final soft-capping.
+    /// A branch's output as it joins the residual (scaled by Granite's `residual_multiplier`).
+    fn to_residual(&self, branch: Tensor) -> candle_core::Result<Tensor> {
+        match self.config.residual_multiplier {
+            Some(m) => branch * m,
+            None => Ok(branch),
+        }
+    }
+
+    /// The learned position rows of each sequence's tokens, stacked like the batch's rows.
+    fn position_rows(&self, table: &Tensor, lens: &[usize], starts: &[usize]) -> candle_core::Result<Tensor> {
+        let rows = table.dim(0)?;
+        let mut ids = Vec::with_capacity(lens.iter().sum());
+        for (&t, &start) in lens.iter().zip(starts) {
+            if start + t > rows {
+                candle_core::bail!(
+                    "position {} is past the {rows} learned positions of this model (`max_position_embeddings`)",
+                    start + t - 1
+                );
+            }
+            ids.extend((start..start + t).map(|p| p as u32));
+        }
+        table.index_select(&Tensor::new(ids.as_slice(), &self.device)?, 0)?.to_dtype(DType::F32)
+    }
+
+    /// The output projection of normed states, with any logit scaling and final soft-capping.
     fn project(&self, h: &Tensor) -> candle_core::Result<Tensor> {
-        let logits = self.lm_head.forward(h)?;
+        let mut logits = self.lm_head.forward(h)?;
+        if let Some(d) = self.config.logits_divisor {
+            logits = (logits / d)?;
+        }
         match self.config.final_softcap {
             Some(cap) => (logits / cap)?.tanh()? * cap,
             None => Ok(logits),
@@ -433,7 +504,14 @@ impl Decoder {
     }
 }
 
-/// `x` as the nearest value of `dtype` (transformers casts the Gemma embedding scale to it).
+/// `x` normalised by `norm`, or `x` itself where the block has no such norm (OLMo 2's inputs).
+fn norm_or_same(norm: &Option<Norm>, x: &Tensor) -> candle_core::Result<Tensor> {
+    match norm {
+        Some(n) => n.forward(x),
+        None => Ok(x.clone()),
+    }
+}
+
 /// The dtype a layer caches keys and values in: float16 for a quantized model computing in
 /// float32 on the CPU, as llama.cpp does (half the bytes a decode step reads and the cache holds;
 /// quantized weights already round far more than float16's 11 bits), otherwise the activations'
@@ -446,6 +524,7 @@ fn cache_dtype(activations: DType, device: &Device, quantized: bool) -> DType {
     }
 }
 
+/// `x` as the nearest value of `dtype` (transformers casts the Gemma embedding scale to it).
 fn round_to(x: f64, dtype: DType) -> f64 {
     match dtype {
         DType::F16 => half::f16::from_f64(x).to_f64(),

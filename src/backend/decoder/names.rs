@@ -7,6 +7,8 @@ use crate::backend::config::Architecture;
 pub enum Slot {
     /// Token embedding table.
     Embed,
+    /// Learned absolute position table (GPT-2).
+    PosEmbed,
     /// Norm before attention.
     AttnInNorm,
     /// Query projection.
@@ -53,13 +55,56 @@ pub enum Naming {
 }
 
 impl Naming {
+    /// What every tensor name of layer `i` starts with (`model.layers.{i}.` and the like).
+    pub fn layer_prefix(self, arch: Architecture) -> &'static str {
+        match (self, arch) {
+            (Self::Gguf, _) => "blk.",
+            (Self::HuggingFace, Architecture::Gpt2) => "transformer.h.",
+            (Self::HuggingFace, Architecture::GptNeoX) => "gpt_neox.layers.",
+            (Self::HuggingFace, _) => "model.layers.",
+        }
+    }
+
     /// The stem of a slot's tensor name (without `.weight` / `.bias`).
     pub fn stem(self, arch: Architecture, slot: Slot, layer: usize) -> String {
         match self {
+            Self::HuggingFace if arch == Architecture::Gpt2 => {
+                let s = match slot {
+                    Slot::Embed => return "transformer.wte".into(),
+                    Slot::PosEmbed => return "transformer.wpe".into(),
+                    Slot::FinalNorm => return "transformer.ln_f".into(),
+                    Slot::LmHead => return "lm_head".into(),
+                    Slot::AttnInNorm => "ln_1",
+                    Slot::Qkv => "attn.c_attn",
+                    Slot::O => "attn.c_proj",
+                    Slot::MlpInNorm => "ln_2",
+                    Slot::Up => "mlp.c_fc",
+                    Slot::Down => "mlp.c_proj",
+                    // GPT-2 has no such tensor; a name no checkpoint holds makes the loader say so.
+                    other => return format!("transformer.h.{layer}.<no {other:?}>"),
+                };
+                format!("transformer.h.{layer}.{s}")
+            }
+            Self::HuggingFace if arch == Architecture::GptNeoX => {
+                let s = match slot {
+                    Slot::Embed => return "gpt_neox.embed_in".into(),
+                    Slot::FinalNorm => return "gpt_neox.final_layer_norm".into(),
+                    Slot::LmHead => return "embed_out".into(),
+                    Slot::AttnInNorm => "input_layernorm",
+                    Slot::Qkv => "attention.query_key_value",
+                    Slot::O => "attention.dense",
+                    Slot::MlpInNorm => "post_attention_layernorm",
+                    Slot::Up => "mlp.dense_h_to_4h",
+                    Slot::Down => "mlp.dense_4h_to_h",
+                    other => return format!("gpt_neox.layers.{layer}.<no {other:?}>"),
+                };
+                format!("gpt_neox.layers.{layer}.{s}")
+            }
             Self::HuggingFace => {
-                let gemma = arch == Architecture::Gemma3;
+                let gemma = matches!(arch, Architecture::Gemma2 | Architecture::Gemma3);
                 let s = match slot {
                     Slot::Embed => return "model.embed_tokens".into(),
+                    Slot::PosEmbed => return "model.embed_positions".into(),
                     Slot::FinalNorm => return "model.norm".into(),
                     Slot::LmHead => return "lm_head".into(),
                     Slot::AttnInNorm => "input_layernorm",
@@ -85,6 +130,7 @@ impl Naming {
             Self::Gguf => {
                 let s = match slot {
                     Slot::Embed => return "token_embd".into(),
+                    Slot::PosEmbed => return "position_embd".into(),
                     Slot::FinalNorm => return "output_norm".into(),
                     Slot::LmHead => return "output".into(),
                     Slot::AttnInNorm => "attn_norm",

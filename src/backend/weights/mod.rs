@@ -3,6 +3,7 @@
 pub mod finite;
 pub mod gguf;
 pub mod quantize;
+pub mod relayout;
 pub mod requant;
 pub mod safetensors;
 
