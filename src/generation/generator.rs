@@ -145,6 +145,15 @@ pub struct Usage {
     pub prefill_seconds: f64,
     /// Seconds spent decoding.
     pub decode_seconds: f64,
+    /// With an output constraint: seconds spent compiling it (before the first step).
+    pub constraint_compile_seconds: f64,
+    /// With an output constraint: the median and 99th-percentile seconds it took a token
+    /// (checking the pick, the mask when the pick did not fit, moving past the token).
+    pub constraint_seconds_p50: f64,
+    /// See `constraint_seconds_p50`.
+    pub constraint_seconds_p99: f64,
+    /// With an output constraint: the tokens whose first pick it rejected (a mask computed).
+    pub constraint_masks: usize,
 }
 
 impl Usage {
@@ -157,6 +166,17 @@ impl Usage {
     pub fn decode_tokens_per_second(&self) -> f64 {
         rate(self.completion_tokens.saturating_sub(1), self.decode_seconds)
     }
+}
+
+/// The `q` quantile (nearest rank) of `times`, 0 when there are none.
+fn percentile(times: &[f32], q: f64) -> f64 {
+    if times.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = times.to_vec();
+    sorted.sort_by(f32::total_cmp);
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    f64::from(sorted[rank - 1])
 }
 
 fn rate(n: usize, secs: f64) -> f64 {
@@ -249,6 +269,8 @@ pub struct Generation {
     epoch: u64,
     /// What the output must match, following the generated tokens.
     constraint: Option<Constraint>,
+    /// Seconds the constraint took at each token.
+    constraint_times: Vec<f32>,
 }
 
 /// The last row of a step's logits on the host, refusing NaN or infinite values.
@@ -279,6 +301,7 @@ impl Generation {
         if prompt.is_empty() {
             return Err(GenerationError::InvalidOptions("the prompt has no tokens".into()));
         }
+        let compiling = Instant::now();
         let constraint = match &options.constraint {
             Some(spec) => {
                 let factory = tokenizer.constraint_factory(rt.session().vocab_size())?;
@@ -286,6 +309,7 @@ impl Generation {
             }
             None => None,
         };
+        let constraint_compile_seconds = if constraint.is_some() { compiling.elapsed().as_secs_f64() } else { 0.0 };
         let started = Instant::now();
         // Reuse the longest prefix the session holds (computed under the edits on now); at least
         // one token is run to get logits.
@@ -305,6 +329,7 @@ impl Generation {
             prompt_tokens: prompt.len(),
             cached_tokens: common,
             prefill_seconds: started.elapsed().as_secs_f64(),
+            constraint_compile_seconds,
             ..Usage::default()
         };
         Ok(Self {
@@ -327,6 +352,7 @@ impl Generation {
             logprobs_taken: 0,
             epoch: rt.epoch(),
             constraint,
+            constraint_times: Vec::new(),
         })
     }
 
@@ -383,6 +409,7 @@ impl Generation {
         let raw = self.logprobs_top.map(|_| logits.clone());
         self.sampler.adjust(&mut logits, &self.context);
         let mut token = self.sampler.sample(&logits);
+        let constrained = Instant::now();
         if let Some(c) = self.constraint.as_mut() {
             // Sample first; mask and sample again only when the pick does not fit.
             if !c.allows(token) {
@@ -406,6 +433,7 @@ impl Generation {
         }
         if let Some(c) = self.constraint.as_mut() {
             c.accept(token).map_err(GenerationError::Constraint)?;
+            self.constraint_times.push(constrained.elapsed().as_secs_f32());
         }
         self.generated.push(token);
         self.context.push(token);
@@ -504,7 +532,13 @@ impl Generation {
             text: self.text.clone(),
             token_ids: self.generated.clone(),
             finish_reason: self.finish.unwrap_or(FinishReason::Length),
-            usage: Usage { completion_tokens: self.generated.len(), ..self.usage },
+            usage: Usage {
+                completion_tokens: self.generated.len(),
+                constraint_seconds_p50: percentile(&self.constraint_times, 0.5),
+                constraint_seconds_p99: percentile(&self.constraint_times, 0.99),
+                constraint_masks: self.constraint.as_ref().map_or(0, Constraint::masks_computed),
+                ..self.usage
+            },
             logprobs: self.logprobs_top.map(|_| self.logprobs.clone()),
         }
     }

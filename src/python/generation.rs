@@ -307,6 +307,12 @@ pub fn to_result(py: Python<'_>, r: GenerationResult) -> PyResult<PyGenerationRe
     d.set_item("decode_seconds", u.decode_seconds)?;
     d.set_item("prefill_tokens_per_second", u.prefill_tokens_per_second())?;
     d.set_item("decode_tokens_per_second", u.decode_tokens_per_second())?;
+    if u.constraint_compile_seconds > 0.0 || u.constraint_seconds_p50 > 0.0 {
+        d.set_item("constraint_compile_seconds", u.constraint_compile_seconds)?;
+        d.set_item("constraint_seconds_p50", u.constraint_seconds_p50)?;
+        d.set_item("constraint_seconds_p99", u.constraint_seconds_p99)?;
+        d.set_item("constraint_masks", u.constraint_masks)?;
+    }
     let logprobs = r.logprobs.map(|steps| logprobs_to_py(py, steps)).transpose()?;
     Ok(PyGenerationResult {
         text: r.text,
