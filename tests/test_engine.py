@@ -113,3 +113,20 @@ def test_generate_batch_on_a_float32_checkpoint_equals_generate_exactly(rt):
         rt.session.reset()
         alone = rt.generate(p, **GREEDY)
         assert got.token_ids == alone.token_ids and got.text == alone.text
+
+
+@pytest.mark.parametrize("chunk", [1, 64, None])
+def test_a_long_prompt_joins_a_chunk_per_step_and_answers_as_alone(rt, chunk):
+    # Issue 25: while a long prompt is prefilled a chunk per step, the running requests keep
+    # decoding; every answer is what the same request gives alone.
+    long_prompt = np.random.default_rng(7).integers(3, 512, size=300).tolist()
+    rt.session.reset()
+    want_long = rt.generate(long_prompt, **GREEDY).token_ids
+    rt.session.reset()
+    want_short = rt.generate(prompt(1), max_tokens=40, temperature=0.0, ignore_eos=True).token_ids
+    with cw.Engine(rt, max_batch_size=4, prefill_chunk=chunk) as engine:
+        short = engine.submit(prompt(1), max_tokens=40, temperature=0.0, ignore_eos=True)
+        next(iter(short))  # decoding before the long prompt arrives
+        long = engine.submit(long_prompt, **GREEDY)
+        assert long.wait().token_ids == want_long
+        assert short.wait().token_ids == want_short

@@ -117,7 +117,12 @@ class Engine:
     """Many requests over one model, stepped together in a background thread."""
 
     def __new__(
-        cls, runtime: ModelRuntime, max_batch_size: int = 8, max_queue: int = 64, max_kv_bytes: int | None = None
+        cls,
+        runtime: ModelRuntime,
+        max_batch_size: int = 8,
+        max_queue: int = 64,
+        max_kv_bytes: int | None = None,
+        prefill_chunk: int | None = 512,
     ) -> Engine: ...
     def submit(
         self,

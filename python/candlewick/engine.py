@@ -121,10 +121,14 @@ class Engine:
         max_batch_size: int = 8,
         max_queue: int = 64,
         max_kv_bytes: Optional[int] = None,
+        prefill_chunk: Optional[int] = 512,
         **load_options: Any,
     ) -> None:
+        """`prefill_chunk`: prompt tokens a joining request prefills per step while others decode
+        (a long prompt then delays their next tokens by one chunk's time, not its whole prefill);
+        None prefills each prompt whole when it joins."""
         self.runtime = model if isinstance(model, ModelRuntime) else ModelRuntime.load(model, **load_options)
-        self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes)
+        self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes, prefill_chunk)
 
     def submit(
         self,

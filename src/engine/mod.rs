@@ -11,7 +11,8 @@ use std::time::Duration;
 use crate::backend::CandleError;
 use crate::core::{BackendSession, Intervention};
 use crate::generation::{
-    step_together, Constraint, GenerateOptions, Generation, GenerationError, GenerationResult, TokenLogprobs,
+    step_together, Constraint, GenerateOptions, Generation, GenerationError, GenerationResult, PendingPrefill,
+    TokenLogprobs,
 };
 use crate::model::{Model, ModelError};
 
@@ -41,11 +42,19 @@ pub struct EngineOptions {
     pub max_queue: usize,
     /// While the running sequences' KV caches hold this many bytes, no new one joins.
     pub max_kv_bytes: Option<usize>,
+    /// Prompt tokens a joining request prefills per step while others decode, so that a long
+    /// prompt does not stall their streams; `None` prefills a prompt whole when it joins.
+    pub prefill_chunk: Option<usize>,
 }
+
+/// The default `prefill_chunk`, the session's own prefill chunk: smaller chunks shorten the pause
+/// the running streams see, but on two CPU cores 128-token chunks made a 4,000-token prompt's
+/// prefill twice as long (BENCHMARKS.md), 512-token ones cost nothing measurable.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_batch_size: 8, max_queue: 64, max_kv_bytes: None }
+        Self { max_batch_size: 8, max_queue: 64, max_kv_bytes: None, prefill_chunk: Some(DEFAULT_PREFILL_CHUNK) }
     }
 }
 
@@ -144,7 +153,16 @@ impl Engine {
             std::thread::Builder::new()
                 .name("candlewick-engine".into())
                 .spawn(move || {
-                    Worker { template, options, stats, shutdown, slots: Vec::new(), idle: Vec::new() }.run(rx)
+                    Worker {
+                        template,
+                        options,
+                        stats,
+                        shutdown,
+                        slots: Vec::new(),
+                        joining: Vec::new(),
+                        idle: Vec::new(),
+                    }
+                    .run(rx)
                 })
                 .map_err(|e| {
                     ModelError::Backend(crate::backend::CandleError::InvalidInput {
@@ -251,12 +269,22 @@ struct Slot {
     cancel: Arc<AtomicBool>,
 }
 
+/// A request whose prompt is still being prefilled, a chunk a step.
+struct Joining {
+    pending: PendingPrefill,
+    model: Model,
+    events: Sender<EngineEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
 struct Worker {
     template: Model,
     options: EngineOptions,
     stats: Arc<EngineStats>,
     shutdown: Arc<AtomicBool>,
     slots: Vec<Slot>,
+    /// Requests prefilling their prompts, oldest first; they hold a batch place.
+    joining: Vec<Joining>,
     /// Sessions of finished requests, kept so a new prompt that shares a prefix reuses its cache.
     idle: Vec<Model>,
 }
@@ -268,24 +296,28 @@ impl Worker {
                 for s in self.slots.drain(..) {
                     let _ = s.events.send(EngineEvent::Failed(EngineError::Closed));
                 }
+                for j in self.joining.drain(..) {
+                    let _ = j.events.send(EngineEvent::Failed(EngineError::Closed));
+                }
                 return;
             }
             if !self.admit(&rx) {
                 return;
             }
-            self.stats.running.store(self.slots.len(), Ordering::Relaxed);
+            self.prefill_chunk();
+            self.stats.running.store(self.slots.len() + self.joining.len(), Ordering::Relaxed);
             if self.slots.is_empty() {
                 continue;
             }
             self.step();
-            self.stats.running.store(self.slots.len(), Ordering::Relaxed);
+            self.stats.running.store(self.slots.len() + self.joining.len(), Ordering::Relaxed);
         }
     }
 
     /// Takes waiting requests into free slots; false when the engine is closed and idle.
     fn admit(&mut self, rx: &Receiver<Job>) -> bool {
-        while self.slots.len() < self.options.max_batch_size.max(1) && !self.kv_full() {
-            let job = if self.slots.is_empty() {
+        while self.slots.len() + self.joining.len() < self.options.max_batch_size.max(1) && !self.kv_full() {
+            let job = if self.slots.is_empty() && self.joining.is_empty() {
                 // Nothing runs: wait for work (waking now and then to notice a shutdown).
                 match rx.recv_timeout(Duration::from_millis(100)) {
                     Ok(j) => j,
@@ -334,11 +366,44 @@ impl Worker {
             self.idle.push(model);
             return self.fail(&job.events, ModelError::from(e).into());
         }
-        match model.start_generation(&job.prompt, job.options) {
-            Ok(generation) => self.slots.push(Slot { generation, model, events: job.events, cancel: job.cancel }),
+        match model.begin_generation(&job.prompt, job.options) {
+            Ok(pending) => self.joining.push(Joining { pending, model, events: job.events, cancel: job.cancel }),
             Err(e) => {
                 self.idle.push(model);
                 self.fail(&job.events, e.into());
+            }
+        }
+    }
+
+    /// Prefills the oldest joining request's next chunk (its whole prompt when nothing else
+    /// runs, or without `prefill_chunk`); a request whose prompt is in starts decoding.
+    fn prefill_chunk(&mut self) {
+        let stats = Arc::clone(&self.stats);
+        self.joining.retain(|j| {
+            let keep = !j.cancel.load(Ordering::Relaxed);
+            if !keep {
+                stats.finished.fetch_add(1, Ordering::Relaxed);
+            }
+            keep
+        });
+        if self.joining.is_empty() {
+            return;
+        }
+        let budget = match self.options.prefill_chunk {
+            Some(n) if !self.slots.is_empty() => n.max(1),
+            _ => usize::MAX,
+        };
+        let j = &mut self.joining[0];
+        match j.pending.advance(j.model.runtime_mut(), budget) {
+            Ok(None) => {}
+            Ok(Some(generation)) => {
+                let j = self.joining.remove(0);
+                self.slots.push(Slot { generation, model: j.model, events: j.events, cancel: j.cancel });
+            }
+            Err(e) => {
+                let j = self.joining.remove(0);
+                self.fail(&j.events, ModelError::from(e).into());
+                self.retire(j.model);
             }
         }
     }

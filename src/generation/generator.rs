@@ -286,6 +286,82 @@ fn last_row<B: BackendProvider>(
     Ok(row)
 }
 
+/// A generation whose prompt is still being prefilled (`Generation::begin`).
+pub struct PendingPrefill {
+    tokenizer: Arc<Tokenizer>,
+    prompt: Vec<u32>,
+    /// Prompt tokens the session holds so far.
+    done: usize,
+    /// Of those, the ones it held before (a reused prefix).
+    common: usize,
+    options: GenerateOptions,
+    constraint: Option<Constraint>,
+    constraint_compile_seconds: f64,
+    started: Instant,
+}
+
+impl PendingPrefill {
+    /// Prompt tokens still to prefill.
+    pub fn remaining(&self) -> usize {
+        self.prompt.len().saturating_sub(self.done)
+    }
+
+    /// Prefills up to `max_tokens` more of the prompt; once the last of it is in, the
+    /// generation, ready for its first token.
+    pub fn advance<B: BackendProvider>(
+        &mut self,
+        rt: &mut ModelRuntime<B>,
+        max_tokens: usize,
+    ) -> Result<Option<Generation>, GenerationError<B::Error>> {
+        let end = self.prompt.len().min(self.done.saturating_add(max_tokens.max(1)));
+        if rt.session().tokens() != &self.prompt[..self.done] {
+            return Err(GenerationError::SessionChanged);
+        }
+        let out = rt.prefill(self.prompt[self.done..end].to_vec().into())?.wait().map_err(RuntimeError::Backend)?;
+        self.done = end;
+        if end < self.prompt.len() {
+            return Ok(None);
+        }
+        let logits = last_row(rt, &out)?;
+        let options = std::mem::take(&mut self.options);
+        let mut eos: HashSet<u32> = self.tokenizer.eos_ids().iter().copied().collect();
+        eos.extend(rt.session().stop_token_ids());
+        eos.extend(options.eos_ids.iter().copied());
+        if options.ignore_eos {
+            eos.clear();
+        }
+        let usage = Usage {
+            prompt_tokens: self.prompt.len(),
+            cached_tokens: self.common,
+            prefill_seconds: self.started.elapsed().as_secs_f64(),
+            constraint_compile_seconds: self.constraint_compile_seconds,
+            ..Usage::default()
+        };
+        Ok(Some(Generation {
+            sampler: Sampler::new(options.sampling),
+            stops: StopStrings::new(options.stop),
+            detok: IncrementalDecoder::new(Arc::clone(&self.tokenizer), options.skip_special_tokens),
+            eos,
+            max_tokens: options.max_tokens,
+            context: std::mem::take(&mut self.prompt),
+            generated: Vec::new(),
+            logits,
+            text: String::new(),
+            emitted: 0,
+            scanned: 0,
+            finish: if options.max_tokens == 0 { Some(FinishReason::Length) } else { None },
+            usage,
+            started: self.started,
+            logprobs_top: options.logprobs,
+            logprobs: Vec::new(),
+            logprobs_taken: 0,
+            epoch: rt.epoch(),
+            constraint: self.constraint.take(),
+            constraint_times: Vec::new(),
+        }))
+    }
+}
+
 impl Generation {
     /// Prefills the part of `prompt` the session does not already hold and readies the first token.
     ///
@@ -297,6 +373,24 @@ impl Generation {
         prompt: &[u32],
         options: GenerateOptions,
     ) -> Result<Self, GenerationError<B::Error>> {
+        let mut pending = Self::begin(rt, tokenizer, prompt, options)?;
+        loop {
+            if let Some(generation) = pending.advance(rt, usize::MAX)? {
+                return Ok(generation);
+            }
+        }
+    }
+
+    /// Validates everything and rewinds the session to the prefix it shares with `prompt`; the
+    /// rest of the prompt is prefilled by `PendingPrefill::advance`, all at once or a chunk at a
+    /// time (the engine interleaves chunks with other requests' decode steps). A refused begin
+    /// leaves the session as it was.
+    pub fn begin<B: BackendProvider>(
+        rt: &mut ModelRuntime<B>,
+        tokenizer: Arc<Tokenizer>,
+        prompt: &[u32],
+        options: GenerateOptions,
+    ) -> Result<PendingPrefill, GenerationError<B::Error>> {
         options.validate(rt.session().vocab_size()).map_err(GenerationError::InvalidOptions)?;
         if prompt.is_empty() {
             return Err(GenerationError::InvalidOptions("the prompt has no tokens".into()));
@@ -317,42 +411,15 @@ impl Generation {
         let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
         rt.session().check_append(common, &prompt[common..]).map_err(RuntimeError::Backend)?;
         rt.session_mut().truncate(common).map_err(RuntimeError::Backend)?;
-        let out = rt.prefill(prompt[common..].to_vec().into())?.wait().map_err(RuntimeError::Backend)?;
-        let logits = last_row(rt, &out)?;
-        let mut eos: HashSet<u32> = tokenizer.eos_ids().iter().copied().collect();
-        eos.extend(rt.session().stop_token_ids());
-        eos.extend(options.eos_ids.iter().copied());
-        if options.ignore_eos {
-            eos.clear();
-        }
-        let usage = Usage {
-            prompt_tokens: prompt.len(),
-            cached_tokens: common,
-            prefill_seconds: started.elapsed().as_secs_f64(),
-            constraint_compile_seconds,
-            ..Usage::default()
-        };
-        Ok(Self {
-            sampler: Sampler::new(options.sampling),
-            stops: StopStrings::new(options.stop),
-            detok: IncrementalDecoder::new(tokenizer, options.skip_special_tokens),
-            eos,
-            max_tokens: options.max_tokens,
-            context: prompt.to_vec(),
-            generated: Vec::new(),
-            logits,
-            text: String::new(),
-            emitted: 0,
-            scanned: 0,
-            finish: if options.max_tokens == 0 { Some(FinishReason::Length) } else { None },
-            usage,
-            started,
-            logprobs_top: options.logprobs,
-            logprobs: Vec::new(),
-            logprobs_taken: 0,
-            epoch: rt.epoch(),
+        Ok(PendingPrefill {
+            tokenizer,
+            prompt: prompt.to_vec(),
+            done: common,
+            common,
+            options,
             constraint,
-            constraint_times: Vec::new(),
+            constraint_compile_seconds,
+            started,
         })
     }
 

@@ -12,7 +12,9 @@ pub use info::ModelInfo;
 use crate::backend::weights::quantize::parse_quantize;
 use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
-use crate::generation::{generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult};
+use crate::generation::{
+    generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult, PendingPrefill,
+};
 use crate::text::{ChatRenderOptions, ChatTemplate, TemplateValue, TextError, Tokenizer};
 
 /// The runtime a model layer drives: the candle backend and its session.
@@ -264,6 +266,13 @@ impl Model {
     pub fn start_generation(&mut self, prompt: &[u32], options: GenerateOptions) -> Result<Generation, ModelError> {
         let tokenizer = Arc::clone(self.tokenizer()?);
         Ok(Generation::start(&mut self.runtime, tokenizer, prompt, options)?)
+    }
+
+    /// Begins a generation from `prompt` whose prompt is prefilled a chunk at a time
+    /// (`PendingPrefill::advance`).
+    pub fn begin_generation(&mut self, prompt: &[u32], options: GenerateOptions) -> Result<PendingPrefill, ModelError> {
+        let tokenizer = Arc::clone(self.tokenizer()?);
+        Ok(Generation::begin(&mut self.runtime, tokenizer, prompt, options)?)
     }
 
     /// Generates from `prompt` to the end.

@@ -46,6 +46,8 @@ impl PyEngine {
     ///     max_batch_size (int): the most requests decoded together.
     ///     max_queue (int): the most requests waiting; more raise ``QueueFullError``.
     ///     max_kv_bytes (int | None): stop admitting requests while their caches hold this much.
+    ///     prefill_chunk (int | None): prompt tokens a joining request prefills per step while
+    ///         others decode (so a long prompt does not stall their streams); None: whole.
     ///
     /// Returns:
     ///     Engine: running in a background thread until ``close()``.
@@ -53,18 +55,20 @@ impl PyEngine {
     /// Example:
     ///     >>> engine = candlewick._native.Engine(rt, max_batch_size=8)
     #[new]
-    #[pyo3(signature = (runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None))]
+    #[pyo3(signature = (runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None,
+        prefill_chunk=Some(crate::engine::DEFAULT_PREFILL_CHUNK)))]
     fn new(
         py: Python<'_>,
         runtime: Py<PyModelRuntime>,
         max_batch_size: usize,
         max_queue: usize,
         max_kv_bytes: Option<usize>,
+        prefill_chunk: Option<usize>,
     ) -> PyResult<Self> {
         if max_batch_size == 0 || max_queue == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err("max_batch_size and max_queue must be >= 1"));
         }
-        let options = EngineOptions { max_batch_size, max_queue, max_kv_bytes };
+        let options = EngineOptions { max_batch_size, max_queue, max_kv_bytes, prefill_chunk };
         let rt = runtime.get();
         let engine = py.detach(|| catch_panic(|| Engine::new(&*rt.lock_detached()?, options).map_err(engine_err)))?;
         Ok(Self { inner: Mutex::new(Some(engine)), runtime })
