@@ -18,11 +18,12 @@ error message (which must name the keyword). Writes JSON to --out and prints a t
 
 import argparse
 import json
-import platform
 import re
 import statistics
 import time
 from pathlib import Path
+
+from compare import cpu_name  # benches/compare.py: one way to name the host
 
 HERE = Path(__file__).parent
 DEFAULT_MODEL = "/work/bench/qwen2.5-coder-0.5b.gguf"
@@ -32,16 +33,6 @@ EXPECTED_REFUSALS = {
     "refused_billing_dependent_schemas": ["dependentSchemas"],
     "refused_feature_flags_unique_items": ["uniqueItems"],
 }
-
-
-def cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main():

@@ -342,8 +342,9 @@ impl Worker {
 
     fn kv_full(&self) -> bool {
         let Some(limit) = self.options.max_kv_bytes else { return false };
-        let held: usize = self.slots.iter().map(|s| s.model.runtime().session().cache_bytes()).sum();
-        !self.slots.is_empty() && held >= limit
+        let sessions = self.slots.iter().map(|s| &s.model).chain(self.joining.iter().map(|j| &j.model));
+        let held: usize = sessions.map(|m| m.runtime().session().cache_bytes()).sum();
+        !(self.slots.is_empty() && self.joining.is_empty()) && held >= limit
     }
 
     /// The idle session sharing the longest prefix with `prompt`, or a fresh one.

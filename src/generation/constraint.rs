@@ -31,8 +31,8 @@ impl ConstraintSpec {
     /// The grammar llguidance compiles for this spec.
     fn grammar(&self) -> TopLevelGrammar {
         match self {
-            Self::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
-            Self::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
+            Self::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_json_options(schema.clone())),
+            Self::JsonObject => TopLevelGrammar::from_json_schema(with_json_options(serde_json::json!({"type": "object"}))),
             Self::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Self::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
             Self::Choice(options) => {
@@ -54,6 +54,22 @@ impl ConstraintSpec {
             Self::Choice(_) => "choice",
         }
     }
+}
+
+/// llguidance's JSON options, unless the schema sets its own (`x-guidance`):
+/// - whitespace between tokens is bounded, as llama.cpp's schema grammars bound it: with
+///   llguidance's default (any run of it) a small model that wants to write something the schema
+///   forbids can pad with spaces until its token budget runs out, where a bounded run makes it
+///   write the next token of the document (3 of 37 schemas of the corpus in BENCHMARKS.md);
+/// - `oneOf` is taken as `anyOf` (llguidance refuses it otherwise): the branches of real
+///   schemas are told apart by a `const` or `required` key, so the two agree on them.
+fn with_json_options(mut schema: Value) -> Value {
+    if let Some(object) = schema.as_object_mut() {
+        object.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({"whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{1,24}", "coerce_one_of": true})
+        });
+    }
+    schema
 }
 
 /// A compiled constraint following one generation's tokens.
