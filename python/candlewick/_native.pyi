@@ -122,7 +122,7 @@ class Engine:
         max_batch_size: int = 8,
         max_queue: int = 64,
         max_kv_bytes: int | None = None,
-        prefill_chunk: int | None = 512,
+        prefill_chunk: int | None = 128,
     ) -> Engine: ...
     def submit(
         self,

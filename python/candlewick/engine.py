@@ -121,7 +121,7 @@ class Engine:
         max_batch_size: int = 8,
         max_queue: int = 64,
         max_kv_bytes: Optional[int] = None,
-        prefill_chunk: Optional[int] = 512,
+        prefill_chunk: Optional[int] = 128,
         **load_options: Any,
     ) -> None:
         """`prefill_chunk`: prompt tokens a joining request prefills per step while others decode

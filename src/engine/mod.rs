@@ -47,10 +47,10 @@ pub struct EngineOptions {
     pub prefill_chunk: Option<usize>,
 }
 
-/// The default `prefill_chunk`, the session's own prefill chunk: smaller chunks shorten the pause
-/// the running streams see, but on two CPU cores 128-token chunks made a 4,000-token prompt's
-/// prefill twice as long (BENCHMARKS.md), 512-token ones cost nothing measurable.
-pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+/// The default `prefill_chunk`: on two CPU cores a 128-token chunk of a 270M model is a pause of
+/// under 0.2 s for the running streams, and a 4,000-token prompt prefilled so takes about 10%
+/// longer than whole (BENCHMARKS.md, `benches/engine_prefill.py`).
+pub const DEFAULT_PREFILL_CHUNK: usize = 128;
 
 impl Default for EngineOptions {
     fn default() -> Self {

@@ -32,7 +32,9 @@ impl ConstraintSpec {
     fn grammar(&self) -> TopLevelGrammar {
         match self {
             Self::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_json_options(schema.clone())),
-            Self::JsonObject => TopLevelGrammar::from_json_schema(with_json_options(serde_json::json!({"type": "object"}))),
+            Self::JsonObject => {
+                TopLevelGrammar::from_json_schema(with_json_options(serde_json::json!({"type": "object"})))
+            }
             Self::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Self::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
             Self::Choice(options) => {
@@ -65,9 +67,9 @@ impl ConstraintSpec {
 ///   schemas are told apart by a `const` or `required` key, so the two agree on them.
 fn with_json_options(mut schema: Value) -> Value {
     if let Some(object) = schema.as_object_mut() {
-        object.entry("x-guidance").or_insert_with(|| {
-            serde_json::json!({"whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{1,24}", "coerce_one_of": true})
-        });
+        object.entry("x-guidance").or_insert_with(
+            || serde_json::json!({"whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{1,24}", "coerce_one_of": true}),
+        );
     }
     schema
 }
