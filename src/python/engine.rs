@@ -30,6 +30,8 @@ pub fn engine_err(e: EngineError) -> PyErr {
     }
 }
 
+const _: () = assert!(crate::engine::DEFAULT_PREFILL_CHUNK == 128, "update Engine's text_signature");
+
 /// Many requests over one model, stepped together in a background thread.
 #[pyclass(name = "Engine", module = "candlewick._native", frozen)]
 pub struct PyEngine {
@@ -55,8 +57,11 @@ impl PyEngine {
     /// Example:
     ///     >>> engine = candlewick._native.Engine(rt, max_batch_size=8)
     #[new]
+    // The default is spelled out for the text signature (a constant's path would show as `...`);
+    // the assertion below keeps the two equal.
     #[pyo3(signature = (runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None,
-        prefill_chunk=Some(crate::engine::DEFAULT_PREFILL_CHUNK)))]
+        prefill_chunk=Some(crate::engine::DEFAULT_PREFILL_CHUNK)),
+        text_signature = "(runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None, prefill_chunk=128)")]
     fn new(
         py: Python<'_>,
         runtime: Py<PyModelRuntime>,
