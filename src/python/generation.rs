@@ -399,6 +399,8 @@ pub struct PyGenerationStream {
     state: Mutex<Option<Generation>>,
     result: Mutex<Option<Py<PyGenerationResult>>>,
     logprobs: Mutex<Option<Vec<Py<PyDict>>>>,
+    /// With `chat(..., tools=...)`: the format whose calls `result` parses out of the text.
+    tool_format: Option<crate::text::ToolCallFormat>,
 }
 
 fn poisoned<T>(_: T) -> PyErr {
@@ -421,13 +423,32 @@ impl PyGenerationStream {
             state: Mutex::new(Some(generation)),
             result: Mutex::new(None),
             logprobs: Mutex::new(None),
+            tool_format: None,
         })
+    }
+
+    /// This stream with the model's tool calls parsed into `result.tool_calls` when it ends (the
+    /// pieces stream as the model writes them).
+    pub fn with_tool_calls(mut self, format: crate::text::ToolCallFormat) -> Self {
+        self.tool_format = Some(format);
+        self
     }
 
     /// Keeps the finished generation's result and drops its state.
     fn finish(&self, py: Python<'_>, state: &mut Option<Generation>) -> PyResult<()> {
         if let Some(generation) = state.take() {
-            let result = to_result(py, generation.result())?;
+            let mut result = to_result(py, generation.result())?;
+            if let Some(format) = self.tool_format {
+                let (text, calls) = {
+                    let model = self.runtime.get().lock(py)?;
+                    model
+                        .tokenizer()
+                        .map_err(model_err)?
+                        .parse_tool_calls(format, result.ids())
+                        .map_err(super::errors::text_err)?
+                };
+                result = result.with_tool_calls(text, super::text::tool_calls_to_py(py, &calls)?);
+            }
             *self.result.lock().map_err(poisoned)? = Some(Py::new(py, result)?);
         }
         Ok(())

@@ -963,7 +963,7 @@ impl PyModelRuntime {
     ///
     /// Returns:
     ///     GenerationResult: the assistant's answer (or a ``GenerationStream`` with ``stream=True``,
-    ///     which takes no tools).
+    ///     whose ``result.tool_calls`` holds the calls once it ends).
     ///
     /// Example:
     ///     >>> rt.chat([{"role": "user", "content": "Hi!"}], max_tokens=32).text
@@ -1031,11 +1031,6 @@ impl PyModelRuntime {
             }
             return Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any());
         };
-        if stream {
-            return Err(GenerationOptionError::new_err(
-                "chat(stream=True) takes no tools yet: call with stream=False, or use the server, which streams tool calls",
-            ));
-        }
         let tool_values = tools_of(&tools)?;
         let choice = tool_choice_of(tool_choice.as_ref())?;
         let rt = slf.get();
@@ -1063,6 +1058,11 @@ impl PyModelRuntime {
                 })
             })?
         };
+        if stream {
+            let s = PyGenerationStream::start(py, slf, ids, opts)?;
+            let s = if choice == ToolChoice::None { s } else { s.with_tool_calls(format) };
+            return Ok(Bound::new(py, s)?.into_any());
+        }
         let result = run_to_end(py, rt, ids, opts)?;
         if choice == ToolChoice::None {
             return Ok(Bound::new(py, result)?.into_any());
