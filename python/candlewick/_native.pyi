@@ -123,6 +123,7 @@ class Engine:
         max_queue: int = 64,
         max_kv_bytes: int | None = None,
         prefill_chunk: int | None = 128,
+        prefix_cache_bytes: int = 268435456,
     ) -> Engine: ...
     def submit(
         self,

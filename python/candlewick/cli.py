@@ -372,6 +372,10 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--control-vector", action="append", metavar="NAME=FILE[:SCALE]",
                    help="a llama.cpp control vector requests can name (repeatable)")
     v.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
+    v.add_argument("--prefill-chunk", type=non_negative, default=128, metavar="TOKENS",
+                   help="prompt tokens a joining request prefills per step beside the others' decoding; 0: whole")
+    v.add_argument("--prefix-cache-mb", type=non_negative, default=256, metavar="MiB",
+                   help="memory for prompt prefixes kept across requests (system prompts, histories); 0: off")
     v.add_argument("--threads", "-t", type=positive, default=None,
                    help="CPU threads per server (per replica under --ray; default: one per core)")
     v.add_argument("--ray", action="store_true", help="serve from replicas under Ray Serve (pip install 'candlewick[ray]')")
@@ -391,7 +395,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run(args.model or default_model(), host=args.host, port=args.port, address=args.ray_address,
             replicas=args.replicas, api_key=args.api_key, max_batch_size=args.max_batch_size,
             max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
-            chat_template=template, threads=args.threads, request_timeout=args.request_timeout)
+            chat_template=template, threads=args.threads, request_timeout=args.request_timeout,
+            **engine_options(args))
         return 0
     try:
         from .serve import serve
@@ -400,8 +405,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(args.model or default_model(), host=args.host, port=args.port, api_key=args.api_key,
           max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
           device=args.device, chat_template=template, threads=args.threads,
-          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace)
+          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, **engine_options(args))
     return 0
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine's settings from `serve`'s flags."""
+    return {"prefill_chunk": args.prefill_chunk or None, "prefix_cache_bytes": args.prefix_cache_mb << 20}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -122,13 +122,18 @@ class Engine:
         max_queue: int = 64,
         max_kv_bytes: Optional[int] = None,
         prefill_chunk: Optional[int] = 128,
+        prefix_cache_bytes: int = 256 << 20,
         **load_options: Any,
     ) -> None:
         """`prefill_chunk`: prompt tokens a joining request prefills per step while others decode
         (a long prompt then delays their next tokens by one chunk's time, not its whole prefill);
-        None prefills each prompt whole when it joins."""
+        None prefills each prompt whole when it joins. `prefix_cache_bytes`: memory for the keys
+        and values of prompt prefixes kept across requests (64-token blocks, least recently used
+        evicted first), so a request that starts like an earlier one (a system prompt, few-shot
+        examples, an agent's history) skips computing that part; 0 turns it off."""
         self.runtime = model if isinstance(model, ModelRuntime) else ModelRuntime.load(model, **load_options)
-        self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes, prefill_chunk)
+        self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes, prefill_chunk,
+                                      prefix_cache_bytes)
 
     def submit(
         self,

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::backend::session::PrefixCache;
 use crate::backend::CandleError;
 use crate::core::{BackendSession, Intervention};
 use crate::generation::{
@@ -45,6 +46,9 @@ pub struct EngineOptions {
     /// Prompt tokens a joining request prefills per step while others decode, so that a long
     /// prompt does not stall their streams; `None` prefills a prompt whole when it joins.
     pub prefill_chunk: Option<usize>,
+    /// Bytes the prefix cache may hold: keys and values of prompt prefixes in blocks of
+    /// `PREFIX_BLOCK_TOKENS`, reused by later requests that start the same way; 0 turns it off.
+    pub prefix_cache_bytes: usize,
 }
 
 /// The default `prefill_chunk`: on two CPU cores a 128-token chunk of a 270M model is a pause of
@@ -52,9 +56,23 @@ pub struct EngineOptions {
 /// longer than whole (BENCHMARKS.md, `benches/engine_prefill.py`).
 pub const DEFAULT_PREFILL_CHUNK: usize = 128;
 
+/// The default `prefix_cache_bytes`: 256 MiB, about 14,000 cached tokens of Gemma 3 270M or
+/// 21,000 of Qwen2.5 0.5B with their float16 caches.
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
+
+/// Positions per prefix-cache block: a prefix is reused in whole blocks, so a smaller block
+/// reuses more of a prompt and costs more lookups and copies.
+pub const PREFIX_BLOCK_TOKENS: usize = 64;
+
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_batch_size: 8, max_queue: 64, max_kv_bytes: None, prefill_chunk: Some(DEFAULT_PREFILL_CHUNK) }
+        Self {
+            max_batch_size: 8,
+            max_queue: 64,
+            max_kv_bytes: None,
+            prefill_chunk: Some(DEFAULT_PREFILL_CHUNK),
+            prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
+        }
     }
 }
 
@@ -87,6 +105,17 @@ pub struct EngineStats {
     pub generated_tokens: AtomicUsize,
     /// Batched steps run.
     pub steps: AtomicUsize,
+    /// Prompt tokens of the requests started.
+    pub prompt_tokens: AtomicUsize,
+    /// Of those, the tokens not computed again: restored from the prefix cache or still held by
+    /// the session a request was given.
+    pub cached_tokens: AtomicUsize,
+    /// Requests that reused at least one token so.
+    pub prefix_hits: AtomicUsize,
+    /// Bytes the prefix cache holds.
+    pub prefix_cache_bytes: AtomicUsize,
+    /// Blocks the prefix cache evicted to stay within its budget.
+    pub prefix_cache_evictions: AtomicUsize,
 }
 
 struct Job {
@@ -161,6 +190,8 @@ impl Engine {
                         slots: Vec::new(),
                         joining: Vec::new(),
                         idle: Vec::new(),
+                        prefix: (options.prefix_cache_bytes > 0)
+                            .then(|| PrefixCache::new(PREFIX_BLOCK_TOKENS, options.prefix_cache_bytes)),
                     }
                     .run(rx)
                 })
@@ -287,6 +318,8 @@ struct Worker {
     joining: Vec<Joining>,
     /// Sessions of finished requests, kept so a new prompt that shares a prefix reuses its cache.
     idle: Vec<Model>,
+    /// Prompt prefixes' keys and values, kept across requests (`None`: turned off).
+    prefix: Option<PrefixCache>,
 }
 
 impl Worker {
@@ -347,19 +380,43 @@ impl Worker {
         !(self.slots.is_empty() && self.joining.is_empty()) && held >= limit
     }
 
-    /// The idle session sharing the longest prefix with `prompt`, or a fresh one.
-    fn session_for(&mut self, prompt: &[u32]) -> Result<Model, ModelError> {
+    /// The session that holds the longest prefix of `prompt`: an idle one, or a fresh one the
+    /// prefix cache restores a prefix into (only for a request with no edits of its own,
+    /// `plain`), or an empty one.
+    fn session_for(&mut self, prompt: &[u32], plain: bool) -> Result<Model, ModelError> {
         let shared =
             |m: &Model| m.runtime().session().reusable_tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let best = (0..self.idle.len()).max_by_key(|&i| shared(&self.idle[i]));
+        let idle_shared = best.map_or(0, |i| shared(&self.idle[i]));
+        let cached = match &self.prefix {
+            Some(cache) if plain => cache.peek(prompt),
+            _ => 0,
+        };
+        if cached > idle_shared {
+            let mut model = self.template.fork_empty()?;
+            if let Some(cache) = &mut self.prefix {
+                cache.restore_into(model.runtime_mut().session_mut(), prompt)?;
+            }
+            return Ok(model);
+        }
         match best {
-            Some(i) if shared(&self.idle[i]) > 0 => Ok(self.idle.swap_remove(i)),
+            Some(i) if idle_shared > 0 => Ok(self.idle.swap_remove(i)),
             _ => self.template.fork_empty(),
         }
     }
 
+    /// Publishes the prefix cache's size in the engine's counters.
+    fn publish_prefix_stats(&self) {
+        if let Some(cache) = &self.prefix {
+            let s = cache.stats();
+            self.stats.prefix_cache_bytes.store(s.bytes, Ordering::Relaxed);
+            self.stats.prefix_cache_evictions.store(s.evictions, Ordering::Relaxed);
+        }
+    }
+
     fn start(&mut self, job: Job) {
-        let mut model = match self.session_for(&job.prompt) {
+        let plain = job.interventions.is_empty();
+        let mut model = match self.session_for(&job.prompt, plain) {
             Ok(m) => m,
             Err(e) => return self.fail(&job.events, e.into()),
         };
@@ -368,7 +425,18 @@ impl Worker {
             return self.fail(&job.events, ModelError::from(e).into());
         }
         match model.begin_generation(&job.prompt, job.options) {
-            Ok(pending) => self.joining.push(Joining { pending, model, events: job.events, cancel: job.cancel }),
+            Ok(pending) => {
+                let reused = pending.reused();
+                self.stats.prompt_tokens.fetch_add(job.prompt.len(), Ordering::Relaxed);
+                self.stats.cached_tokens.fetch_add(reused, Ordering::Relaxed);
+                if reused > 0 {
+                    self.stats.prefix_hits.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some(cache) = &mut self.prefix {
+                    cache.count_lookup(&job.prompt, reused);
+                }
+                self.joining.push(Joining { pending, model, events: job.events, cancel: job.cancel })
+            }
             Err(e) => {
                 self.idle.push(model);
                 self.fail(&job.events, e.into());
@@ -399,6 +467,12 @@ impl Worker {
             Ok(None) => {}
             Ok(Some(generation)) => {
                 let j = self.joining.remove(0);
+                if let Some(cache) = &mut self.prefix {
+                    // A prompt that cannot be kept (no memory for the copy) is only not cached:
+                    // its request goes on.
+                    let _ = cache.store_from(j.model.runtime().session());
+                }
+                self.publish_prefix_stats();
                 self.slots.push(Slot { generation, model: j.model, events: j.events, cancel: j.cancel });
             }
             Err(e) => {

@@ -301,6 +301,11 @@ pub struct PendingPrefill {
 }
 
 impl PendingPrefill {
+    /// Prompt tokens the session already held when the generation began (not prefilled again).
+    pub fn reused(&self) -> usize {
+        self.common
+    }
+
     /// Prompt tokens still to prefill.
     pub fn remaining(&self) -> usize {
         self.prompt.len().saturating_sub(self.done)

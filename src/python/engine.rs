@@ -31,6 +31,7 @@ pub fn engine_err(e: EngineError) -> PyErr {
 }
 
 const _: () = assert!(crate::engine::DEFAULT_PREFILL_CHUNK == 128, "update Engine's text_signature");
+const _: () = assert!(crate::engine::DEFAULT_PREFIX_CACHE_BYTES == 268_435_456, "update Engine's text_signature");
 
 /// Many requests over one model, stepped together in a background thread.
 #[pyclass(name = "Engine", module = "candlewick._native", frozen)]
@@ -50,6 +51,9 @@ impl PyEngine {
     ///     max_kv_bytes (int | None): stop admitting requests while their caches hold this much.
     ///     prefill_chunk (int | None): prompt tokens a joining request prefills per step while
     ///         others decode (so a long prompt does not stall their streams); None: whole.
+    ///     prefix_cache_bytes (int): memory for the prefix cache, the keys and values of prompt
+    ///         prefixes kept across requests (in 64-token blocks, least recently used evicted
+    ///         first) so a request that starts like an earlier one skips that part; 0: none.
     ///
     /// Returns:
     ///     Engine: running in a background thread until ``close()``.
@@ -60,8 +64,9 @@ impl PyEngine {
     // The default is spelled out for the text signature (a constant's path would show as `...`);
     // the assertion below keeps the two equal.
     #[pyo3(signature = (runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None,
-        prefill_chunk=Some(crate::engine::DEFAULT_PREFILL_CHUNK)),
-        text_signature = "(runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None, prefill_chunk=128)")]
+        prefill_chunk=Some(crate::engine::DEFAULT_PREFILL_CHUNK),
+        prefix_cache_bytes=crate::engine::DEFAULT_PREFIX_CACHE_BYTES),
+        text_signature = "(runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None, prefill_chunk=128, prefix_cache_bytes=268435456)")]
     fn new(
         py: Python<'_>,
         runtime: Py<PyModelRuntime>,
@@ -69,11 +74,12 @@ impl PyEngine {
         max_queue: usize,
         max_kv_bytes: Option<usize>,
         prefill_chunk: Option<usize>,
+        prefix_cache_bytes: usize,
     ) -> PyResult<Self> {
         if max_batch_size == 0 || max_queue == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err("max_batch_size and max_queue must be >= 1"));
         }
-        let options = EngineOptions { max_batch_size, max_queue, max_kv_bytes, prefill_chunk };
+        let options = EngineOptions { max_batch_size, max_queue, max_kv_bytes, prefill_chunk, prefix_cache_bytes };
         let rt = runtime.get();
         let engine = py.detach(|| catch_panic(|| Engine::new(&*rt.lock_detached()?, options).map_err(engine_err)))?;
         Ok(Self { inner: Mutex::new(Some(engine)), runtime })
@@ -160,7 +166,9 @@ impl PyEngine {
         Ok(PyEngineRequest { handle })
     }
 
-    /// Counters: submitted, finished, queued, running, generated_tokens, steps.
+    /// Counters: submitted, finished, queued, running, generated_tokens, steps, prompt_tokens,
+    /// cached_tokens (prompt tokens not computed again), prefix_hits (requests that reused
+    /// some), prefix_cache_bytes (held now) and prefix_cache_evictions.
     ///
     /// Returns:
     ///     dict[str, int]: the counters, with ``max_batch_size`` and ``max_queue``.
@@ -176,6 +184,11 @@ impl PyEngine {
             d.set_item("running", s.running.load(Relaxed))?;
             d.set_item("generated_tokens", s.generated_tokens.load(Relaxed))?;
             d.set_item("steps", s.steps.load(Relaxed))?;
+            d.set_item("prompt_tokens", s.prompt_tokens.load(Relaxed))?;
+            d.set_item("cached_tokens", s.cached_tokens.load(Relaxed))?;
+            d.set_item("prefix_hits", s.prefix_hits.load(Relaxed))?;
+            d.set_item("prefix_cache_bytes", s.prefix_cache_bytes.load(Relaxed))?;
+            d.set_item("prefix_cache_evictions", s.prefix_cache_evictions.load(Relaxed))?;
             d.set_item("max_batch_size", e.options().max_batch_size)?;
             d.set_item("max_queue", e.options().max_queue)?;
         }

@@ -84,7 +84,8 @@ def graceful_server(config, server: Server, grace: float):
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           max_batch_size: int = 8, max_queue: int = 64, control_vectors=None, device: str = "auto",
           chat_template: Optional[str] = None, log_level: str = "info", threads: Optional[int] = None,
-          request_timeout: Optional[float] = 600.0, shutdown_grace: float = 30.0) -> None:
+          request_timeout: Optional[float] = 600.0, shutdown_grace: float = 30.0,
+          prefill_chunk: Optional[int] = 128, prefix_cache_bytes: int = 256 << 20) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
 
     Each request is cancelled after `request_timeout` seconds (0 or None: never). On SIGTERM
@@ -101,7 +102,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     runtime = ModelRuntime.load(model, device=device, threads=threads)
     server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
-                    chat_template=chat_template, log=log, request_timeout=request_timeout)
+                    chat_template=chat_template, log=log, request_timeout=request_timeout,
+                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
     log(f"serving {server.model_name} on http://{host}:{port}/v1")
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False,
                             limit_concurrency=connection_limit(max_batch_size, max_queue))

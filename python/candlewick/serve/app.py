@@ -95,6 +95,7 @@ class Metrics:
     token_latency_count: int = 0
     timeouts: int = 0
     disconnects: int = 0
+    cached_tokens: int = 0
 
     def count(self, route: str, status: int) -> None:
         key = (route, status)
@@ -103,6 +104,7 @@ class Metrics:
     def record(self, usage: dict) -> None:
         self.prompt_tokens += usage["prompt_tokens"]
         self.completion_tokens += usage["completion_tokens"]
+        self.cached_tokens += usage.get("cached_tokens", 0)
         self.ttft_sum += usage["time_to_first_token"]
         self.ttft_count += 1
         if usage["completion_tokens"] > 1:
@@ -152,19 +154,22 @@ class Server:
 
     `request_timeout` (seconds; 0 or None: none) bounds each request from its arrival to its
     last byte: past it the request is cancelled in the engine and answered 504 (or, once its
-    stream has begun, ended with an error event)."""
+    stream has begun, ended with an error event). `prefill_chunk` and `prefix_cache_bytes` are
+    the engine's (`candlewick.Engine`)."""
 
     def __init__(self, runtime: ModelRuntime, model_name: str, api_key: Optional[str] = None,
                  max_batch_size: int = 8, max_queue: int = 64,
                  control_vectors: Optional[dict[str, list]] = None, chat_template: Optional[str] = None, log=None,
-                 request_timeout: Optional[float] = 600.0):
+                 request_timeout: Optional[float] = 600.0, prefill_chunk: Optional[int] = 128,
+                 prefix_cache_bytes: int = 256 << 20):
         if request_timeout is not None and request_timeout < 0:
             raise ValueError("request_timeout must be positive, or 0 or None for none")
         self.request_timeout = request_timeout or None
         self.runtime = runtime
         self.model_name = model_name
         self.api_key = api_key
-        self.engine = Engine(runtime, max_batch_size=max_batch_size, max_queue=max_queue)
+        self.engine = Engine(runtime, max_batch_size=max_batch_size, max_queue=max_queue,
+                             prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
         self.control_vectors = control_vectors or {}
         self.chat_template = chat_template
         self.metrics = Metrics()
@@ -436,7 +441,11 @@ async def wait_all(reqs: list) -> list:
 def usage_of(results) -> dict:
     prompt = results[0].usage["prompt_tokens"]
     completion = sum(r.usage["completion_tokens"] for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # OpenAI's field for prompt tokens served from a cache: the first choice's reuse (the others
+    # share its prompt).
+    cached = results[0].usage["cached_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def tool_chunk(base: dict, call: dict) -> dict:
@@ -673,6 +682,20 @@ def build_app(server: Server) -> Starlette:
             "# TYPE candlewick_request_timeouts_total counter", f"candlewick_request_timeouts_total {m.timeouts}",
             "# TYPE candlewick_client_disconnects_total counter",
             f"candlewick_client_disconnects_total {m.disconnects}",
+            # The engine's prefix reuse: prompt tokens not computed again (restored from the
+            # prefix cache or still held by an idle session), over all prompt tokens started.
+            "# TYPE candlewick_prefix_cache_prompt_tokens_total counter",
+            f"candlewick_prefix_cache_prompt_tokens_total {s.get('prompt_tokens', 0)}",
+            "# TYPE candlewick_prefix_cache_cached_tokens_total counter",
+            f"candlewick_prefix_cache_cached_tokens_total {s.get('cached_tokens', 0)}",
+            "# TYPE candlewick_prefix_cache_hits_total counter",
+            f"candlewick_prefix_cache_hits_total {s.get('prefix_hits', 0)}",
+            "# TYPE candlewick_prefix_cache_hit_rate gauge",
+            f"candlewick_prefix_cache_hit_rate {s.get('cached_tokens', 0) / max(s.get('prompt_tokens', 0), 1):.6f}",
+            "# TYPE candlewick_prefix_cache_bytes gauge",
+            f"candlewick_prefix_cache_bytes {s.get('prefix_cache_bytes', 0)}",
+            "# TYPE candlewick_prefix_cache_evictions_total counter",
+            f"candlewick_prefix_cache_evictions_total {s.get('prefix_cache_evictions', 0)}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

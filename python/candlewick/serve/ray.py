@@ -21,7 +21,8 @@ from typing import Any, Optional, Sequence
 def application(model: str, replicas: int = 2, api_key: Optional[str] = None, max_batch_size: int = 8,
                 max_queue: int = 64, control_vectors: Optional[Sequence[str]] = None, device: str = "cpu",
                 chat_template: Optional[str] = None, num_cpus: Optional[float] = None,
-                threads: Optional[int] = None, request_timeout: Optional[float] = 600.0):
+                threads: Optional[int] = None, request_timeout: Optional[float] = 600.0,
+                prefill_chunk: Optional[int] = 128, prefix_cache_bytes: int = 256 << 20):
     """A Ray Serve application serving `model` from `replicas` replicas, with the routes of
     ``candlewick serve``."""
     from ray import serve
@@ -35,7 +36,8 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
         runtime = ModelRuntime.load(model, device=device, threads=threads)
         server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
                         max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
-                        chat_template=chat_template, request_timeout=request_timeout)
+                        chat_template=chat_template, request_timeout=request_timeout,
+                        prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
         return build_app(server)
 
     options: dict[str, Any] = {"num_replicas": replicas}

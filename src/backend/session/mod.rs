@@ -1,5 +1,6 @@
 //! The candle session: a shared decoder, its own KV cache, position and kept edits.
 
+pub mod prefix_cache;
 pub mod snapshot;
 
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::host::to_host_f32;
 use crate::backend::kv_cache::{owned_copy, KvCache};
 use crate::backend::CandleBackend;
+pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use snapshot::SessionSnapshot;
 
 use crate::core::{
@@ -108,6 +110,16 @@ impl CandleSession {
     /// Bytes held by the KV cache.
     pub fn cache_bytes(&self) -> usize {
         self.cache.allocated_bytes()
+    }
+
+    /// Replaces what the session holds by `tokens` and their keys and values `held` (one
+    /// `[1, kv_heads, len, head_dim]` pair per layer, in buffers of the session's own), computed
+    /// with no edit: the prefix cache's restore. The caller checked that no edit is kept.
+    fn install_prefix(&mut self, tokens: Vec<u32>, held: Vec<Option<(Tensor, Tensor)>>) {
+        let n = tokens.len();
+        self.cache = KvCache::from_held(held, n, self.cache.max_context());
+        self.tokens = tokens;
+        self.reusable = n;
     }
 
     /// Validates `edits` against this model and readies them for its device.
