@@ -39,7 +39,12 @@ def run_candlewick(model, threads, lens, n_decode, python_loop):
 
     t = clock()
     # benches/device_check.sh measures the same thing on a GPU.
+    # The context is the model's unless the longest prompt needs more (as the peer's is sized).
+    need = max(lens) + n_decode + 8
     rt = cw.ModelRuntime.load(model, device=os.environ.get("CANDLEWICK_BENCH_DEVICE", "cpu"), threads=threads)
+    if rt.model_info["max_context"] < need:
+        rt = cw.ModelRuntime.load(model, device=os.environ.get("CANDLEWICK_BENCH_DEVICE", "cpu"), threads=threads,
+                                  max_context=need)
     load = clock() - t
     vocab = rt.model_info["vocab_size"]
     out = {"load_s": load, "runs": {}}
@@ -71,7 +76,10 @@ def run_llama(model, threads, lens, n_decode):
     from llama_cpp import Llama
 
     t = time.perf_counter()
-    llm = Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512,
+    # The context is sized to the longest prompt and its decoded tokens (llama.cpp allocates it
+    # whole at load), and no smaller than the 2,048 of earlier runs so short rows stay comparable.
+    n_ctx = max(2048, max(lens) + n_decode + 8)
+    llm = Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 verbose=False, logits_all=False)
     load = time.perf_counter() - t
     vocab = llm.n_vocab()

@@ -100,6 +100,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--lens", default="128,512")
+    ap.add_argument("--long", action="store_true",
+                    help="the long-prompt rows of issue 25: --lens 2048,8192,32768 (the peer's context sized to them)")
     ap.add_argument("--runtimes", default="candlewick,candlewick-py,llama.cpp")
     ap.add_argument("--peer-python", default=os.environ.get("BENCH_PYTHON", sys.executable),
                     help="interpreter with llama-cpp-python / transformers installed")
@@ -111,7 +113,7 @@ def main():
     ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
     args = ap.parse_args()
     models = args.model or [default_model()]
-    lens = [int(x) for x in args.lens.split(",")]
+    lens = [int(x) for x in ("2048,8192,32768" if args.long else args.lens).split(",")]
     runtimes = [r for r in args.runtimes.split(",") if r]
     pythons = {}
     for spec in args.candlewick_python:

@@ -10,6 +10,9 @@ use candle_core::Tensor;
 pub struct LayerKv {
     k: Option<Tensor>,
     v: Option<Tensor>,
+    /// Positions the session expects to hold (`KvCache::reserve`): the first allocation past
+    /// what is held takes this size at once rather than growing by doubling.
+    reserve: usize,
 }
 
 /// The whole model's cache and how many positions it holds.
@@ -23,7 +26,7 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for `n_layers` layers that never grows past `max_context` positions.
     pub fn new(n_layers: usize, max_context: usize) -> Self {
-        Self { layers: (0..n_layers).map(|_| LayerKv { k: None, v: None }).collect(), len: 0, max_context }
+        Self { layers: (0..n_layers).map(|_| LayerKv { k: None, v: None, reserve: 0 }).collect(), len: 0, max_context }
     }
 
     /// A copy that shares no buffer with this cache, holding exactly its positions.
@@ -52,8 +55,8 @@ impl KvCache {
         let layers = layers
             .into_iter()
             .map(|kv| match kv {
-                Some((k, v)) => LayerKv { k: Some(k), v: Some(v) },
-                None => LayerKv { k: None, v: None },
+                Some((k, v)) => LayerKv { k: Some(k), v: Some(v), reserve: 0 },
+                None => LayerKv { k: None, v: None, reserve: 0 },
             })
             .collect();
         Self { layers, len, max_context }
@@ -84,6 +87,18 @@ impl KvCache {
         &mut self.layers[i]
     }
 
+    /// Says the session will hold `total` positions (a prompt and the tokens to generate), so
+    /// that a layer that must grow allocates that much at once: a 4,000-token prompt then holds
+    /// a cache of its size, not of the next power of two, and is not copied at every doubling.
+    /// Never past `max_context`; a later append beyond it grows geometrically as before.
+    /// A smaller hint than one already given keeps the larger; `reset` forgets it.
+    pub fn reserve(&mut self, total: usize) {
+        let total = total.min(self.max_context);
+        for l in &mut self.layers {
+            l.reserve = l.reserve.max(total);
+        }
+    }
+
     /// Marks `n` more positions as held, after every layer appended them.
     pub fn advance(&mut self, n: usize) {
         self.len += n;
@@ -100,6 +115,7 @@ impl KvCache {
         for l in &mut self.layers {
             l.k = None;
             l.v = None;
+            l.reserve = 0;
         }
     }
 
@@ -128,8 +144,13 @@ impl LayerKv {
         let needed = pos + t;
         let capacity = self.k.as_ref().map(|k| k.dim(2)).transpose()?.unwrap_or(0);
         if needed > capacity {
-            // Grow geometrically so a long generation reallocates O(log n) times, never past max_context.
-            let new_cap = needed.max(capacity * 2).max(64).min(max_context.max(needed));
+            // To the reserved size when it covers this append; otherwise geometrically, so a long
+            // generation reallocates O(log n) times; never past max_context.
+            let new_cap = if self.reserve >= needed {
+                self.reserve
+            } else {
+                needed.max(capacity * 2).max(64).min(max_context.max(needed))
+            };
             self.k = Some(grow(self.k.take(), k, pos, new_cap)?);
             self.v = Some(grow(self.v.take(), v, pos, new_cap)?);
         }

@@ -146,6 +146,9 @@ pub trait BackendSession<B: BackendProvider> {
     /// (ids in the vocabulary, the context not exceeded): a caller that must rewind first
     /// validates before it touches the session.
     fn check_append(&self, at: usize, tokens: &[u32]) -> Result<(), B::Error>;
+    /// A hint that the session will soon hold `total` tokens (a prompt and the tokens to be
+    /// generated after it), so a cache can allocate once rather than grow; nothing else changes.
+    fn reserve(&mut self, _total: usize) {}
     /// Rewinds the cache to its first `n` tokens.
     fn truncate(&mut self, n: usize) -> Result<(), B::Error>;
     /// Empties the cache (and clears any earlier internal failure).

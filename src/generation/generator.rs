@@ -416,6 +416,9 @@ impl Generation {
         let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
         rt.session().check_append(common, &prompt[common..]).map_err(RuntimeError::Backend)?;
         rt.session_mut().truncate(common).map_err(RuntimeError::Backend)?;
+        // The cache is sized once for the prompt and the tokens asked for, up to 512 of them (a
+        // long or unlimited generation grows from there, so an idle limit reserves nothing big).
+        rt.session_mut().reserve(prompt.len().saturating_add(options.max_tokens.min(512)));
         Ok(PendingPrefill {
             tokenizer,
             prompt: prompt.to_vec(),

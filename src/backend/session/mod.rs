@@ -202,6 +202,7 @@ impl CandleSession {
             self.check_memory(operation, PREFILL_CHUNK, rows, kept)?;
         }
         let start = self.cache.len();
+        self.cache.reserve(start + tokens.len());
         let mut logits = Vec::new();
         for chunk in tokens.chunks(PREFILL_CHUNK) {
             match self.step(operation, chunk, rows, &mut NoHooks) {
@@ -352,6 +353,10 @@ impl BackendSession<CandleBackend> for CandleSession {
 
     fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    fn reserve(&mut self, total: usize) {
+        self.cache.reserve(total);
     }
 
     fn vocab_size(&self) -> usize {
