@@ -69,8 +69,11 @@ pub struct StepTables {
     pub rope: Option<(Tensor, Tensor)>,
     /// The first key any query of the step can see (0 unless a sliding window cuts earlier ones).
     pub key_start: usize,
-    /// Additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is masked.
-    pub mask: Option<Tensor>,
+    /// The step's first position, its rows, and the layer's sliding window.
+    pos: usize,
+    t: usize,
+    window: Option<usize>,
+    device: Device,
     /// Whether this step decodes generated tokens, one per sequence: its attention may read the
     /// cache with `kernels::attention` (prompts keep the batched products, so a prompt's last row
     /// is the same number whether it ran with the prompt or alone after a reused prefix).
@@ -89,25 +92,36 @@ impl StepTables {
         // Transformers' convention: a window of w keeps the query and the w - 1 keys before it,
         // so keys before the first query's window are never attended and are not even read.
         let key_start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let total = pos + t;
-        let keys = total - key_start;
-        let mask = if t == 1 {
-            None
-        } else {
-            let mut m = vec![0f32; t * keys];
-            for i in 0..t {
-                let q = pos + i;
-                for (j, cell) in m[i * keys..(i + 1) * keys].iter_mut().enumerate() {
-                    let k = key_start + j;
-                    if k > q || window.is_some_and(|w| q - k >= w) {
-                        *cell = f32::NEG_INFINITY;
-                    }
+        Ok(Self { rope, key_start, pos, t, window, device: device.clone(), decoding: false })
+    }
+
+    /// The additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is
+    /// masked; made only where the scores are materialised (the tiled kernel masks per tile).
+    pub fn mask(&self) -> candle_core::Result<Option<Tensor>> {
+        let (pos, t, key_start, window) = (self.pos, self.t, self.key_start, self.window);
+        if t == 1 {
+            return Ok(None);
+        }
+        let keys = pos + t - key_start;
+        let mut m = vec![0f32; t * keys];
+        for i in 0..t {
+            let q = pos + i;
+            for (j, cell) in m[i * keys..(i + 1) * keys].iter_mut().enumerate() {
+                let k = key_start + j;
+                if k > q || window.is_some_and(|w| q - k >= w) {
+                    *cell = f32::NEG_INFINITY;
                 }
             }
-            Some(Tensor::from_vec(m, (t, keys), device)?)
-        };
-        Ok(Self { rope, key_start, mask, decoding: false })
+        }
+        Ok(Some(Tensor::from_vec(m, (t, keys), &self.device)?))
     }
+}
+
+/// Whether prompt rows go through the tiled kernel (`CANDLEWICK_TILED_ATTENTION=0` forces the
+/// materialised scores, to compare the two).
+fn tiled_prompts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CANDLEWICK_TILED_ATTENTION").map_or(true, |v| v != "0"))
 }
 
 impl Attention {
@@ -195,16 +209,25 @@ impl Attention {
         let (k_all, v_all) =
             if start > 0 { (k_all.narrow(2, start, keys)?, v_all.narrow(2, start, keys)?) } else { (k_all, v_all) };
         let pattern_wanted = hooks.wants(Point::Layer(layer, LayerPoint::AttentionPattern));
-        if tables.decoding && t == 1 && !pattern_wanted && kernels::attention::takes(&q, &k_all, &v_all) {
-            let p = kernels::attention::Params {
-                heads: nh,
-                kv_heads: nkv,
-                head_dim: d,
-                scale: self.scale as f32,
-                softcap: self.softcap.map(|c| c as f32),
-            };
-            let heads = kernels::attention::decode(&q, &k_all, &v_all, p)?; // [1, nh, d]
-            return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
+        let p = kernels::attention::Params {
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: d,
+            scale: self.scale as f32,
+            softcap: self.softcap.map(|c| c as f32),
+        };
+        if !pattern_wanted && kernels::attention::takes(&q, &k_all, &v_all) {
+            if tables.decoding && t == 1 {
+                let heads = kernels::attention::decode(&q, &k_all, &v_all, p)?; // [1, nh, d]
+                return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
+            }
+            if !tables.decoding && tiled_prompts() {
+                // Every prompt row, however the prompt was cut into steps, goes through the same
+                // tiled kernel (key blocks at absolute positions), so a reused prefix changes nothing.
+                let span = kernels::attention::PromptSpan { offset: pos - start, first_key: start, window: tables.window };
+                let heads = kernels::attention::prompt(&q, &k_all, &v_all, span, p)?; // [t, nh, d]
+                return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
+            }
         }
         // A float16 cache under float32 products is widened for them (a prompt's products are
         // compute-bound, not memory-bound).
@@ -217,8 +240,8 @@ impl Attention {
         if let Some(cap) = self.softcap {
             scores = ((scores / cap)?.tanh()? * cap)?;
         }
-        if let Some(mask) = &tables.mask {
-            scores = scores.broadcast_add(mask)?;
+        if let Some(mask) = tables.mask()? {
+            scores = scores.broadcast_add(&mask)?;
         }
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         if pattern_wanted {

@@ -92,6 +92,176 @@ fn decode_with(q: &Tensor, k: &Tensor, v: &Tensor, p: Params, simd: bool) -> can
     Tensor::from_vec(out, (1, p.heads, d), k.device())
 }
 
+/// Keys per block of the prompt kernel: the block's keys and values are widened to float32 once
+/// (64 × 256 × 4 bytes each at most, in L2) and read by every query row of a tile.
+const KEY_BLOCK: usize = 64;
+/// Query rows per task of the prompt kernel: with a group of query heads per kv head, the
+/// running sums of a task are `QUERY_TILE × group × head_dim` float32.
+const QUERY_TILE: usize = 16;
+
+/// Where a prompt step's queries sit among the keys it attends.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptSpan {
+    /// The index, in the key views, of query row 0's own key (its position minus the first
+    /// key's); row `i` sees keys up to `offset + i`.
+    pub offset: usize,
+    /// The absolute position of key 0 in the views, so key blocks start at the same positions
+    /// however a prompt was cut into steps (a row's result does not depend on the cut).
+    pub first_key: usize,
+    /// A row sees only the `window` keys ending at its own (transformers' convention), if set.
+    pub window: Option<usize>,
+}
+
+/// Causal (and sliding-window) attention of prompt rows, tiled: `q` `[1, heads, t, d]` float32
+/// against the cache views `k`, `v` `[1, kv_heads, keys, d]` (float32 or float16, read in
+/// place), with an online softmax over blocks of keys, so no `t × keys` score matrix, mask or
+/// widened copy of the cache is ever made. Returns each row's heads, `[t, heads, d]`.
+pub fn prompt(q: &Tensor, k: &Tensor, v: &Tensor, span: PromptSpan, p: Params) -> candle_core::Result<Tensor> {
+    let d = p.head_dim;
+    let t = q.dim(2)?;
+    let keys = k.dim(2)?;
+    if q.dims() != [1, p.heads, t, d] || p.kv_heads == 0 || p.heads % p.kv_heads != 0 {
+        candle_core::bail!("prompt attention: queries {:?} for {} heads of {d}", q.dims(), p.heads)
+    }
+    if span.offset + t > keys {
+        candle_core::bail!("prompt attention: {t} rows from key {} past the {keys} keys held", span.offset)
+    }
+    let group = p.heads / p.kv_heads;
+    let q = q.contiguous()?.flatten_all()?.to_vec1::<f32>()?; // [heads, t, d]
+    let mut out = vec![0f32; t * p.heads * d];
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (k_head, v_head) = (kl.stride()[1], vl.stride()[1]);
+    let (k0, v0) = (kl.start_offset(), vl.start_offset());
+    let ptr = super::OutPtr(out.as_mut_ptr());
+    let tiles = t.div_ceil(QUERY_TILE);
+    let each_tile = |f: &(dyn Fn(usize, std::ops::Range<usize>, usize, usize) + Sync)| {
+        super::parallel_for(p.kv_heads * tiles, |task| {
+            let (h, tile) = (task / tiles, task % tiles);
+            let rows = tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(t);
+            f(h, rows, k0 + h * k_head, v0 + h * v_head)
+        })
+    };
+    let run = |h: usize, rows: std::ops::Range<usize>, kh: &dyn Fn(usize, &mut [f32]), vh: &dyn Fn(usize, &mut [f32])| {
+        #[allow(clippy::redundant_locals)]
+        let ptr = ptr;
+        let tile = PromptTile { q: &q, t, d, group, h, rows, span, p };
+        tile.run(kh, vh, |row, head, values| {
+            // SAFETY: each (row, head) is written by the one task that owns its row tile and kv head.
+            let o = unsafe { std::slice::from_raw_parts_mut(ptr.0.add((row * p.heads + head) * d), d) };
+            o.copy_from_slice(values);
+        });
+    };
+    match (&*ks, &*vs) {
+        (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => each_tile(&|h, rows, ko, vo| {
+            let key = |j: usize, dst: &mut [f32]| dst.copy_from_slice(&kd[ko + j * d..][..dst.len()]);
+            let value = |j: usize, dst: &mut [f32]| dst.copy_from_slice(&vd[vo + j * d..][..dst.len()]);
+            run(h, rows, &key, &value)
+        }),
+        (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => each_tile(&|h, rows, ko, vo| {
+            use half::slice::HalfFloatSliceExt;
+            let key = |j: usize, dst: &mut [f32]| kd[ko + j * d..][..dst.len()].convert_to_f32_slice(dst);
+            let value = |j: usize, dst: &mut [f32]| vd[vo + j * d..][..dst.len()].convert_to_f32_slice(dst);
+            run(h, rows, &key, &value)
+        }),
+        _ => candle_core::bail!("prompt attention expects a float32 or float16 CPU cache"),
+    }
+    drop((ks, vs));
+    Tensor::from_vec(out, (t, p.heads, d), k.device())
+}
+
+/// One task of `prompt`: a tile of query rows of one kv head's group of query heads.
+struct PromptTile<'a> {
+    /// All queries, `[heads, t, d]`.
+    q: &'a [f32],
+    t: usize,
+    d: usize,
+    group: usize,
+    /// The kv head.
+    h: usize,
+    rows: std::ops::Range<usize>,
+    span: PromptSpan,
+    p: Params,
+}
+
+impl PromptTile<'_> {
+    /// The keys row `i` sees, as indices into the views.
+    fn visible(&self, i: usize) -> std::ops::Range<usize> {
+        let own = self.span.offset + i;
+        let first_abs = self.span.window.map_or(0, |w| (self.span.first_key + own + 1).saturating_sub(w));
+        first_abs.saturating_sub(self.span.first_key)..own + 1
+    }
+
+    /// Runs the tile: `key(j, dst)` / `value(j, dst)` write `dst.len() / d` float32 rows from
+    /// key `j` on; `emit(row, head, out)` receives each finished output.
+    fn run(&self, key: &dyn Fn(usize, &mut [f32]), value: &dyn Fn(usize, &mut [f32]), emit: impl Fn(usize, usize, &[f32])) {
+        let (d, group, n_rows) = (self.d, self.group, self.rows.len());
+        let vectors = n_rows * group;
+        let lo = self.visible(self.rows.start).start;
+        let hi = self.visible(self.rows.end - 1).end;
+        let mut max = vec![f32::NEG_INFINITY; vectors];
+        let mut sum = vec![0f32; vectors];
+        let mut acc = vec![0f32; vectors * d];
+        let mut kb = vec![0f32; KEY_BLOCK * d];
+        let mut vb = vec![0f32; KEY_BLOCK * d];
+        let mut scores = vec![0f32; KEY_BLOCK];
+        // Blocks start at absolute multiples of KEY_BLOCK, whatever the views' first key.
+        let first = self.span.first_key;
+        let mut start = lo;
+        while start < hi {
+            let end = hi.min(((first + start) / KEY_BLOCK + 1) * KEY_BLOCK - first);
+            let n = end - start;
+            key(start, &mut kb[..n * d]);
+            value(start, &mut vb[..n * d]);
+            for (r, row) in self.rows.clone().enumerate() {
+                let seen = self.visible(row);
+                let (a, b) = (seen.start.max(start), seen.end.min(end));
+                if a >= b {
+                    continue;
+                }
+                for g in 0..group {
+                    let head = self.h * group + g;
+                    let qv = &self.q[(head * self.t + row) * d..][..d];
+                    let slot = r * group + g;
+                    let s = &mut scores[..b - a];
+                    let mut block_max = f32::NEG_INFINITY;
+                    for (j, sj) in (a..b).zip(s.iter_mut()) {
+                        let mut x = dot(qv, &kb[(j - start) * d..][..d]) * self.p.scale;
+                        if let Some(cap) = self.p.softcap {
+                            x = cap * (x / cap).tanh();
+                        }
+                        *sj = x;
+                        block_max = block_max.max(x);
+                    }
+                    let new_max = max[slot].max(block_max);
+                    let correction = (max[slot] - new_max).exp();
+                    max[slot] = new_max;
+                    let out = &mut acc[slot * d..][..d];
+                    if correction != 1.0 {
+                        sum[slot] *= correction;
+                        out.iter_mut().for_each(|o| *o *= correction);
+                    }
+                    for (j, &sj) in (a..b).zip(s.iter()) {
+                        let w = (sj - new_max).exp();
+                        sum[slot] += w;
+                        axpy(out, w, &vb[(j - start) * d..][..d]);
+                    }
+                }
+            }
+            start = end;
+        }
+        for (r, row) in self.rows.clone().enumerate() {
+            for g in 0..group {
+                let slot = r * group + g;
+                let inv = 1.0 / sum[slot];
+                let out = &mut acc[slot * d..][..d];
+                out.iter_mut().for_each(|o| *o *= inv);
+                emit(row, self.h * group + g, out);
+            }
+        }
+    }
+}
+
 /// A cache element the portable code widens one at a time.
 trait Element: Copy {
     fn widen(self) -> f32;
@@ -235,6 +405,57 @@ mod x86 {
 mod tests {
     use super::*;
     use candle_core::{Device, D};
+
+    /// The tiled prompt kernel equals materialised scores under the causal and sliding-window
+    /// masks within 1e-5 relative L2: several query tiles and key blocks, the views starting at
+    /// a key that is not a block boundary, float32 and float16 caches, with and without softcap.
+    #[test]
+    fn tiled_prompt_attention_equals_masked_softmax() {
+        let dev = Device::Cpu;
+        let (heads, kv_heads, d) = (4, 2, 16);
+        for (dtype, window, first_key, held, t) in [
+            (DType::F32, None, 0, 0, 37),
+            (DType::F16, None, 0, 150, 40),
+            (DType::F32, Some(50), 101, 90, 33),
+            (DType::F16, Some(7), 13, 6, 70),
+            (DType::F32, Some(500), 0, 0, 130),
+        ] {
+            let keys = held + t;
+            let cap = keys + 5;
+            let k_buf = Tensor::randn(0f32, 1.0, (1, kv_heads, cap, d), &dev).unwrap().to_dtype(dtype).unwrap();
+            let v_buf = Tensor::randn(0f32, 1.0, (1, kv_heads, cap, d), &dev).unwrap().to_dtype(dtype).unwrap();
+            let (k, v) = (k_buf.narrow(2, 2, keys).unwrap(), v_buf.narrow(2, 2, keys).unwrap());
+            let q = Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev).unwrap();
+            for softcap in [None, Some(3.0f32)] {
+                let p = Params { heads, kv_heads, head_dim: d, scale: 0.3, softcap };
+                let span = PromptSpan { offset: held, first_key, window };
+                let got = prompt(&q, &k, &v, span, p).unwrap(); // [t, heads, d]
+                let (kf, vf) = (k.to_dtype(DType::F32).unwrap(), v.to_dtype(DType::F32).unwrap());
+                let qg = q.reshape((1, kv_heads, heads / kv_heads * t, d)).unwrap();
+                let mut s = (qg.matmul(&kf.t().unwrap()).unwrap() * 0.3).unwrap();
+                if let Some(c) = softcap {
+                    s = ((s / c as f64).unwrap().tanh().unwrap() * c as f64).unwrap();
+                }
+                let mut mask = vec![0f32; t * keys];
+                for i in 0..t {
+                    for j in 0..keys {
+                        let (qa, ka) = (first_key + held + i, first_key + j);
+                        if ka > qa || window.is_some_and(|w| qa - ka >= w) {
+                            mask[i * keys + j] = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                let mask = Tensor::from_vec(mask, (t, keys), &dev).unwrap();
+                let s = s.reshape((1, heads, t, keys)).unwrap().broadcast_add(&mask).unwrap();
+                let probs = candle_nn::ops::softmax(&s, D::Minus1).unwrap().reshape((1, kv_heads, heads / kv_heads * t, keys)).unwrap();
+                let want = probs.matmul(&vf.contiguous().unwrap()).unwrap().reshape((heads, t, d)).unwrap();
+                let want = want.transpose(0, 1).unwrap();
+                let err = (&got - &want).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt()
+                    / want.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
+                assert!(err < 1e-5, "{dtype:?} window {window:?} first {first_key} held {held} t {t} softcap {softcap:?}: rel L2 {err}");
+            }
+        }
+    }
 
     /// Equals candle's grouped matmul / softmax / matmul on a cache view narrowed from a larger
     /// buffer (as the session's cache is), with and without a softcap, for a float32 and a
