@@ -150,6 +150,7 @@ class Engine:
         grammar: str | None = None,
         regex: str | None = None,
         choice: Sequence[str] | None = None,
+        prompt_lookup_num_tokens: int | None = None,
     ) -> EngineRequest: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -432,6 +433,7 @@ class ModelRuntime:
         grammar: str | None = None,
         regex: str | None = None,
         choice: Sequence[str] | None = None,
+        prompt_lookup_num_tokens: int | None = None,
     ) -> list[GenerationResult]: ...
     def fork(self) -> ModelRuntime: ...
     def unembed(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
@@ -471,6 +473,7 @@ class ModelRuntime:
         grammar: str | None = None,
         regex: str | None = None,
         choice: Sequence[str] | None = None,
+        prompt_lookup_num_tokens: int | None = None,
     ) -> GenerationResult: ...
     @overload
     def generate(
@@ -496,6 +499,7 @@ class ModelRuntime:
         grammar: str | None = None,
         regex: str | None = None,
         choice: Sequence[str] | None = None,
+        prompt_lookup_num_tokens: int | None = None,
     ) -> GenerationStream: ...
     def stream(
         self,
@@ -519,6 +523,7 @@ class ModelRuntime:
         grammar: str | None = None,
         regex: str | None = None,
         choice: Sequence[str] | None = None,
+        prompt_lookup_num_tokens: int | None = None,
     ) -> GenerationStream: ...
     @overload
     def chat(
@@ -549,6 +554,7 @@ class ModelRuntime:
         grammar: str | None = None,
         regex: str | None = None,
         choice: Sequence[str] | None = None,
+        prompt_lookup_num_tokens: int | None = None,
     ) -> GenerationResult: ...
     @overload
     def chat(
@@ -579,4 +585,5 @@ class ModelRuntime:
         grammar: str | None = None,
         regex: str | None = None,
         choice: Sequence[str] | None = None,
+        prompt_lookup_num_tokens: int | None = None,
     ) -> GenerationStream: ...

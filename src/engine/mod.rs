@@ -240,6 +240,11 @@ impl Engine {
         options
             .validate(self.vocab_size)
             .map_err(|why| EngineError::Model(ModelError::Generation(GenerationError::InvalidOptions(why))))?;
+        if options.prompt_lookup > 0 {
+            return Err(EngineError::Model(ModelError::Generation(GenerationError::InvalidOptions(
+                "prompt_lookup_num_tokens is not supported by the engine (its steps carry one token per request)".into(),
+            ))));
+        }
         if prompt.is_empty() {
             return Err(refused(CandleError::InvalidInput {
                 operation: "submit",

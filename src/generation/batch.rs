@@ -21,6 +21,13 @@ where
     B: BackendProvider,
     B::Session: BatchSession<B>,
 {
+    if options.iter().any(|o| o.prompt_lookup > 0) {
+        // Batched steps carry one token per sequence; a draft would need rows of its own.
+        return Err(GenerationError::InvalidOptions(
+            "prompt_lookup_num_tokens is not supported by batched generation (generate_batch); use generate or stream"
+                .into(),
+        ));
+    }
     if runtimes.len() != prompts.len() || prompts.len() != options.len() {
         return Err(GenerationError::InvalidOptions("one runtime and one set of options per prompt".into()));
     }

@@ -85,6 +85,9 @@ pub struct GenerateOptions {
     pub skip_special_tokens: bool,
     /// What the output must match (a JSON schema, a grammar, ...); `None` leaves it free.
     pub constraint: Option<ConstraintSpec>,
+    /// Prompt-lookup speculation: up to this many draft tokens copied from earlier in the
+    /// context are checked with each generated token in one step (`speculative`); 0: off.
+    pub prompt_lookup: usize,
 }
 
 /// The default number of tokens to generate (a macro, not a constant, so that the Python
@@ -114,6 +117,7 @@ impl Default for GenerateOptions {
             logprobs: None,
             skip_special_tokens: true,
             constraint: None,
+            prompt_lookup: 0,
         }
     }
 }
@@ -125,6 +129,13 @@ impl GenerateOptions {
         self.sampling.validate()?;
         if let Some(&(id, _)) = self.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab_size) {
             return Err(format!("logit_bias names token {id}, outside the vocabulary of {vocab_size}"));
+        }
+        if self.prompt_lookup > super::speculative::MAX_DRAFT {
+            return Err(format!(
+                "prompt_lookup_num_tokens must be at most {}, got {}",
+                super::speculative::MAX_DRAFT,
+                self.prompt_lookup
+            ));
         }
         Ok(())
     }
@@ -154,6 +165,10 @@ pub struct Usage {
     pub constraint_seconds_p99: f64,
     /// With an output constraint: the tokens whose first pick it rejected (a mask computed).
     pub constraint_masks: usize,
+    /// With prompt lookup: draft tokens checked.
+    pub draft_tokens: usize,
+    /// With prompt lookup: draft tokens the model confirmed (each saved a step).
+    pub accepted_draft_tokens: usize,
 }
 
 impl Usage {
@@ -271,6 +286,8 @@ pub struct Generation {
     constraint: Option<Constraint>,
     /// Seconds the constraint took at each token.
     constraint_times: Vec<f32>,
+    /// Draft tokens per step from prompt lookup (0: off).
+    prompt_lookup: usize,
 }
 
 /// The last row of a step's logits on the host, refusing NaN or infinite values.
@@ -363,6 +380,7 @@ impl PendingPrefill {
             epoch: rt.epoch(),
             constraint: self.constraint.take(),
             constraint_times: Vec::new(),
+            prompt_lookup: options.prompt_lookup,
         }))
     }
 }
@@ -455,9 +473,16 @@ impl Generation {
             return Err(GenerationError::SessionChanged);
         }
         let session = rt.session();
-        match self.advance(session.position(), session.max_context())? {
+        let (position, max_context) = (session.position(), session.max_context());
+        match self.advance(position, max_context)? {
             Advance::Done(text) => Ok(text),
             Advance::Feed(token) => {
+                // The context now ends with `token`; room is left for it and every draft token.
+                let room = max_context.saturating_sub(position + 1);
+                let draft = super::speculative::prompt_lookup(&self.context, self.prompt_lookup.min(room)).to_vec();
+                if !draft.is_empty() {
+                    return self.speculate(rt, token, draft);
+                }
                 let t = Instant::now();
                 let out = rt.decode(vec![token].into())?.wait().map_err(RuntimeError::Backend)?;
                 self.epoch = rt.epoch();
@@ -466,6 +491,69 @@ impl Generation {
                 Ok(self.take_safe())
             }
         }
+    }
+
+    /// Feeds `token` and the `draft` after it in one step, then samples on along the rows of
+    /// logits while each sample equals the draft token already fed; the first that differs is
+    /// fed alone. The session ends holding exactly the tokens a plain run would have fed.
+    fn speculate<B: BackendProvider>(
+        &mut self,
+        rt: &mut ModelRuntime<B>,
+        token: u32,
+        draft: Vec<u32>,
+    ) -> Result<String, GenerationError<B::Error>> {
+        let t = Instant::now();
+        let start = rt.session().position();
+        let max_context = rt.session().max_context();
+        let mut fed = Vec::with_capacity(1 + draft.len());
+        fed.push(token);
+        fed.extend(&draft);
+        // A decode of several tokens yields every row's logits.
+        let out = rt.decode(fed.into())?.wait().map_err(RuntimeError::Backend)?;
+        self.epoch = rt.epoch();
+        let host = rt.session().logits_to_host(&out).map_err(RuntimeError::Backend)?;
+        let row = |i: usize| -> Result<Vec<f32>, GenerationError<B::Error>> {
+            let r = host.data[i * host.vocab..(i + 1) * host.vocab].to_vec();
+            if r.iter().any(|l| !l.is_finite()) {
+                return Err(GenerationError::NonFiniteLogits { position: start + i });
+            }
+            Ok(r)
+        };
+        self.usage.draft_tokens += draft.len();
+        self.logits = row(0)?;
+        let mut text = self.take_safe();
+        // Tokens of this step the session keeps: `token`, then each confirmed draft token.
+        let mut kept = 1;
+        for (i, &d) in draft.iter().enumerate() {
+            match self.advance(start + kept, max_context)? {
+                Advance::Done(end) => {
+                    text.push_str(&end);
+                    break;
+                }
+                Advance::Feed(s) if s == d => {
+                    kept += 1;
+                    self.usage.accepted_draft_tokens += 1;
+                    self.logits = row(i + 1)?;
+                    text.push_str(&self.take_safe());
+                }
+                Advance::Feed(s) => {
+                    // The guess was wrong from here: drop it and feed the sampled token alone.
+                    rt.session_mut().truncate(start + kept).map_err(RuntimeError::Backend)?;
+                    let out = rt.decode(vec![s].into())?.wait().map_err(RuntimeError::Backend)?;
+                    self.epoch = rt.epoch();
+                    self.logits = last_row(rt, &out)?;
+                    text.push_str(&self.take_safe());
+                    self.usage.decode_seconds += t.elapsed().as_secs_f64();
+                    return Ok(text);
+                }
+            }
+        }
+        if rt.session().position() > start + kept {
+            rt.session_mut().truncate(start + kept).map_err(RuntimeError::Backend)?;
+            self.epoch = rt.epoch();
+        }
+        self.usage.decode_seconds += t.elapsed().as_secs_f64();
+        Ok(text)
     }
 
     /// Samples the next token from the pending logits: either the token to feed back (the caller

@@ -4,6 +4,7 @@ pub mod batch;
 pub mod constraint;
 pub mod generator;
 pub mod sampling;
+pub mod speculative;
 pub mod stopping;
 
 pub use batch::{generate_batch, step_together};

@@ -95,6 +95,8 @@ pub struct SamplingArgs<'py> {
     pub regex: Option<String>,
     /// Strings, one of which is the output.
     pub choice: Option<Vec<String>>,
+    /// Draft tokens per step from prompt lookup (n-gram speculation); `None` or 0: off.
+    pub prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
 }
 
 impl SamplingArgs<'_> {
@@ -158,6 +160,9 @@ impl SamplingArgs<'_> {
         }
         o.skip_special_tokens = self.skip_special_tokens;
         o.constraint = self.constraint()?;
+        if let Some(v) = self.prompt_lookup_num_tokens.as_ref().filter(|v| !v.is_none()) {
+            o.prompt_lookup = count("prompt_lookup_num_tokens", v)?;
+        }
         o.sampling.validate().map_err(GenerationOptionError::new_err)?;
         Ok(o)
     }
@@ -312,6 +317,10 @@ pub fn to_result(py: Python<'_>, r: GenerationResult) -> PyResult<PyGenerationRe
         d.set_item("constraint_seconds_p50", u.constraint_seconds_p50)?;
         d.set_item("constraint_seconds_p99", u.constraint_seconds_p99)?;
         d.set_item("constraint_masks", u.constraint_masks)?;
+    }
+    if u.draft_tokens > 0 {
+        d.set_item("draft_tokens", u.draft_tokens)?;
+        d.set_item("accepted_draft_tokens", u.accepted_draft_tokens)?;
     }
     let logprobs = r.logprobs.map(|steps| logprobs_to_py(py, steps)).transpose()?;
     Ok(PyGenerationResult {

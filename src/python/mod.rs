@@ -10,7 +10,7 @@ macro_rules! sampling_signature {
             ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
             "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
             "ignore_eos=False, logprobs=None, skip_special_tokens=True, response_format=None, grammar=None, ",
-            "regex=None, choice=None"
+            "regex=None, choice=None, prompt_lookup_num_tokens=None"
         )
     };
 }
@@ -44,7 +44,11 @@ macro_rules! sampling_args_doc {
             "    regex (str | None): a regular expression the whole output matches.\n",
             "    choice (list[str] | None): the output is exactly one of these strings.\n",
             "        One constraint at most; an unsatisfiable or unsupported one raises\n",
-            "        ``GenerationOptionError`` naming it, before any step."
+            "        ``GenerationOptionError`` naming it, before any step.\n",
+            "    prompt_lookup_num_tokens (int | None): speculative decoding by prompt lookup: up to\n",
+            "        this many tokens that followed the context's last n-gram earlier in it are checked\n",
+            "        with each token in one step; output and sampling distribution are unchanged\n",
+            "        (``generate``, ``stream`` and ``chat``; 0 or None: off)."
         )
     };
 }

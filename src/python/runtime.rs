@@ -632,7 +632,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None))]
+        choice=None, prompt_lookup_num_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch<'py>(
         &self,
@@ -656,6 +656,7 @@ impl PyModelRuntime {
         grammar: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
+        prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Vec<PyGenerationResult>> {
         let args = SamplingArgs {
             max_tokens,
@@ -676,6 +677,7 @@ impl PyModelRuntime {
             grammar,
             regex,
             choice,
+            prompt_lookup_num_tokens,
         };
         let opts = args.options(self.lock(py)?.defaults())?;
         let prompts = prompts
@@ -816,7 +818,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
         top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None))]
+        choice=None, prompt_lookup_num_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         slf: &Bound<'py, Self>,
@@ -840,6 +842,7 @@ impl PyModelRuntime {
         grammar: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
+        prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -860,6 +863,7 @@ impl PyModelRuntime {
             grammar,
             regex,
             choice,
+            prompt_lookup_num_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -887,7 +891,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None))]
+        choice=None, prompt_lookup_num_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn stream<'py>(
         slf: &Bound<'py, Self>,
@@ -910,6 +914,7 @@ impl PyModelRuntime {
         grammar: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
+        prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyGenerationStream> {
         let args = SamplingArgs {
             max_tokens,
@@ -930,6 +935,7 @@ impl PyModelRuntime {
             grammar,
             regex,
             choice,
+            prompt_lookup_num_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -971,7 +977,7 @@ impl PyModelRuntime {
         tool_choice=None, parallel_tool_calls=true, tool_call_format=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
         logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None))]
+        choice=None, prompt_lookup_num_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat<'py>(
         slf: &Bound<'py, Self>,
@@ -1000,6 +1006,7 @@ impl PyModelRuntime {
         grammar: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
+        prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -1020,6 +1027,7 @@ impl PyModelRuntime {
             grammar,
             regex,
             choice,
+            prompt_lookup_num_tokens,
         };
         let py = slf.py();
         let mut opts = args.options(slf.get().lock(py)?.defaults())?;

@@ -221,7 +221,7 @@ impl Attention {
                 let heads = kernels::attention::decode(&q, &k_all, &v_all, p)?; // [1, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
             }
-            if !tables.decoding && tiled_prompts() {
+            if tiled_prompts() {
                 // Every prompt row, however the prompt was cut into steps, goes through the same
                 // tiled kernel (key blocks at absolute positions), so a reused prefix changes nothing.
                 let span = kernels::attention::PromptSpan { offset: pos - start, first_key: start, window: tables.window };
