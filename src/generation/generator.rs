@@ -288,6 +288,8 @@ pub struct Generation {
     constraint_times: Vec<f32>,
     /// Draft tokens per step from prompt lookup (0: off).
     prompt_lookup: usize,
+    /// A sampled token not yet fed: the one that refuted a draft, fed with the next draft.
+    pending: Option<u32>,
 }
 
 /// The last row of a step's logits on the host, refusing NaN or infinite values.
@@ -381,6 +383,7 @@ impl PendingPrefill {
             constraint: self.constraint.take(),
             constraint_times: Vec::new(),
             prompt_lookup: options.prompt_lookup,
+            pending: None,
         }))
     }
 }
@@ -469,12 +472,18 @@ impl Generation {
         // The epoch catches every change by someone else, even one that leaves the same tokens
         // (a rewind and a re-prefill under other edits, a restore); the tokens, a runtime that
         // was driven step by step through `advance` instead.
-        if rt.epoch() != self.epoch || rt.session().tokens() != self.context.as_slice() {
+        // A pending token is in the context but not yet in the session.
+        let fed = &self.context[..self.context.len() - usize::from(self.pending.is_some())];
+        if rt.epoch() != self.epoch || rt.session().tokens() != fed {
             return Err(GenerationError::SessionChanged);
         }
         let session = rt.session();
         let (position, max_context) = (session.position(), session.max_context());
-        match self.advance(position, max_context)? {
+        let next = match self.pending.take() {
+            Some(token) => Advance::Feed(token),
+            None => self.advance(position, max_context)?,
+        };
+        match next {
             Advance::Done(text) => Ok(text),
             Advance::Feed(token) => {
                 // The context now ends with `token`; room is left for it and every draft token.
@@ -537,12 +546,11 @@ impl Generation {
                     text.push_str(&self.take_safe());
                 }
                 Advance::Feed(s) => {
-                    // The guess was wrong from here: drop it and feed the sampled token alone.
+                    // The guess was wrong from here: drop it; the sampled token is fed at the
+                    // next step, with that step's draft (a step saved on every miss).
                     rt.session_mut().truncate(start + kept).map_err(RuntimeError::Backend)?;
-                    let out = rt.decode(vec![s].into())?.wait().map_err(RuntimeError::Backend)?;
                     self.epoch = rt.epoch();
-                    self.logits = last_row(rt, &out)?;
-                    text.push_str(&self.take_safe());
+                    self.pending = Some(s);
                     self.usage.decode_seconds += t.elapsed().as_secs_f64();
                     return Ok(text);
                 }
