@@ -221,6 +221,20 @@ impl Attention {
                 let heads = kernels::attention::decode(&q, &k_all, &v_all, p)?; // [1, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
             }
+            if tables.decoding {
+                // Several generated tokens in one step (a speculative draft being checked): each
+                // row attends exactly as it would decoded alone (its own window, the decode
+                // kernel's sums), so a confirmed draft token's logits are those of a plain run.
+                let mut rows = Vec::with_capacity(t);
+                for i in 0..t {
+                    let end = pos + i + 1;
+                    let first = tables.window.map_or(0, |w| end.saturating_sub(w)).max(start);
+                    let (k_i, v_i) = (k_all.narrow(2, first - start, end - first)?, v_all.narrow(2, first - start, end - first)?);
+                    rows.push(kernels::attention::decode(&q.narrow(2, i, 1)?, &k_i, &v_i, p)?);
+                }
+                let heads = Tensor::cat(&rows, 0)?; // [t, nh, d]
+                return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
+            }
             if tiled_prompts() {
                 // Every prompt row, however the prompt was cut into steps, goes through the same
                 // tiled kernel (key blocks at absolute positions), so a reused prefix changes nothing.
