@@ -120,6 +120,8 @@ pub fn parse_config(
         final_softcap: md.opt_f64(&key("final_logit_softcapping"))?,
         eos_token_ids: md.token_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
         bos_token_id: md.token_id("tokenizer.ggml.bos_token_id")?,
+        moe: None,
+        attn_sinks: false,
     };
     // Errors name llama.cpp's keys, not transformers' names of the same quantities.
     let field = |name: &str| -> String {

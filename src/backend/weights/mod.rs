@@ -65,15 +65,26 @@ impl<'a> WeightLoader<'a> {
 
     /// `name` quantized for `role` when quantization was asked for and its rows fit a block type.
     fn quantized(&self, name: &str, role: WeightRole) -> Result<Option<candle_core::quantized::QTensor>> {
-        let Some((base, report)) = &self.quantize else { return Ok(None) };
         let cols = self.source.shape(name).and_then(|s| s.last().copied()).unwrap_or(0);
+        self.quantized_from(name, role, cols, || self.source.dense(name, DType::F32, self.device))
+    }
+
+    /// `quantized` for a tensor `load` gives (read only when it is to be quantized).
+    fn quantized_from(
+        &self,
+        name: &str,
+        role: WeightRole,
+        cols: usize,
+        load: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Option<candle_core::quantized::QTensor>> {
+        let Some((base, report)) = &self.quantize else { return Ok(None) };
         let decision = quantize::decide(*base, role, cols);
         let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
         if let quantize::Decision::Dense { reason } = decision {
             report.dense.insert(name.to_owned(), reason);
             return Ok(None);
         }
-        let dense = self.source.dense(name, DType::F32, self.device)?;
+        let dense = load()?;
         quantize::apply(name, &dense, decision, self.device, &mut report)
     }
 
@@ -134,6 +145,24 @@ impl<'a> WeightLoader<'a> {
     /// The `[vocab, hidden]` output projection (untied), quantized as `matmul`, with llama.cpp's output type.
     pub fn output(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<Weight> {
         self.matmul_as(name, out_dim, in_dim, WeightRole::Output)
+    }
+
+    /// A `[out, in]` projection weight cut from a larger tensor (one expert of a fused 3-D
+    /// checkpoint tensor; `name` names the piece in errors and reports), quantized where
+    /// quantization at load asks, like `matmul`.
+    pub fn matmul_from(&self, name: &str, t: Tensor) -> Result<Weight> {
+        let cols = t.dims().last().copied().unwrap_or(0);
+        let to_f32 = || t.to_dtype(DType::F32).and_then(|x| x.contiguous()).ctx(|| format!("reading `{name}`"));
+        match self.quantized_from(name, WeightRole::Projection, cols, to_f32)? {
+            Some(q) => {
+                let q = requant::fast_encoding(q, self.device).ctx(|| format!("re-encoding `{name}`"))?;
+                Weight::prepare(q, self.device).ctx(|| format!("preparing matmul weight `{name}`"))
+            }
+            None => {
+                let t = convert(t, name, self.dtype)?.contiguous().ctx(|| format!("laying out `{name}`"))?;
+                Ok(Weight::Candle(QMatMul::Tensor(t)))
+            }
+        }
     }
 
     fn matmul_as(&self, name: &str, out_dim: usize, in_dim: usize, role: WeightRole) -> Result<Weight> {
