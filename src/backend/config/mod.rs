@@ -90,7 +90,10 @@ impl Architecture {
             Self::Gemma3 => Some("gemma3"),
             Self::Phi3 => Some("phi3"),
             Self::Gemma2 | Self::Olmo2 | Self::SmolLm3 | Self::Granite | Self::GptNeoX | Self::Gpt2 => None,
-            Self::Qwen3Moe | Self::Mixtral | Self::Olmoe | Self::GraniteMoe | Self::GptOss => None,
+            Self::Qwen3Moe => Some("qwen3moe"),
+            // llama.cpp's converter writes Mixtral as `llama` with `llama.expert_count`.
+            Self::Mixtral => Some("llama"),
+            Self::Olmoe | Self::GraniteMoe | Self::GptOss => None,
         }
     }
 

@@ -132,7 +132,7 @@ impl Moe {
         Ok(out)
     }
 
-    /// Loads layer `layer`'s router and experts from a Hugging Face checkpoint.
+    /// Loads layer `layer`'s router and experts from a Hugging Face or GGUF checkpoint.
     pub fn load(
         w: &WeightLoader<'_>,
         arch: Architecture,
@@ -150,9 +150,45 @@ impl Moe {
             Ok(Linear::new(weight, bias))
         };
         let mlp = |gate_up: GateUp, down: Linear| Mlp { gate_up, down, activation, glu: moe.glu };
-        let (router, experts) = match arch {
+        let (router, experts) = match (naming, arch) {
+            // llama.cpp's names: the router `ffn_gate_inp`, each projection of every expert in one
+            // 3-D `ffn_{gate,up,down}_exps` tensor, whose expert slices load as their own weights.
+            (Naming::Gguf, _) => {
+                let p = format!("blk.{layer}");
+                let router = linear(format!("{p}.ffn_gate_inp"), e_count, hidden, moe.router_bias)?;
+                let bias = |part: &str, width: usize| -> Result<Option<Tensor>> {
+                    if !moe.expert_bias {
+                        return Ok(None);
+                    }
+                    let name = format!("{p}.ffn_{part}_exps.bias");
+                    Ok(Some(w.dense_f32(&name, &[e_count, width])?))
+                };
+                let (gate_b, up_b, down_b) = (bias("gate", inter)?, bias("up", inter)?, bias("down", hidden)?);
+                let experts = (0..e_count)
+                    .map(|e| {
+                        let piece = |part: &str, out: usize, inp: usize, b: &Option<Tensor>| -> Result<Linear> {
+                            let name = format!("{p}.ffn_{part}_exps");
+                            let weight = w.expert_matmul(&format!("{name}.weight"), e, e_count, out, inp)?;
+                            let bias = b
+                                .as_ref()
+                                .map(|b| b.get(e))
+                                .transpose()
+                                .ctx(|| format!("expert {e} of `{name}.bias`"))?;
+                            Ok(Linear::new(weight, bias))
+                        };
+                        Ok(mlp(
+                            GateUp::Separate {
+                                gate: piece("gate", inter, hidden, &gate_b)?,
+                                up: piece("up", inter, hidden, &up_b)?,
+                            },
+                            piece("down", hidden, inter, &down_b)?,
+                        ))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                (router, experts)
+            }
             // Per-expert tensors: gate, up, down of each expert under `experts.{e}`.
-            Architecture::Qwen3Moe | Architecture::Olmoe | Architecture::Mixtral => {
+            (_, Architecture::Qwen3Moe | Architecture::Olmoe | Architecture::Mixtral) => {
                 let (block, gate, up, down) = match arch {
                     Architecture::Mixtral => ("block_sparse_moe", "w1", "w3", "w2"),
                     _ => ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -174,7 +210,7 @@ impl Moe {
             }
             // Granite MoE: `input_linear` [experts, 2·inter, hidden] (gate rows, then up rows) and
             // `output_linear` [experts, hidden, inter], both in the [out, in] layout.
-            Architecture::GraniteMoe => {
+            (_, Architecture::GraniteMoe) => {
                 let p = format!("{stem}.block_sparse_moe");
                 let router = linear(format!("{p}.router.layer"), e_count, hidden, false)?;
                 let (gu_name, down_name) = (format!("{p}.input_linear.weight"), format!("{p}.output_linear.weight"));
@@ -193,7 +229,7 @@ impl Moe {
             }
             // gpt-oss: `gate_up_proj` [experts, hidden, 2·inter] in the [in, out] layout with gate
             // and up interleaved column by column, `down_proj` [experts, inter, hidden], and biases.
-            Architecture::GptOss => {
+            (_, Architecture::GptOss) => {
                 let p = format!("{stem}.mlp");
                 let router = linear(format!("{p}.router"), e_count, hidden, moe.router_bias)?;
                 let names = ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
@@ -223,7 +259,7 @@ impl Moe {
                     .collect::<Result<Vec<_>>>()?;
                 (router, experts)
             }
-            other => {
+            (_, other) => {
                 return Err(crate::backend::error::CandleError::UnsupportedConfig {
                     what: format!("a mixture of experts in {} checkpoints", other.name()),
                 })

@@ -31,6 +31,16 @@ pub trait WeightSource: Send + Sync {
     fn matmul(&self, name: &str, dtype: DType, device: &Device) -> Result<Weight> {
         Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?)))
     }
+    /// Expert `expert` of a 3-D `[experts, out, in]` tensor (GGUF's `ffn_*_exps`) as an
+    /// `[out, in]` matmul weight; formats that store quantized blocks keep that expert's blocks.
+    fn expert_matmul(&self, name: &str, expert: usize, dtype: DType, device: &Device) -> Result<Weight> {
+        let one = self
+            .dense(name, dtype, device)?
+            .get(expert)
+            .and_then(|t| t.contiguous())
+            .ctx(|| format!("expert {expert} of `{name}`"))?;
+        Ok(Weight::Candle(QMatMul::Tensor(one)))
+    }
     /// Loads `name` as an embedding table; formats that store quantized blocks keep them quantized.
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
         Ok(Embedding::Dense(self.dense(name, dtype, device)?))
@@ -163,6 +173,28 @@ impl<'a> WeightLoader<'a> {
                 Ok(Weight::Candle(QMatMul::Tensor(t)))
             }
         }
+    }
+
+    /// Expert `expert` of a `[experts, out_dim, in_dim]` tensor as an `[out_dim, in_dim]` projection
+    /// weight, quantized where the checkpoint is or quantization at load asks.
+    pub fn expert_matmul(
+        &self,
+        name: &str,
+        expert: usize,
+        experts: usize,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<Weight> {
+        self.check(name, &[experts, out_dim, in_dim])?;
+        if self.quantize.is_some() {
+            let one = self
+                .source
+                .dense(name, DType::F32, self.device)?
+                .get(expert)
+                .ctx(|| format!("expert {expert} of `{name}`"))?;
+            return self.matmul_from(&format!("{name}[{expert}]"), one);
+        }
+        self.source.expert_matmul(name, expert, self.dtype, self.device)
     }
 
     fn matmul_as(&self, name: &str, out_dim: usize, in_dim: usize, role: WeightRole) -> Result<Weight> {
