@@ -219,6 +219,17 @@ def test_forcing_and_ablating_experts_matches_a_float64_recomputation(case):
     assert rel_l2(out.output.logits, rt.trace(ids).output.logits) > 1e-3
 
 
+def test_q8_0_at_load_quantizes_the_experts_and_keeps_the_router_dense(case, ref):
+    """Quantized at load (per-expert tensors and slices of fused 3-D ones alike), within DESIGN §7's
+    quantized bound on the median row; the router stays dense, as llama.cpp's quantizer leaves it."""
+    rt = cw.ModelRuntime.load(TINY / case, device=DEVICE, quantize="q8_0")
+    quantized = rt.model_info["quantized_at_load"]["tensors"]
+    assert any("experts" in name or "input_linear" in name for name in quantized)
+    assert not any(name.endswith(("gate.weight", "router.weight", "router.layer.weight")) for name in quantized)
+    logits = rt.prefill(ref["input_ids"].tolist(), all_logits=True).wait().logits
+    assert np.median([rel_l2(a, r) for a, r in zip(logits, ref["model.logits"])]) <= 0.05
+
+
 def test_mixtures_have_no_mlp_hidden_and_dense_models_no_router_points():
     rt = cw.ModelRuntime.load(TINY / "mixtral", device=DEVICE)
     points = rt.observation_points()

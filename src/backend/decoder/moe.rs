@@ -7,12 +7,14 @@
 //! A decode step therefore reads only the selected experts' weights. The experts are ordinary
 //! `Mlp`s over `Linear`s, so quantized experts run on the same kernels as any projection.
 
+use candle_core::quantized::QMatMul;
 use candle_core::{DType, Tensor};
 
 use super::layers::{GateUp, Linear, Mlp};
 use super::names::Naming;
 use crate::backend::config::{Activation, Architecture, MoeConfig, Routing};
 use crate::backend::error::{CandleContext, Result};
+use crate::backend::kernels::Weight;
 use crate::backend::weights::WeightLoader;
 use crate::core::LayerPoint;
 
@@ -150,12 +152,20 @@ impl Moe {
             Ok(Linear::new(weight, bias))
         };
         let mlp = |gate_up: GateUp, down: Linear| Mlp { gate_up, down, activation, glu: moe.glu };
+        // The router stays dense even when quantization at load is asked for, as llama.cpp's
+        // quantizer leaves `ffn_gate_inp` alone: it is small, and its rounding moves near-tie
+        // selections to other experts.
+        let router_linear = |name: String, bias: bool| -> Result<Linear> {
+            let weight = w.dense(&format!("{name}.weight"), &[e_count, hidden])?;
+            let bias = if bias { Some(w.dense_f32(&format!("{name}.bias"), &[e_count])?) } else { None };
+            Ok(Linear::new(Weight::Candle(QMatMul::Tensor(weight)), bias))
+        };
         let (router, experts) = match (naming, arch) {
             // llama.cpp's names: the router `ffn_gate_inp`, each projection of every expert in one
             // 3-D `ffn_{gate,up,down}_exps` tensor, whose expert slices load as their own weights.
             (Naming::Gguf, _) => {
                 let p = format!("blk.{layer}");
-                let router = linear(format!("{p}.ffn_gate_inp"), e_count, hidden, moe.router_bias)?;
+                let router = router_linear(format!("{p}.ffn_gate_inp"), moe.router_bias)?;
                 let bias = |part: &str, width: usize| -> Result<Option<Tensor>> {
                     if !moe.expert_bias {
                         return Ok(None);
@@ -193,7 +203,7 @@ impl Moe {
                     Architecture::Mixtral => ("block_sparse_moe", "w1", "w3", "w2"),
                     _ => ("mlp", "gate_proj", "up_proj", "down_proj"),
                 };
-                let router = linear(format!("{stem}.{block}.gate"), e_count, hidden, false)?;
+                let router = router_linear(format!("{stem}.{block}.gate"), false)?;
                 let experts = (0..e_count)
                     .map(|e| {
                         let p = format!("{stem}.{block}.experts.{e}");
@@ -212,7 +222,7 @@ impl Moe {
             // `output_linear` [experts, hidden, inter], both in the [out, in] layout.
             (_, Architecture::GraniteMoe) => {
                 let p = format!("{stem}.block_sparse_moe");
-                let router = linear(format!("{p}.router.layer"), e_count, hidden, false)?;
+                let router = router_linear(format!("{p}.router.layer"), false)?;
                 let (gu_name, down_name) = (format!("{p}.input_linear.weight"), format!("{p}.output_linear.weight"));
                 let gate_up = w.dense(&gu_name, &[e_count, 2 * inter, hidden])?;
                 let down = w.dense(&down_name, &[e_count, hidden, inter])?;
@@ -231,7 +241,7 @@ impl Moe {
             // and up interleaved column by column, `down_proj` [experts, inter, hidden], and biases.
             (_, Architecture::GptOss) => {
                 let p = format!("{stem}.mlp");
-                let router = linear(format!("{p}.router"), e_count, hidden, moe.router_bias)?;
+                let router = router_linear(format!("{p}.router"), moe.router_bias)?;
                 let names = ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
                     .map(|n| format!("{p}.experts.{n}"));
                 let gate_up = w.dense(&names[0], &[e_count, hidden, 2 * inter])?;
@@ -280,11 +290,9 @@ pub fn sinks_name(naming: Naming, arch: Architecture, layer: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::QMatMul;
     use candle_core::Device;
 
     use crate::backend::config::ExpertGlu;
-    use crate::backend::kernels::Weight;
 
     fn moe(routing: Routing, top_k: usize, experts: usize) -> Moe {
         let dev = Device::Cpu;
