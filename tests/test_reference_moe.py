@@ -295,3 +295,38 @@ def test_gguf_mixtures_match_the_reference(tmp_path, case):
     # DESIGN §7's quantized bound (median over rows); single rows move far where a near-tie routes
     # to another expert (Qwen3-MoE rows 5-6, Mixtral row 15: 0.19-0.24).
     assert np.median([rel_l2(a, r) for a, r in zip(logits, ref["model.logits"])]) <= 0.05
+
+
+def test_mlp_only_layers_keep_a_dense_mlp(tmp_path):
+    """Qwen3-MoE's `mlp_only_layers`: layer 1 of the tiny checkpoint given a dense MLP of
+    `intermediate_size` instead of its experts. That layer has `mlp.hidden` and no router points, and
+    its MLP output is the dense MLP of its input (float64 re-computation); the other layers still mix."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    dest = tmp_path / "qwen3_moe-dense-1"
+    shutil.copytree(TINY / "qwen3_moe", dest)
+    cfg = config("qwen3_moe")
+    cfg["mlp_only_layers"] = [1]
+    (dest / "config.json").write_text(json.dumps(cfg))
+    tensors = {k: v for k, v in load_file(str(dest / "model.safetensors")).items() if ".layers.1.mlp." not in k}
+    rng = np.random.default_rng(5)
+    inter, hidden = cfg["intermediate_size"], cfg["hidden_size"]
+    dense = {n: (0.1 * rng.standard_normal(s)).astype(np.float32)
+             for n, s in [("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))]}
+    tensors.update({f"model.layers.1.mlp.{n}.weight": v for n, v in dense.items()})
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    rt = cw.ModelRuntime.load(dest, device=DEVICE)
+    assert rt.model_info["moe_layers"] == 2
+    points = rt.observation_points()
+    assert "model.layers.1.mlp.hidden" in points and "model.layers.1.mlp.router_logits" not in points
+    assert "model.layers.0.mlp.router_logits" in points and "model.layers.0.mlp.hidden" not in points
+    got = rt.trace(load_file(str(TINY / "qwen3_moe" / "reference.safetensors"))["input_ids"].tolist()).observations
+    h = got["model.layers.1.input"].astype(np.float64) + got["model.layers.1.attention.output"]
+    w = tensors["model.layers.1.post_attention_layernorm.weight"].astype(np.float64)
+    x = h / np.sqrt((h * h).mean(-1, keepdims=True) + cfg["rms_norm_eps"]) * w
+    gate, up = x @ dense["gate_proj"].T.astype(np.float64), x @ dense["up_proj"].T.astype(np.float64)
+    hidden_act = gate / (1 + np.exp(-gate)) * up
+    assert rel_l2(got["model.layers.1.mlp.hidden"], hidden_act) <= TOL
+    assert rel_l2(got["model.layers.1.mlp.output"], hidden_act @ dense["down_proj"].T.astype(np.float64)) <= TOL
