@@ -330,3 +330,29 @@ def test_mlp_only_layers_keep_a_dense_mlp(tmp_path):
     hidden_act = gate / (1 + np.exp(-gate)) * up
     assert rel_l2(got["model.layers.1.mlp.hidden"], hidden_act) <= TOL
     assert rel_l2(got["model.layers.1.mlp.output"], hidden_act @ dense["down_proj"].T.astype(np.float64)) <= TOL
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "mixtral"])
+def test_batched_engine_steps_route_each_sequence_as_alone(tmp_path, case):
+    """The engine runs several sequences' rows through each MoE layer together (each expert over
+    the rows of every sequence that chose it); each still gets its own greedy continuation."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    dest = tmp_path / case
+    shutil.copytree(TINY / case, dest)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(dest / "tokenizer.json"))
+    rt = cw.ModelRuntime.load(dest, device=DEVICE)
+    greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [np.random.default_rng(i).integers(3, 512, size=5 + 3 * i).tolist() for i in range(6)]
+    want = []
+    for p in prompts:
+        rt.session.reset()
+        want.append(rt.generate(p, **greedy).token_ids)
+    with cw.Engine(rt, max_batch_size=6) as engine:
+        reqs = [engine.submit(p, **greedy) for p in prompts]
+        got = [r.wait().token_ids for r in reqs]
+    assert got == want
