@@ -363,7 +363,9 @@ impl PyModelRuntime {
         })
     }
 
-    /// Architecture, sizes, weight types, dtype and context of the loaded model (a dict).
+    /// Architecture, sizes, weight types, dtype and context of the loaded model (a dict); for a
+    /// mixture of experts also `num_experts`, `experts_per_token`, `expert_intermediate_size` and
+    /// `moe_layers` (`None` / 0 for a dense model).
     #[getter]
     fn model_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let info = self.lock(py)?.info().clone();
