@@ -14,8 +14,13 @@ pub enum LayerPoint {
     AttentionHeads,
     /// What attention adds to the residual, `[T, H]`.
     AttentionOutput,
-    /// The MLP's hidden activation, the input of the down projection, `[T, intermediate]`.
+    /// The MLP's hidden activation, the input of the down projection, `[T, intermediate]` (dense
+    /// MLP layers only: a mixture has one per selected expert).
     MlpHidden,
+    /// A mixture's router scores before softmax and top-k (bias included), `[T, experts]`.
+    RouterLogits,
+    /// The weight each expert's output got in the mix, 0 where not selected, `[T, experts]`.
+    ExpertWeights,
     /// What the MLP adds to the residual, `[T, H]`.
     MlpOutput,
     /// The residual stream leaving the layer, `[T, H]`.
@@ -23,16 +28,28 @@ pub enum LayerPoint {
 }
 
 impl LayerPoint {
-    /// Every layer point, in forward order.
-    pub const ALL: [LayerPoint; 7] = [
+    /// Every layer point any layer may have, in forward order.
+    pub const ALL: [LayerPoint; 9] = [
         Self::Input,
         Self::AttentionPattern,
         Self::AttentionHeads,
         Self::AttentionOutput,
         Self::MlpHidden,
+        Self::RouterLogits,
+        Self::ExpertWeights,
         Self::MlpOutput,
         Self::Output,
     ];
+
+    /// Whether a layer has this point: a dense MLP's layer has `mlp.hidden`, a mixture of
+    /// experts' layer `mlp.router_logits` and `mlp.expert_weights` instead.
+    pub fn in_layer(self, sparse: bool) -> bool {
+        match self {
+            Self::MlpHidden => !sparse,
+            Self::RouterLogits | Self::ExpertWeights => sparse,
+            _ => true,
+        }
+    }
 
     /// The name's suffix after `model.layers.{i}.`.
     pub fn suffix(self) -> &'static str {
@@ -42,6 +59,8 @@ impl LayerPoint {
             Self::AttentionHeads => "attention.heads",
             Self::AttentionOutput => "attention.output",
             Self::MlpHidden => "mlp.hidden",
+            Self::RouterLogits => "mlp.router_logits",
+            Self::ExpertWeights => "mlp.expert_weights",
             Self::MlpOutput => "mlp.output",
             Self::Output => "output",
         }
@@ -62,11 +81,16 @@ pub enum Point {
 }
 
 impl Point {
-    /// Every point of a model with `num_layers` layers, in forward order.
+    /// Every point of a dense model with `num_layers` layers, in forward order.
     pub fn all(num_layers: usize) -> Vec<Point> {
+        Self::for_layers(&vec![false; num_layers])
+    }
+
+    /// Every point of a model whose layer `i` mixes experts where `sparse[i]`, in forward order.
+    pub fn for_layers(sparse: &[bool]) -> Vec<Point> {
         let mut v = vec![Point::Embed];
-        for i in 0..num_layers {
-            v.extend(LayerPoint::ALL.iter().map(|&p| Point::Layer(i, p)));
+        for (i, &s) in sparse.iter().enumerate() {
+            v.extend(LayerPoint::ALL.iter().filter(|p| p.in_layer(s)).map(|&p| Point::Layer(i, p)));
         }
         v.push(Point::Norm);
         v.push(Point::Logits);
@@ -118,9 +142,12 @@ mod tests {
 
     #[test]
     fn every_point_reads_back_from_its_name() {
-        for p in Point::all(12) {
+        for p in Point::all(12).into_iter().chain(Point::for_layers(&[true, false])) {
             assert_eq!(Point::parse(&p.to_string()), Some(p));
         }
+        let moe = Point::for_layers(&[true]);
+        assert!(moe.contains(&Point::Layer(0, LayerPoint::RouterLogits)));
+        assert!(!moe.contains(&Point::Layer(0, LayerPoint::MlpHidden)));
         for bad in ["model.layers.01.output", "model.layers..output", "model.layers.1", "model.layers.1.foo", "x"] {
             assert_eq!(Point::parse(bad), None, "{bad}");
         }

@@ -37,6 +37,14 @@ pub struct ModelInfo {
     pub sliding_window: Option<usize>,
     /// Whether the output projection is the embedding table.
     pub tie_word_embeddings: bool,
+    /// Experts per mixture-of-experts layer (`None` for a dense model).
+    pub num_experts: Option<usize>,
+    /// Experts each token is routed to (`None` for a dense model).
+    pub experts_per_token: Option<usize>,
+    /// Width of one expert's hidden activation (`None` for a dense model).
+    pub expert_intermediate_size: Option<usize>,
+    /// Layers that mix experts (0 for a dense model; the others run a dense MLP).
+    pub moe_layers: usize,
     /// Parameters by storage type (`q4_k`, `q6_k`, `f32`, ...).
     pub weight_types: BTreeMap<String, usize>,
     /// All parameters.
@@ -76,6 +84,10 @@ impl ModelInfo {
             max_context: session.max_context(),
             sliding_window: c.layers.iter().find_map(|l| l.sliding_window),
             tie_word_embeddings: c.tie_word_embeddings,
+            num_experts: c.moe.as_ref().map(|m| m.num_experts),
+            experts_per_token: c.moe.as_ref().map(|m| m.experts_per_token),
+            expert_intermediate_size: c.moe.as_ref().map(|m| m.expert_intermediate_size),
+            moe_layers: (0..c.num_layers()).filter(|&i| c.is_sparse(i)).count(),
             parameters: weight_types.values().sum(),
             weight_types,
             file_size: size_on_disk(path),

@@ -363,7 +363,9 @@ impl PyModelRuntime {
         })
     }
 
-    /// Architecture, sizes, weight types, dtype and context of the loaded model (a dict).
+    /// Architecture, sizes, weight types, dtype and context of the loaded model (a dict); for a
+    /// mixture of experts also `num_experts`, `experts_per_token`, `expert_intermediate_size` and
+    /// `moe_layers` (`None` / 0 for a dense model).
     #[getter]
     fn model_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let info = self.lock(py)?.info().clone();
@@ -381,6 +383,10 @@ impl PyModelRuntime {
         d.set_item("max_context", info.max_context)?;
         d.set_item("sliding_window", info.sliding_window)?;
         d.set_item("tie_word_embeddings", info.tie_word_embeddings)?;
+        d.set_item("num_experts", info.num_experts)?;
+        d.set_item("experts_per_token", info.experts_per_token)?;
+        d.set_item("expert_intermediate_size", info.expert_intermediate_size)?;
+        d.set_item("moe_layers", info.moe_layers)?;
         d.set_item("weight_types", info.weight_types.clone())?;
         d.set_item("parameters", info.parameters)?;
         d.set_item("file_size", info.file_size)?;

@@ -1,8 +1,8 @@
 //! GGUF metadata (llama.cpp's keys) to an `ArchConfig`.
 
 use super::{
-    check_layer_count, Activation, ArchConfig, Architecture, BlockNorms, LayerConfig, NormKind, QkNorm, RopeConfig,
-    RopeScaling,
+    check_layer_count, Activation, ArchConfig, Architecture, BlockNorms, ExpertGlu, LayerConfig, MoeConfig, NormKind,
+    QkNorm, RopeConfig, RopeScaling, Routing,
 };
 use crate::backend::error::{CandleError, Result};
 use crate::backend::weights::gguf::Metadata;
@@ -120,6 +120,8 @@ pub fn parse_config(
         final_softcap: md.opt_f64(&key("final_logit_softcapping"))?,
         eos_token_ids: md.token_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
         bos_token_id: md.token_id("tokenizer.ggml.bos_token_id")?,
+        moe: None,
+        attn_sinks: false,
     };
     // Errors name llama.cpp's keys, not transformers' names of the same quantities.
     let field = |name: &str| -> String {
@@ -143,6 +145,44 @@ pub fn parse_config(
             other => other.to_owned(),
         }
     };
-    config.validate(path, &field)?;
+    let config = with_experts(config, md, &key)?;
+    config.validate(path, &|name| match name {
+        "num_experts" => key("expert_count"),
+        "num_experts_per_tok" => key("expert_used_count"),
+        "moe_intermediate_size" => key("expert_feed_forward_length"),
+        other => field(other),
+    })?;
+    Ok(config)
+}
+
+/// The mixture of experts llama.cpp's keys describe (`{arch}.expert_count` and the rest), added to
+/// a config read as the dense architecture: a `llama` file with experts is Mixtral.
+fn with_experts(mut config: ArchConfig, md: &Metadata<'_>, key: &dyn Fn(&str) -> String) -> Result<ArchConfig> {
+    let experts = md.opt_usize(&key("expert_count"))?.unwrap_or(0);
+    let routing = match config.architecture {
+        _ if experts == 0 => return Ok(config),
+        Architecture::Llama => {
+            config.architecture = Architecture::Mixtral;
+            Routing::SoftmaxTopK { renormalize: true }
+        }
+        // llama.cpp's Qwen3-MoE graph always renormalises the selected weights.
+        Architecture::Qwen3Moe => Routing::SoftmaxTopK { renormalize: true },
+        other => {
+            return Err(CandleError::UnsupportedConfig {
+                what: format!("experts (`{}`) in a GGUF `{}` file", key("expert_count"), other.name()),
+            })
+        }
+    };
+    let n_layers = config.num_layers();
+    config.moe = Some(MoeConfig {
+        num_experts: experts,
+        experts_per_token: md.usize(&key("expert_used_count"))?,
+        expert_intermediate_size: md.opt_usize(&key("expert_feed_forward_length"))?.unwrap_or(config.intermediate_size),
+        routing,
+        router_bias: false,
+        expert_bias: false,
+        glu: ExpertGlu::Gated,
+        sparse_layers: vec![true; n_layers],
+    });
     Ok(config)
 }

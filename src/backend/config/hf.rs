@@ -7,8 +7,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::{
-    check_layer_count, invalid, Activation, ArchConfig, Architecture, BlockNorms, LayerConfig, NormKind, QkNorm,
-    RopeConfig, RopeScaling,
+    check_layer_count, invalid, Activation, ArchConfig, Architecture, BlockNorms, ExpertGlu, LayerConfig, MoeConfig,
+    NormKind, QkNorm, RopeConfig, RopeScaling, Routing,
 };
 use crate::backend::error::{CandleError, Result};
 
@@ -44,6 +44,12 @@ struct RopeParams {
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<f64>,
     partial_rotary_factor: Option<f64>,
+    beta_fast: Option<f64>,
+    beta_slow: Option<f64>,
+    truncate: Option<bool>,
+    attention_factor: Option<f64>,
+    mscale: Option<f64>,
+    mscale_all_dim: Option<f64>,
 }
 
 /// `layer_types` entries.
@@ -111,6 +117,18 @@ struct HfConfig {
     use_parallel_residual: Option<bool>,
     scale_attn_weights: Option<bool>,
     scale_attn_by_inverse_layer_idx: Option<bool>,
+    /// Experts per MoE layer (`num_experts` in Qwen3-MoE and OLMoE, `num_local_experts` elsewhere).
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    shared_expert_intermediate_size: Option<usize>,
+    swiglu_limit: Option<f64>,
+    swiglu_alpha: Option<f64>,
+    clip_qkv: Option<f64>,
 }
 
 /// Deserializes `map` as `T`; on failure, finds the key whose value is at fault so the error
@@ -139,7 +157,13 @@ fn required(v: Option<usize>, source: &str, key: &str) -> Result<usize> {
 }
 
 /// Reads one rope description: `rope_theta` plus a `rope_type`/`type` and its factors.
-fn parse_rope(params: &RopeParams, default_theta: f64, source: &str, at: &str) -> Result<RopeConfig> {
+fn parse_rope(
+    params: &RopeParams,
+    default_theta: f64,
+    max_positions: Option<usize>,
+    source: &str,
+    at: &str,
+) -> Result<RopeConfig> {
     let theta = params.rope_theta.unwrap_or(default_theta);
     let kind = params.rope_type.as_deref().or(params.kind.as_deref()).unwrap_or("default");
     let factor = || {
@@ -154,6 +178,27 @@ fn parse_rope(params: &RopeParams, default_theta: f64, source: &str, at: &str) -
             high_freq_factor: params.high_freq_factor.unwrap_or(4.0),
             original_max_position_embeddings: params.original_max_position_embeddings.unwrap_or(8192.0),
         },
+        "yarn" => {
+            let factor = factor()?;
+            // transformers' `get_mscale`: 0.1·ln(s) + 1 above a scale of 1.
+            let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+            let attention_factor = match (params.attention_factor, params.mscale, params.mscale_all_dim) {
+                (Some(a), _, _) => a,
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(factor, m) / mscale(factor, all),
+                _ => mscale(factor, 1.0),
+            };
+            let original = params.original_max_position_embeddings.or(max_positions.map(|m| m as f64));
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original.ok_or_else(|| {
+                    invalid(source, &format!("{at}.original_max_position_embeddings"), "YaRN needs it")
+                })?,
+                beta_fast: params.beta_fast.unwrap_or(32.0),
+                beta_slow: params.beta_slow.unwrap_or(1.0),
+                truncate: params.truncate.unwrap_or(true),
+                attention_factor,
+            }
+        }
         other => return Err(CandleError::UnsupportedConfig { what: format!("rope scaling type `{other}` ({at})") }),
     };
     let rope = RopeConfig { theta, scaling };
@@ -173,6 +218,7 @@ fn parse_rope(params: &RopeParams, default_theta: f64, source: &str, at: &str) -
 /// The rope of each layer type (`full_attention`, `sliding_attention`), from either config style.
 fn rope_by_layer_type(cfg: &HfConfig, arch: Architecture, source: &str) -> Result<(RopeConfig, RopeConfig)> {
     let theta = cfg.rope_theta.unwrap_or(10_000.0);
+    let max_pos = cfg.max_position_embeddings;
     if let Some(params) = &cfg.rope_parameters {
         // transformers 5: either one flat description or one per layer type.
         if let Some(full) = params.get("full_attention") {
@@ -183,25 +229,26 @@ fn rope_by_layer_type(cfg: &HfConfig, arch: Architecture, source: &str) -> Resul
             let full = parse_rope(
                 &object(full, "rope_parameters.full_attention")?,
                 theta,
+                max_pos,
                 source,
                 "rope_parameters.full_attention",
             )?;
             let sliding = match params.get("sliding_attention") {
                 Some(s) => {
                     let at = "rope_parameters.sliding_attention";
-                    parse_rope(&object(s, at)?, theta, source, at)?
+                    parse_rope(&object(s, at)?, theta, max_pos, source, at)?
                 }
                 None => full,
             };
             return Ok((full, sliding));
         }
         let flat = typed::<RopeParams>(params, source, "rope_parameters.")?;
-        let rope = parse_rope(&flat, theta, source, "rope_parameters")?;
+        let rope = parse_rope(&flat, theta, max_pos, source, "rope_parameters")?;
         return Ok((rope, rope));
     }
     let full = match &cfg.rope_scaling {
-        Some(s) => parse_rope(s, theta, source, "rope_scaling")?,
-        None => parse_rope(&RopeParams::default(), theta, source, "rope_scaling")?,
+        Some(s) => parse_rope(s, theta, max_pos, source, "rope_scaling")?,
+        None => parse_rope(&RopeParams::default(), theta, max_pos, source, "rope_scaling")?,
     };
     let sliding = if arch == Architecture::Gemma3 {
         let local = RopeConfig { theta: cfg.rope_local_base_freq.unwrap_or(10_000.0), scaling: RopeScaling::None };
@@ -238,20 +285,22 @@ fn sliding_layers(cfg: &HfConfig, arch: Architecture, n_layers: usize, source: &
             }
             (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
         }
-        Architecture::Qwen2 | Architecture::Qwen3 => {
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
             let on = has_window && cfg.use_sliding_window.unwrap_or(false);
             let from = cfg.max_window_layers.unwrap_or(n_layers);
             (0..n_layers).map(|i| on && i >= from).collect()
         }
-        // transformers' default for Gemma 2 without `layer_types`: even layers slide.
-        Architecture::Gemma2 => (0..n_layers).map(|i| has_window && i % 2 == 0).collect(),
-        Architecture::Mistral | Architecture::Phi3 => vec![has_window; n_layers],
+        // transformers' default for Gemma 2 and gpt-oss without `layer_types`: even layers slide.
+        Architecture::Gemma2 | Architecture::GptOss => (0..n_layers).map(|i| has_window && i % 2 == 0).collect(),
+        Architecture::Mistral | Architecture::Phi3 | Architecture::Mixtral => vec![has_window; n_layers],
         Architecture::SmolLm3 => vec![has_window && cfg.use_sliding_window.unwrap_or(false); n_layers],
         Architecture::Llama
         | Architecture::Olmo2
         | Architecture::Granite
         | Architecture::GptNeoX
-        | Architecture::Gpt2 => {
+        | Architecture::Gpt2
+        | Architecture::Olmoe
+        | Architecture::GraniteMoe => {
             vec![false; n_layers]
         }
     })
@@ -272,6 +321,11 @@ fn architecture(model_type: &str) -> Result<Architecture> {
         "granite" => Architecture::Granite,
         "gpt_neox" => Architecture::GptNeoX,
         "gpt2" => Architecture::Gpt2,
+        "qwen3_moe" => Architecture::Qwen3Moe,
+        "mixtral" => Architecture::Mixtral,
+        "olmoe" => Architecture::Olmoe,
+        "granitemoe" => Architecture::GraniteMoe,
+        "gpt_oss" => Architecture::GptOss,
         other => return Err(CandleError::UnsupportedArchitecture { name: other.to_owned() }),
     })
 }
@@ -298,6 +352,70 @@ fn rope_layers(cfg: &HfConfig, arch: Architecture, n_layers: usize, source: &str
         },
         _ => Ok(vec![true; n_layers]),
     }
+}
+
+/// The mixture of experts of a MoE architecture (`None` for the dense ones).
+fn moe_config(
+    cfg: &HfConfig,
+    arch: Architecture,
+    n_layers: usize,
+    intermediate: Option<usize>,
+    source: &str,
+) -> Result<Option<MoeConfig>> {
+    // transformers' defaults where a key is absent.
+    let (experts_key, default_k) = match arch {
+        Architecture::Qwen3Moe => ("num_experts", 8),
+        Architecture::Olmoe => ("num_experts", 8),
+        Architecture::Mixtral | Architecture::GraniteMoe => ("num_local_experts", 2),
+        Architecture::GptOss => ("num_local_experts", 4),
+        _ => return Ok(None),
+    };
+    if cfg.shared_expert_intermediate_size.is_some_and(|n| n > 0) {
+        return Err(CandleError::UnsupportedConfig {
+            what: "shared experts (`shared_expert_intermediate_size`)".into(),
+        });
+    }
+    let num_experts = required(cfg.num_experts.or(cfg.num_local_experts), source, experts_key)?;
+    let expert_intermediate_size = match arch {
+        Architecture::Qwen3Moe => required(cfg.moe_intermediate_size, source, "moe_intermediate_size")?,
+        _ => required(intermediate, source, "intermediate_size")?,
+    };
+    let sparse_layers = match arch {
+        // Qwen3-MoE: every `decoder_sparse_step`-th layer, except `mlp_only_layers`.
+        Architecture::Qwen3Moe => {
+            let step = cfg.decoder_sparse_step.unwrap_or(1);
+            if step == 0 {
+                return Err(invalid(source, "decoder_sparse_step", "a step of 0 layers"));
+            }
+            let dense = cfg.mlp_only_layers.clone().unwrap_or_default();
+            if let Some(&bad) = dense.iter().find(|&&i| i >= n_layers) {
+                return Err(invalid(source, "mlp_only_layers", format!("layer {bad} of {n_layers}")));
+            }
+            (0..n_layers).map(|i| !dense.contains(&i) && (i + 1) % step == 0).collect()
+        }
+        _ => vec![true; n_layers],
+    };
+    Ok(Some(MoeConfig {
+        num_experts,
+        experts_per_token: cfg.num_experts_per_tok.unwrap_or(default_k),
+        expert_intermediate_size,
+        routing: match arch {
+            Architecture::Mixtral => Routing::SoftmaxTopK { renormalize: true },
+            Architecture::GraniteMoe | Architecture::GptOss => Routing::TopKSoftmax,
+            _ => Routing::SoftmaxTopK { renormalize: cfg.norm_topk_prob.unwrap_or(false) },
+        },
+        router_bias: arch == Architecture::GptOss,
+        expert_bias: arch == Architecture::GptOss,
+        glu: if arch == Architecture::GptOss {
+            ExpertGlu::ClampedSwiGlu {
+                alpha: cfg.swiglu_alpha.unwrap_or(1.702),
+                limit: cfg.swiglu_limit.unwrap_or(7.0),
+            }
+        } else {
+            ExpertGlu::Gated
+        },
+        sparse_layers,
+    }))
 }
 
 /// Parses a `config.json` document.
@@ -379,11 +497,17 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
     let attention_bias = cfg.attention_bias.unwrap_or(gpt);
     let attn_scale = match arch {
         _ if gemma => cfg.query_pre_attn_scalar.unwrap_or(head_dim as f64).powf(-0.5),
-        Architecture::Granite => cfg.attention_multiplier.unwrap_or((head_dim as f64).powf(-0.5)),
+        Architecture::Granite | Architecture::GraniteMoe => {
+            cfg.attention_multiplier.unwrap_or((head_dim as f64).powf(-0.5))
+        }
         Architecture::Gpt2 if !cfg.scale_attn_weights.unwrap_or(true) => 1.0,
         _ => (head_dim as f64).powf(-0.5),
     };
-    let granite = arch == Architecture::Granite;
+    let granite = matches!(arch, Architecture::Granite | Architecture::GraniteMoe);
+    let moe = moe_config(&cfg, arch, n_layers, cfg.intermediate_size, path)?;
+    if let Some(c) = cfg.clip_qkv {
+        return Err(CandleError::UnsupportedConfig { what: format!("`clip_qkv` {c} (q, k, v clipping)") });
+    }
     let intermediate_size = match (cfg.intermediate_size, arch) {
         (Some(n), _) => n,
         // GPT-2's `n_inner: null` means four times the width.
@@ -420,8 +544,8 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         mlp_bias: cfg.mlp_bias.unwrap_or(gpt),
         mlp_gated: !gpt,
         qk_norm: match arch {
-            Architecture::Qwen3 | Architecture::Gemma3 => QkNorm::PerHead,
-            Architecture::Olmo2 => QkNorm::Whole,
+            Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe => QkNorm::PerHead,
+            Architecture::Olmo2 | Architecture::Olmoe => QkNorm::Whole,
             _ => QkNorm::None,
         },
         norm_weight_offset: gemma,
@@ -436,10 +560,15 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         final_softcap: cfg.final_logit_softcapping,
         eos_token_ids: cfg.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
         bos_token_id: cfg.bos_token_id.and_then(|ids| ids.into_vec().first().copied()),
+        moe,
+        attn_sinks: arch == Architecture::GptOss,
     };
     // GPT-2 and GPT-NeoX name their norms' epsilon after LayerNorm.
+    let experts_key = if cfg.num_experts.is_some() { "num_experts" } else { "num_local_experts" };
     config.validate(path, &|name| match name {
         "rms_norm_eps" if gpt => "layer_norm_eps".to_owned(),
+        "num_experts" => experts_key.to_owned(),
+        "moe_intermediate_size" if arch != Architecture::Qwen3Moe => "intermediate_size".to_owned(),
         other => other.to_owned(),
     })?;
     Ok(config)
@@ -599,5 +728,48 @@ mod tests {
         assert_eq!(cfg.attn_scale, 0.0625);
         let err = parse_config(&format!(r#"{base},"residual_multiplier":-1.0}}"#), "x").unwrap_err();
         assert!(err.to_string().contains("residual_multiplier"), "{err}");
+    }
+
+    #[test]
+    fn moe_layers_routing_and_yarn() {
+        let base = r#"{"model_type":"qwen3_moe","hidden_size":64,"num_attention_heads":4,"num_hidden_layers":4,
+                "intermediate_size":128,"moe_intermediate_size":32,"vocab_size":10,"num_experts":6,
+                "num_experts_per_tok":2,"norm_topk_prob":true"#;
+        let cfg = parse_config(&format!(r#"{base},"decoder_sparse_step":2,"mlp_only_layers":[3]}}"#), "x").unwrap();
+        let moe = cfg.moe.as_ref().unwrap();
+        assert_eq!(moe.sparse_layers, [false, true, false, false]);
+        assert_eq!((moe.expert_intermediate_size, moe.routing), (32, Routing::SoftmaxTopK { renormalize: true }));
+        let err = parse_config(
+            &format!(r#"{base},"num_experts_per_tok":7}}"#).replace(r#""num_experts_per_tok":2,"#, ""),
+            "x",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
+        let err = parse_config(&format!(r#"{base},"mlp_only_layers":[9]}}"#), "x").unwrap_err();
+        assert!(err.to_string().contains("mlp_only_layers"), "{err}");
+        let oss = parse_config(
+            r#"{"model_type":"gpt_oss","hidden_size":64,"num_attention_heads":4,"num_hidden_layers":2,
+                "intermediate_size":48,"vocab_size":10,"num_local_experts":4,"num_experts_per_tok":2,"head_dim":16,
+                "sliding_window":6,"swiglu_limit":1.0,"attention_bias":true,
+                "rope_parameters":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":64,
+                                   "rope_theta":150000.0,"truncate":false}}"#,
+            "x",
+        )
+        .unwrap();
+        assert!(oss.attn_sinks && oss.qkv_bias && oss.o_bias);
+        assert_eq!(oss.layers[0].sliding_window, Some(6));
+        assert_eq!(oss.layers[1].sliding_window, None);
+        let moe = oss.moe.unwrap();
+        assert_eq!(
+            (moe.routing, moe.router_bias, moe.glu),
+            (Routing::TopKSoftmax, true, ExpertGlu::ClampedSwiGlu { alpha: 1.702, limit: 1.0 })
+        );
+        match oss.layers[0].rope.unwrap().scaling {
+            RopeScaling::Yarn { factor, original_max_position_embeddings, truncate, attention_factor, .. } => {
+                assert_eq!((factor, original_max_position_embeddings, truncate), (4.0, 64.0, false));
+                assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -43,6 +43,16 @@ pub enum Architecture {
     GptNeoX,
     /// GPT-2: learned absolute positions, LayerNorm, fused qkv, ungated MLP.
     Gpt2,
+    /// Qwen3-MoE: Qwen3's attention, mixtures of experts (softmax, top-k, optional renormalisation).
+    Qwen3Moe,
+    /// Mixtral: Mistral's attention, mixtures of experts renormalised over the top-k.
+    Mixtral,
+    /// OLMoE: q/k RMS-normalised over the whole projection, mixtures of experts.
+    Olmoe,
+    /// Granite MoE: Granite's multipliers, experts mixed by a softmax over the top-k logits.
+    GraniteMoe,
+    /// gpt-oss: attention sinks and biases, alternating sliding windows, YaRN, clamped SwiGLU experts.
+    GptOss,
 }
 
 impl Architecture {
@@ -61,6 +71,11 @@ impl Architecture {
             Self::Granite => "granite",
             Self::GptNeoX => "gpt_neox",
             Self::Gpt2 => "gpt2",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Mixtral => "mixtral",
+            Self::Olmoe => "olmoe",
+            Self::GraniteMoe => "granitemoe",
+            Self::GptOss => "gpt_oss",
         }
     }
 
@@ -75,11 +90,15 @@ impl Architecture {
             Self::Gemma3 => Some("gemma3"),
             Self::Phi3 => Some("phi3"),
             Self::Gemma2 | Self::Olmo2 | Self::SmolLm3 | Self::Granite | Self::GptNeoX | Self::Gpt2 => None,
+            Self::Qwen3Moe => Some("qwen3moe"),
+            // llama.cpp's converter writes Mixtral as `llama` with `llama.expert_count`.
+            Self::Mixtral => Some("llama"),
+            Self::Olmoe | Self::GraniteMoe | Self::GptOss => None,
         }
     }
 
     /// Every architecture the decoder loads, in the order they were added.
-    pub const ALL: [Architecture; 12] = [
+    pub const ALL: [Architecture; 17] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
@@ -92,6 +111,11 @@ impl Architecture {
         Self::Granite,
         Self::GptNeoX,
         Self::Gpt2,
+        Self::Qwen3Moe,
+        Self::Mixtral,
+        Self::Olmoe,
+        Self::GraniteMoe,
+        Self::GptOss,
     ];
 }
 
@@ -172,6 +196,22 @@ pub enum RopeScaling {
         /// The context length the model was trained at.
         original_max_position_embeddings: f64,
     },
+    /// YaRN (gpt-oss): frequencies blended between interpolated and original along a ramp over
+    /// the dimensions, cos and sin multiplied by an attention factor.
+    Yarn {
+        /// Interpolation factor.
+        factor: f64,
+        /// The context the ramp's bounds are computed for.
+        original_max_position_embeddings: f64,
+        /// Rotations above which a dimension keeps its frequency.
+        beta_fast: f64,
+        /// Rotations below which a dimension is fully interpolated.
+        beta_slow: f64,
+        /// Whether the ramp's bounds are rounded to whole dimensions.
+        truncate: bool,
+        /// Multiplier of cos and sin (so q·k scales by its square).
+        attention_factor: f64,
+    },
 }
 
 /// One rotary embedding: base and scaling.
@@ -212,8 +252,71 @@ impl RopeConfig {
                 }
                 Ok(())
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate: _,
+                attention_factor,
+            } => {
+                positive("rope_scaling.factor", factor)?;
+                positive("rope_scaling.original_max_position_embeddings", original_max_position_embeddings)?;
+                positive("rope_scaling.beta_fast", beta_fast)?;
+                positive("rope_scaling.beta_slow", beta_slow)?;
+                positive("rope_scaling.attention_factor", attention_factor)
+            }
         }
     }
+}
+
+/// How a router turns its logits into the weights of the experts it selects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// Softmax over all experts, then the top k; renormalised to sum to 1 when `renormalize`
+    /// (Qwen3-MoE and OLMoE with `norm_topk_prob`; Mixtral always).
+    SoftmaxTopK {
+        /// Whether the k selected probabilities are divided by their sum.
+        renormalize: bool,
+    },
+    /// The top k logits, then a softmax over those k (gpt-oss, Granite MoE).
+    TopKSoftmax,
+}
+
+/// What an expert computes between its up and down projections.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertGlu {
+    /// `act(gate) · up`, with the model's activation.
+    Gated,
+    /// gpt-oss: `gate` clamped above at `limit`, `up` to ±`limit`, then `(up + 1) · gate · σ(alpha · gate)`.
+    ClampedSwiGlu {
+        /// The sigmoid's slope.
+        alpha: f64,
+        /// The clamp.
+        limit: f64,
+    },
+}
+
+/// The mixture of experts that replaces the MLP of some layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per MoE layer.
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub experts_per_token: usize,
+    /// Width of one expert's hidden activation.
+    pub expert_intermediate_size: usize,
+    /// How router logits become mixing weights.
+    pub routing: Routing,
+    /// Whether the router carries a bias (gpt-oss).
+    pub router_bias: bool,
+    /// Whether the experts' projections carry biases (gpt-oss).
+    pub expert_bias: bool,
+    /// The experts' activation.
+    pub glu: ExpertGlu,
+    /// Which layers are mixtures (the others keep a dense MLP of `intermediate_size`);
+    /// its length is the layer count.
+    pub sparse_layers: Vec<bool>,
 }
 
 /// What differs between layers: attention span and rotary embedding.
@@ -300,6 +403,11 @@ pub struct ArchConfig {
     pub eos_token_ids: Vec<u32>,
     /// The beginning-of-sequence token id, from the config.
     pub bos_token_id: Option<u32>,
+    /// The mixture of experts of the sparse layers, where the model has one.
+    pub moe: Option<MoeConfig>,
+    /// Whether each head has a learned sink logit that joins its softmax and takes probability
+    /// from the keys (gpt-oss).
+    pub attn_sinks: bool,
 }
 
 /// Refuses a layer count outside `1..=MAX_LAYERS` before anything per layer is allocated.
@@ -402,6 +510,34 @@ impl ArchConfig {
                     .map_err(|(name, reason)| invalid(source, &field(name), format!("layer {i}: {reason}")))?;
             }
         }
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.num_experts > MAX_HEADS {
+                return bad("num_experts", format!("{} is outside 1..={MAX_HEADS}", m.num_experts));
+            }
+            if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                return bad(
+                    "num_experts_per_tok",
+                    format!("{} is outside 1..={} (the experts per layer)", m.experts_per_token, m.num_experts),
+                );
+            }
+            if m.expert_intermediate_size == 0 || m.expert_intermediate_size > MAX_WIDTH {
+                return bad(
+                    "moe_intermediate_size",
+                    format!("{} is outside 1..={MAX_WIDTH}", m.expert_intermediate_size),
+                );
+            }
+            if m.sparse_layers.len() != self.layers.len() {
+                return bad(
+                    "mlp_only_layers",
+                    format!("{} layer flags for {} layers", m.sparse_layers.len(), self.layers.len()),
+                );
+            }
+            if let ExpertGlu::ClampedSwiGlu { alpha, limit } = m.glu {
+                if !(alpha.is_finite() && limit.is_finite() && limit > 0.0) {
+                    return bad("swiglu_limit", format!("alpha {alpha} and limit {limit} must be finite, limit > 0"));
+                }
+            }
+        }
         // eos/bos ids past the vocabulary are the tokenizer's to report (it does, when used): the
         // model still runs on ids, and such an id is never generated, so it cannot stop anything.
         Ok(())
@@ -410,6 +546,11 @@ impl ArchConfig {
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    /// Whether layer `i` mixes experts rather than running the dense MLP.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse_layers.get(i).copied().unwrap_or(false))
     }
 
     /// Number of rotated dimensions per head (even).

@@ -55,6 +55,9 @@ pub struct Attention {
     pub scale: f64,
     /// Soft cap of scores.
     pub softcap: Option<f64>,
+    /// One learned logit per head that joins the softmax as an extra key with no value (gpt-oss),
+    /// float32 `[heads]`.
+    pub sinks: Option<Tensor>,
     /// Whether RoPE rotates adjacent pairs.
     pub rope_interleaved: bool,
     /// The dtype keys and values are cached in (see `decoder::cache_dtype`).
@@ -216,7 +219,8 @@ impl Attention {
             scale: self.scale as f32,
             softcap: self.softcap.map(|c| c as f32),
         };
-        if !pattern_wanted && kernels::attention::takes(&q, &k_all, &v_all) {
+        // Attention sinks (gpt-oss) take their share in the materialised softmax below only.
+        if !pattern_wanted && self.sinks.is_none() && kernels::attention::takes(&q, &k_all, &v_all) {
             if tables.decoding && t == 1 {
                 let heads = kernels::attention::decode(&q, &k_all, &v_all, p)?; // [1, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
@@ -257,7 +261,16 @@ impl Attention {
         if let Some(mask) = tables.mask()? {
             scores = scores.broadcast_add(&mask)?;
         }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let probs = match &self.sinks {
+            None => candle_nn::ops::softmax_last_dim(&scores)?,
+            Some(sinks) => {
+                // The sink takes its share of each row's probability and is then dropped, so the
+                // pattern's rows sum to less than 1.
+                let sink = sinks.reshape((1, nh, 1, 1))?.broadcast_as((1, nh, t, 1))?;
+                let with_sink = Tensor::cat(&[&scores, &sink.contiguous()?], 3)?;
+                candle_nn::ops::softmax_last_dim(&with_sink)?.narrow(3, 0, keys)?.contiguous()?
+            }
+        };
         if pattern_wanted {
             // The pattern spans the whole cache: keys outside the window get probability 0.
             let pattern = probs.squeeze(0)?;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Tensor, D};
 
-use crate::backend::config::{Activation, NormKind};
+use crate::backend::config::{Activation, ExpertGlu, NormKind};
 use crate::backend::kernels::interleaved::Interleaved;
 use crate::backend::kernels::Weight;
 
@@ -158,6 +158,8 @@ pub struct Mlp {
     pub down: Linear,
     /// The gate's activation.
     pub activation: Activation,
+    /// How gate and up combine: `act(gate) · up`, or gpt-oss's clamped SwiGLU.
+    pub glu: ExpertGlu,
 }
 
 /// The MLP's input projections.
@@ -204,8 +206,16 @@ impl Mlp {
                 return self.down.forward(&hidden);
             }
         };
-        let gate = super::activation::apply(self.activation, &gate)?;
-        let hidden = at_hidden((gate * up)?)?;
+        let hidden = match self.glu {
+            ExpertGlu::Gated => (super::activation::apply(self.activation, &gate)? * up)?,
+            ExpertGlu::ClampedSwiGlu { alpha, limit } => {
+                let gate = gate.minimum(limit)?;
+                let up = up.clamp(-limit, limit)?;
+                let glu = (&gate * candle_nn::ops::sigmoid(&(&gate * alpha)?)?)?;
+                ((up + 1.0)? * glu)?
+            }
+        };
+        let hidden = at_hidden(hidden)?;
         self.down.forward(&hidden)
     }
 }

@@ -8,6 +8,7 @@ pub mod activation;
 pub mod attention;
 pub mod hooks;
 pub mod layers;
+pub mod moe;
 pub mod names;
 pub mod rope;
 
@@ -16,10 +17,11 @@ use candle_core::{DType, Device, Tensor};
 use attention::{Attention, QkNorms, QkvProj, StepTables};
 use hooks::Hooks;
 use layers::{Embedding, GateUp, Linear, Mlp, Norm};
+use moe::{FeedForward, Moe};
 use names::{Naming, Slot};
 use rope::Rope;
 
-use crate::backend::config::{ArchConfig, LayerConfig, NormKind, QkNorm};
+use crate::backend::config::{ArchConfig, ExpertGlu, LayerConfig, NormKind, QkNorm};
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::kv_cache::KvCache;
 use crate::backend::weights::quantize::QuantizeReport;
@@ -33,7 +35,7 @@ struct Block {
     attn: Attention,
     attn_out_norm: Option<Norm>,
     mlp_in_norm: Option<Norm>,
-    mlp: Mlp,
+    mlp: FeedForward,
     mlp_out_norm: Option<Norm>,
     /// Index into the decoder's distinct layer variants (rope + window).
     variant: usize,
@@ -147,6 +149,7 @@ impl Decoder {
                 }),
             };
             let o = linear(Slot::O, i, h, nh * d, c.o_bias)?;
+            let sinks = if c.attn_sinks { Some(w.dense_f32(&moe::sinks_name(naming, arch, i), &[nh])?) } else { None };
             let cache_dtype = cache_dtype(w.dtype(), w.device(), o.is_quantized());
             let attn = Attention {
                 qkv,
@@ -157,23 +160,35 @@ impl Decoder {
                 head_dim: d,
                 scale: if c.attn_scale_by_layer { c.attn_scale / (i + 1) as f64 } else { c.attn_scale },
                 softcap: c.attn_softcap,
+                sinks,
                 rope_interleaved: c.rope_interleaved,
                 cache_dtype,
                 product_dtype: w.dtype(),
             };
             // Phi-3 fuses gate and up; GGUF names the fused one like the plain up projection.
             let fused_gate_up = !w.contains(&name(Slot::Gate, i, "weight"));
-            let gate_up = if !c.mlp_gated {
-                GateUp::Ungated(linear(Slot::Up, i, inter, h, c.mlp_bias)?)
+            let gate_up = if c.is_sparse(i) {
+                None
+            } else if !c.mlp_gated {
+                Some(GateUp::Ungated(linear(Slot::Up, i, inter, h, c.mlp_bias)?))
             } else if fused_gate_up {
-                GateUp::Fused(linear(Slot::GateUp, i, 2 * inter, h, c.mlp_bias)?)
+                Some(GateUp::Fused(linear(Slot::GateUp, i, 2 * inter, h, c.mlp_bias)?))
             } else {
-                GateUp::Separate {
+                Some(GateUp::Separate {
                     gate: linear(Slot::Gate, i, inter, h, c.mlp_bias)?,
                     up: linear(Slot::Up, i, inter, h, c.mlp_bias)?,
-                }
+                })
             };
-            let mlp = Mlp { gate_up, down: linear(Slot::Down, i, h, inter, c.mlp_bias)?, activation: c.activation };
+            let mlp = match (gate_up, &c.moe) {
+                (Some(gate_up), _) => FeedForward::Dense(Mlp {
+                    gate_up,
+                    down: linear(Slot::Down, i, h, inter, c.mlp_bias)?,
+                    activation: c.activation,
+                    glu: ExpertGlu::Gated,
+                }),
+                (None, Some(m)) => FeedForward::Moe(Moe::load(w, arch, naming, i, h, m, c.activation)?),
+                (None, None) => unreachable!("is_sparse(i) implies a MoE configuration"),
+            };
             let (pre, post) = (c.block_norms.pre(), c.block_norms.post());
             blocks.push(Block {
                 attn_in_norm: if pre { Some(norm(Slot::AttnInNorm, i, h)?) } else { None },
@@ -271,6 +286,9 @@ impl Decoder {
             for l in attn.into_iter().chain([&b.attn.o]).chain(b.mlp.linears()) {
                 parts.extend(l.summary());
             }
+            if let Some(s) = &b.attn.sinks {
+                parts.push(("f32".into(), s.elem_count()));
+            }
         }
         if !self.config.tie_word_embeddings {
             parts.extend(self.lm_head.summary());
@@ -307,7 +325,8 @@ impl Decoder {
 
     /// Every named point this decoder offers, in forward order.
     pub fn points(&self) -> Vec<Point> {
-        Point::all(self.blocks.len())
+        let sparse: Vec<bool> = (0..self.blocks.len()).map(|i| self.config.is_sparse(i)).collect();
+        Point::for_layers(&sparse)
     }
 
     /// Every observation path this decoder offers, in forward order.
@@ -324,7 +343,11 @@ impl Decoder {
             Point::Layer(i, _) if i >= self.blocks.len() => None,
             Point::Layer(_, LayerPoint::AttentionPattern) => None,
             Point::Layer(_, LayerPoint::AttentionHeads) => Some(vec![c.num_heads, c.head_dim]),
+            Point::Layer(i, p) if !p.in_layer(c.is_sparse(i)) => None,
             Point::Layer(_, LayerPoint::MlpHidden) => Some(vec![c.intermediate_size]),
+            Point::Layer(_, LayerPoint::RouterLogits | LayerPoint::ExpertWeights) => {
+                c.moe.as_ref().map(|m| vec![m.num_experts])
+            }
             Point::Layer(_, _) => Some(vec![c.hidden_size]),
         }
     }
@@ -418,8 +441,9 @@ impl Decoder {
             if !self.config.parallel_residual {
                 x = (x + &a)?;
             }
-            let hidden_point = Point::Layer(i, LayerPoint::MlpHidden);
-            let m = b.mlp.forward(&norm_or_same(&b.mlp_in_norm, &x)?, |h| at_each(items, &lens, hidden_point, h))?;
+            let m = b
+                .mlp
+                .forward(&norm_or_same(&b.mlp_in_norm, &x)?, |p, h| at_each(items, &lens, Point::Layer(i, p), h))?;
             let m = match &b.mlp_out_norm {
                 Some(n) => n.forward(&m)?,
                 None => m,

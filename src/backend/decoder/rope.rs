@@ -9,6 +9,8 @@ use crate::backend::config::{RopeConfig, RopeScaling};
 pub struct Rope {
     inv_freq: Vec<f32>,
     position_scale: f32,
+    /// Multiplier of the cos and sin tables (YaRN's attention factor; 1 otherwise).
+    table_scale: f32,
 }
 
 impl Rope {
@@ -17,6 +19,7 @@ impl Rope {
         let mut inv_freq: Vec<f32> =
             (0..rotary_dim / 2).map(|i| (1.0 / cfg.theta.powf((2 * i) as f64 / rotary_dim as f64)) as f32).collect();
         let mut position_scale = 1.0;
+        let mut table_scale = 1.0;
         match cfg.scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => position_scale = (1.0 / factor) as f32,
@@ -37,8 +40,41 @@ impl Rope {
                     } as f32;
                 }
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => {
+                // transformers' `_compute_yarn_parameters`: the dimension a number of rotations over
+                // the original context lands on bounds a linear ramp from extrapolated (original)
+                // to interpolated (divided by `factor`) frequencies.
+                let dim = rotary_dim as f64;
+                let base = cfg.theta;
+                let correction = |rotations: f64| {
+                    dim * (original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * base.ln())
+                };
+                let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                for (i, f) in inv_freq.iter_mut().enumerate() {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    let freq = *f as f64;
+                    *f = (freq / factor * (1.0 - extrapolation) + freq * extrapolation) as f32;
+                }
+                table_scale = attention_factor as f32;
+            }
         }
-        Self { inv_freq, position_scale }
+        Self { inv_freq, position_scale, table_scale }
     }
 
     /// Float32 cos and sin tables `[t, rotary_dim / 2]` for positions `start..start + t`.
@@ -50,8 +86,8 @@ impl Rope {
             let p = p as f32 * self.position_scale;
             for &f in &self.inv_freq {
                 let angle = p * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+                cos.push(angle.cos() * self.table_scale);
+                sin.push(angle.sin() * self.table_scale);
             }
         }
         Ok((Tensor::from_vec(cos, (t, half), device)?, Tensor::from_vec(sin, (t, half), device)?))

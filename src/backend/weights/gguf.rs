@@ -703,6 +703,41 @@ impl WeightSource for GgufWeights {
         QMatMul::from_arc(Arc::new(q)).map(Weight::Candle).ctx(|| format!("preparing matmul weight `{name}`"))
     }
 
+    fn expert_matmul(&self, name: &str, expert: usize, dtype: DType, device: &Device) -> Result<Weight> {
+        let (info, file, at) = self.open_tensor(name)?;
+        let (experts, rows, cols) = match *info.shape.dims() {
+            [e, r, c] => (e, r, c),
+            ref other => return Err(self.malformed(name, format!("expected 3 dimensions, found {other:?}"))),
+        };
+        if expert >= experts {
+            return Err(self.malformed(name, format!("no expert {expert} among {experts}")));
+        }
+        let qtype = info.ggml_dtype;
+        if !device.is_cpu() || !cols.is_multiple_of(qtype.block_size()) {
+            // candle's reader reads whole tensors onto other devices: de-quantize this one's slice.
+            let t = self.qtensor(name, device)?.dequantize(device).ctx(|| format!("de-quantizing `{name}`"))?;
+            let one = t.get(expert).and_then(|t| t.contiguous()).ctx(|| format!("expert {expert} of `{name}`"))?;
+            return Ok(Weight::Candle(QMatMul::Tensor(convert(one, name, dtype)?)));
+        }
+        // An expert's rows are contiguous in the file: read only its blocks.
+        let bytes = rows * (cols / qtype.block_size()) * qtype.type_size();
+        let fill = |buf: &mut [u8]| {
+            read_at(&file, at + (expert * bytes) as u64, buf)?;
+            if self.check_tensors {
+                finite::check(qtype, buf, 0).map_err(skip_hint)?;
+            }
+            Ok(())
+        };
+        let what = format!("{name}[{expert}]");
+        let q = read_blocks(fill, qtype, &[rows, cols]).map_err(|e| self.malformed(&what, e))?;
+        if self.dequantize || qtype == GgmlDType::F32 {
+            let t = q.dequantize(device).ctx(|| format!("de-quantizing `{what}`"))?;
+            return Ok(Weight::Candle(QMatMul::Tensor(convert(t, &what, dtype)?)));
+        }
+        let q = super::requant::fast_encoding(q, device).ctx(|| format!("re-encoding `{what}`"))?;
+        Weight::prepare(q, device).ctx(|| format!("preparing matmul weight `{what}`"))
+    }
+
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
         if !self.dequantize {
             if let Some(tiles) = self.interleaved(name, device)? {

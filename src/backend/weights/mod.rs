@@ -31,6 +31,16 @@ pub trait WeightSource: Send + Sync {
     fn matmul(&self, name: &str, dtype: DType, device: &Device) -> Result<Weight> {
         Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?)))
     }
+    /// Expert `expert` of a 3-D `[experts, out, in]` tensor (GGUF's `ffn_*_exps`) as an
+    /// `[out, in]` matmul weight; formats that store quantized blocks keep that expert's blocks.
+    fn expert_matmul(&self, name: &str, expert: usize, dtype: DType, device: &Device) -> Result<Weight> {
+        let one = self
+            .dense(name, dtype, device)?
+            .get(expert)
+            .and_then(|t| t.contiguous())
+            .ctx(|| format!("expert {expert} of `{name}`"))?;
+        Ok(Weight::Candle(QMatMul::Tensor(one)))
+    }
     /// Loads `name` as an embedding table; formats that store quantized blocks keep them quantized.
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
         Ok(Embedding::Dense(self.dense(name, dtype, device)?))
@@ -65,15 +75,26 @@ impl<'a> WeightLoader<'a> {
 
     /// `name` quantized for `role` when quantization was asked for and its rows fit a block type.
     fn quantized(&self, name: &str, role: WeightRole) -> Result<Option<candle_core::quantized::QTensor>> {
-        let Some((base, report)) = &self.quantize else { return Ok(None) };
         let cols = self.source.shape(name).and_then(|s| s.last().copied()).unwrap_or(0);
+        self.quantized_from(name, role, cols, || self.source.dense(name, DType::F32, self.device))
+    }
+
+    /// `quantized` for a tensor `load` gives (read only when it is to be quantized).
+    fn quantized_from(
+        &self,
+        name: &str,
+        role: WeightRole,
+        cols: usize,
+        load: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Option<candle_core::quantized::QTensor>> {
+        let Some((base, report)) = &self.quantize else { return Ok(None) };
         let decision = quantize::decide(*base, role, cols);
         let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
         if let quantize::Decision::Dense { reason } = decision {
             report.dense.insert(name.to_owned(), reason);
             return Ok(None);
         }
-        let dense = self.source.dense(name, DType::F32, self.device)?;
+        let dense = load()?;
         quantize::apply(name, &dense, decision, self.device, &mut report)
     }
 
@@ -134,6 +155,46 @@ impl<'a> WeightLoader<'a> {
     /// The `[vocab, hidden]` output projection (untied), quantized as `matmul`, with llama.cpp's output type.
     pub fn output(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<Weight> {
         self.matmul_as(name, out_dim, in_dim, WeightRole::Output)
+    }
+
+    /// A `[out, in]` projection weight cut from a larger tensor (one expert of a fused 3-D
+    /// checkpoint tensor; `name` names the piece in errors and reports), quantized where
+    /// quantization at load asks, like `matmul`.
+    pub fn matmul_from(&self, name: &str, t: Tensor) -> Result<Weight> {
+        let cols = t.dims().last().copied().unwrap_or(0);
+        let to_f32 = || t.to_dtype(DType::F32).and_then(|x| x.contiguous()).ctx(|| format!("reading `{name}`"));
+        match self.quantized_from(name, WeightRole::Projection, cols, to_f32)? {
+            Some(q) => {
+                let q = requant::fast_encoding(q, self.device).ctx(|| format!("re-encoding `{name}`"))?;
+                Weight::prepare(q, self.device).ctx(|| format!("preparing matmul weight `{name}`"))
+            }
+            None => {
+                let t = convert(t, name, self.dtype)?.contiguous().ctx(|| format!("laying out `{name}`"))?;
+                Ok(Weight::Candle(QMatMul::Tensor(t)))
+            }
+        }
+    }
+
+    /// Expert `expert` of a `[experts, out_dim, in_dim]` tensor as an `[out_dim, in_dim]` projection
+    /// weight, quantized where the checkpoint is or quantization at load asks.
+    pub fn expert_matmul(
+        &self,
+        name: &str,
+        expert: usize,
+        experts: usize,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<Weight> {
+        self.check(name, &[experts, out_dim, in_dim])?;
+        if self.quantize.is_some() {
+            let one = self
+                .source
+                .dense(name, DType::F32, self.device)?
+                .get(expert)
+                .ctx(|| format!("expert {expert} of `{name}`"))?;
+            return self.matmul_from(&format!("{name}[{expert}]"), one);
+        }
+        self.source.expert_matmul(name, expert, self.dtype, self.device)
     }
 
     fn matmul_as(&self, name: &str, out_dim: usize, in_dim: usize, role: WeightRole) -> Result<Weight> {
