@@ -99,8 +99,8 @@ def test_every_type_dequantizes_bit_for_bit_as_gguf(tmp_path, qtype):
         # MXFP4's exponent 252 is beyond any Q8_0 scale: that tensor stays float32, still exact.
         assert_bits_equal(embedding_table(path), want, f"{qtype.name} quantized")
     if qtype == T.MXFP4:
-        # Exponents float16 holds: the Q8_0 re-encoding itself.
-        raw = random_blocks(qtype, rows, np.random.default_rng(1))
+        # Scales float16 holds (2^-24 to 2^15): the Q8_0 re-encoding itself.
+        raw = random_blocks(qtype, rows, np.random.default_rng(1), exponents=(104, 144))
         path = write(tmp_path / "in_range", qtype, raw)
         assert_bits_equal(embedding_table(path), gguf.quants.dequantize(raw, qtype), "MXFP4 as Q8_0")
 
