@@ -616,16 +616,21 @@ impl GgufWeights {
     }
 
     /// A tensor of a type candle lacks, re-encoded as Q8_0 for the int8 kernels (exact or
-    /// nearly: `ExtraType::to_q8_0`); `None` (float32 instead) for rows that are not whole
-    /// 32-value blocks and for values no Q8_0 scale reaches.
+    /// nearly: `ExtraType::to_q8_0`; rows are whole blocks of 32 or 256 values, so whole Q8_0
+    /// blocks); `None` (float32 instead) where no Q8_0 scale reaches its values.
     fn extra_q8_0(&self, name: &str, t: &ExtraTensor, device: &Device) -> Result<Option<QTensor>> {
-        if t.shape.last().is_none_or(|k| k % 32 != 0) || !device.is_cpu() {
-            return Ok(None);
-        }
         let bytes = self.extra_bytes(name, t)?;
         let mut conversion = None;
-        let fill = |out: &mut [u8]| t.ty.to_q8_0(&bytes, out).map(|c| conversion = Some(c));
-        let q = read_blocks(fill, GgmlDType::Q8_0, &t.shape).map_err(|e| self.malformed(name, e))?;
+        let q = if device.is_cpu() {
+            // Written straight into the tensor's blocks.
+            let fill = |out: &mut [u8]| t.ty.to_q8_0(&bytes, out).map(|c| conversion = Some(c));
+            read_blocks(fill, GgmlDType::Q8_0, &t.shape).map_err(|e| self.malformed(name, e))?
+        } else {
+            let mut q8 = vec![0u8; t.ty.q8_0_bytes(bytes.len())];
+            conversion = Some(t.ty.to_q8_0(&bytes, &mut q8).map_err(|e| self.malformed(name, e))?);
+            candle_core::quantized::ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &q8, t.shape.clone(), device)
+                .ctx(|| format!("moving `{name}` to {device:?}"))?
+        };
         // Values beyond what any float16 scale reaches (MXFP4 only) stay float32.
         if conversion.is_some_and(|c| c.unrepresentable > 0) {
             return Ok(None);
