@@ -331,6 +331,7 @@ def write_tiny_gguf(
     raw_tensors=None,
     n_layers=TINY_LAYERS,
     ff=TINY_FF,
+    hidden=TINY_HIDDEN,
     seed=0,
 ):
     """Writes a tiny random model that `cw.ModelRuntime.load` accepts, with a gpt2 (byte-level
@@ -345,7 +346,7 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(str(path), arch)  # writes general.architecture
     if "general.architecture" in drop_keys:
         writer.kv_data[0].pop("general.architecture", None)
-    md = tiny_metadata(arch, n_layers=n_layers, ff=ff)
+    md = tiny_metadata(arch, n_layers=n_layers, hidden=hidden, ff=ff)
     md.update(
         {
             "general.name": ("str", "tiny test model"),
@@ -379,7 +380,7 @@ def write_tiny_gguf(
             writer.add_bool(key, value)
         elif kind == "arr":
             writer.add_array(key, value)  # integers as int32, as llama.cpp writes token types
-    tensors = tiny_tensors(len(vocab["tokens"]), n_layers=n_layers, ff=ff, seed=seed)
+    tensors = tiny_tensors(len(vocab["tokens"]), n_layers=n_layers, hidden=hidden, ff=ff, seed=seed)
     raw_tensors = raw_tensors or {}
     for name, value in tensors.items():
         if name in drop_tensors:
@@ -423,13 +424,14 @@ def test_tiny_gguf_loads_and_runs(tmp_path):
 
 ARTIFACT = "ArtifactError"
 UNSUPPORTED_TYPE = "UnsupportedTensorTypeError"
-IQ2_XXS = 16
+# A type llama.cpp has and candlewick does not read (yet): 64 values in 36-byte blocks.
+NVFP4 = 40
 ABSURD = 2**62
 # Prefixes of the real Gemma file ("len-1": all but the last byte, inside the last tensor's data).
 GEMMA_CUTS = [0, 3, 8, 16, 24, 100, 1000, 10_000, 1_000_000, 50_000_000, "len-1"]
 # Prefixes of the tiny file: inside the counts, inside the metadata, around the end of the header.
 TINY_CUTS = [0, 4, 12, 24, 40, 1000, "header-1", "header+10", "len-1"]
-IQ2_MATCH = r"blk\.{layer}\.{tensor}\.weight.*IQ2_XXS|IQ2_XXS.*blk\.{layer}\.{tensor}\.weight"
+NVFP4_MATCH = r"blk\.{layer}\.{tensor}\.weight.*NVFP4|NVFP4.*blk\.{layer}\.{tensor}\.weight"
 # label: (expected exception, regex the message must match)
 MUTATIONS = {
     "bad magic": (ARTIFACT, "(?i)magic"),
@@ -455,8 +457,8 @@ MUTATIONS = {
     "tensor dimension 0": (ARTIFACT, r"blk\.0\.attn_q\.weight"),
     "tensor data offset 2**62": (ARTIFACT, r"blk\.0\.attn_q\.weight"),
     "tensor data offset past the end": (ARTIFACT, r"output\.weight"),
-    "tensor type patched to IQ2_XXS": (UNSUPPORTED_TYPE, IQ2_MATCH.format(layer=0, tensor="attn_q")),
-    "IQ2_XXS tensor": (UNSUPPORTED_TYPE, IQ2_MATCH.format(layer=1, tensor="ffn_down")),
+    "tensor type patched to NVFP4": (UNSUPPORTED_TYPE, NVFP4_MATCH.format(layer=0, tensor="attn_q")),
+    "NVFP4 tensor": (UNSUPPORTED_TYPE, NVFP4_MATCH.format(layer=1, tensor="ffn_down")),
 }
 CASES = [f"gemma cut {c}" for c in GEMMA_CUTS] + [f"tiny cut {c}" for c in TINY_CUTS] + list(MUTATIONS)
 
@@ -520,12 +522,12 @@ def malformed_files(tmp_path, gemma_file):
     case("tensor dimension 0", patched(data, tens[q]["dims"], "<Q", 0))
     case("tensor data offset 2**62", patched(data, tens[q]["offset"], "<Q", ABSURD))
     case("tensor data offset past the end", patched(data, tens["output.weight"]["offset"], "<Q", len(data)))
-    case("tensor type patched to IQ2_XXS", patched(data, tens[q]["type"], "<I", IQ2_XXS))
+    case("tensor type patched to NVFP4", patched(data, tens[q]["type"], "<I", NVFP4))
 
-    # A file written with a genuine IQ2_XXS tensor (66-byte blocks of 256 weights).
-    raw = np.random.default_rng(1).integers(0, 256, size=(TINY_HIDDEN, 66), dtype=np.uint8)
-    path = write_tiny_gguf(tmp_path / "iq2.gguf", ff=256, raw_tensors={"blk.1.ffn_down.weight": (raw, IQ2_XXS)})
-    cases["IQ2_XXS tensor"] = (path, *MUTATIONS["IQ2_XXS tensor"])
+    # A file written with a genuine NVFP4 tensor (36-byte blocks of 64 weights).
+    raw = np.random.default_rng(1).integers(0, 256, size=(TINY_HIDDEN, 4 * 36), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path / "nvfp4.gguf", ff=256, raw_tensors={"blk.1.ffn_down.weight": (raw, NVFP4)})
+    cases["NVFP4 tensor"] = (path, *MUTATIONS["NVFP4 tensor"])
     assert sorted(cases) == sorted(CASES)
     return cases
 
@@ -623,11 +625,12 @@ def test_missing_tensor(tmp_path, tensor, dtype):
 
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
     rng = np.random.default_rng(2)
-    raw = rng.integers(0, 256, size=(TINY_HIDDEN, 66), dtype=np.uint8)
-    path = write_tiny_gguf(tmp_path / "iq2.gguf", ff=256, raw_tensors={"blk.0.ffn_down.weight": (raw, IQ2_XXS)})
+    # NVFP4 (64 values in 36 bytes), a type newer than those llama.cpp's quantizer offers.
+    raw = rng.integers(0, 256, size=(TINY_HIDDEN, 4 * 36), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path / "nvfp4.gguf", ff=256, raw_tensors={"blk.0.ffn_down.weight": (raw, NVFP4)})
     with pytest.raises(cw.UnsupportedTensorTypeError) as info:
         cw.ModelRuntime.load(path, device="cpu")
-    assert "blk.0.ffn_down.weight" in str(info.value) and "IQ2_XXS" in str(info.value)
+    assert "blk.0.ffn_down.weight" in str(info.value) and "NVFP4" in str(info.value)
     assert isinstance(info.value, cw.UnsupportedError) and isinstance(info.value, cw.CandlewickError)
 
 

@@ -9,6 +9,8 @@
 
 use candle_core::quantized::GgmlDType;
 
+use super::extra_types::ExtraType;
+
 /// The exponent bits of a float16 / bfloat16 / float32, all ones for infinity and NaN.
 const F16_EXP: u16 = 0x7c00;
 const BF16_EXP: u16 = 0x7f80;
@@ -74,7 +76,6 @@ fn first_bad(dtype: GgmlDType, bytes: &[u8]) -> Option<usize> {
 /// of rayon's threads; `first` is the index of its first element or block in the tensor, so
 /// that the error names the place in the whole tensor.
 pub fn check(dtype: GgmlDType, bytes: &[u8], first: usize) -> Result<(), String> {
-    use rayon::prelude::*;
     let unit = match dtype {
         GgmlDType::F32 => 4,
         GgmlDType::F16 | GgmlDType::BF16 => 2,
@@ -83,19 +84,43 @@ pub fn check(dtype: GgmlDType, bytes: &[u8], first: usize) -> Result<(), String>
             None => return Ok(()),
         },
     };
-    // About 1 MiB a task, in whole units.
-    let per_task = ((1usize << 20) / unit).max(1);
-    let bad = bytes
-        .par_chunks(per_task * unit)
-        .enumerate()
-        .find_map_first(|(i, c)| first_bad(dtype, c).map(|j| first + i * per_task + j));
-    match bad {
+    match first_bad_unit(bytes, unit, first, |c| first_bad(dtype, c)) {
         None => Ok(()),
         Some(i) if matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
             Err(format!("value {i} is not finite (NaN or infinity)"))
         }
-        Some(i) => Err(format!("the scale of block {i} is not finite (NaN or infinity)")),
+        Some(i) => Err(bad_block(i)),
     }
+}
+
+/// `check` for the types candle lacks (`extra_types`): each block's one float16 scale (MXFP4:
+/// a power-of-two scale so large that its values overflow float32).
+pub fn check_extra(ty: ExtraType, bytes: &[u8], first: usize) -> Result<(), String> {
+    let bad = |b: &[u8]| !ty.finite_scale(b);
+    match first_bad_unit(bytes, ty.block_bytes(), first, |c| c.chunks_exact(ty.block_bytes()).position(bad)) {
+        None => Ok(()),
+        Some(i) => Err(bad_block(i)),
+    }
+}
+
+fn bad_block(i: usize) -> String {
+    format!("the scale of block {i} is not finite (NaN or infinity)")
+}
+
+/// The index in the tensor of the first unit (`unit` bytes) `first_bad` finds in `bytes`,
+/// searched about 1 MiB a task on rayon's threads.
+fn first_bad_unit(
+    bytes: &[u8],
+    unit: usize,
+    first: usize,
+    first_bad: impl Fn(&[u8]) -> Option<usize> + Sync,
+) -> Option<usize> {
+    use rayon::prelude::*;
+    let per_task = ((1usize << 20) / unit).max(1);
+    bytes
+        .par_chunks(per_task * unit)
+        .enumerate()
+        .find_map_first(|(i, c)| first_bad(c).map(|j| first + i * per_task + j))
 }
 
 /// The ggml type of a safetensors float dtype, for `check`.
@@ -149,6 +174,20 @@ mod tests {
             let at = 2 * size + halves[halves.len() - 1];
             blocks[at..at + 2].copy_from_slice(&half::f16::NAN.to_le_bytes());
             assert_eq!(check(dtype, &blocks, 0).unwrap_err(), "the scale of block 2 is not finite (NaN or infinity)");
+        }
+    }
+
+    #[test]
+    fn the_extra_types_scales_are_checked() {
+        for ty in ExtraType::ALL {
+            let size = ty.block_bytes();
+            let mut blocks = vec![0u8; 3 * size];
+            assert_eq!(check_extra(ty, &blocks, 0), Ok(()), "{ty:?}");
+            // All ones is a NaN scale wherever the type keeps one (IQ1_M's four nibbles included),
+            // and MXFP4's largest exponent.
+            blocks[2 * size..].fill(0xff);
+            let got = check_extra(ty, &blocks, 5);
+            assert_eq!(got.unwrap_err(), "the scale of block 7 is not finite (NaN or infinity)", "{ty:?}");
         }
     }
 }

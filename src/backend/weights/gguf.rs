@@ -10,6 +10,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 
+use super::extra_types::ExtraType;
 use super::{convert, finite, WeightSource};
 use crate::backend::decoder::layers::Embedding;
 use crate::backend::error::{without_backtrace, CandleContext, CandleError, Result};
@@ -17,7 +18,7 @@ use crate::backend::kernels::{self, interleaved::Interleaved, Weight};
 
 /// The ggml type names, by id, of every type a GGUF file may hold (for error messages).
 fn ggml_type_name(id: u32) -> String {
-    const NAMES: [&str; 40] = [
+    const NAMES: [&str; 42] = [
         "F32",
         "F16",
         "Q4_0",
@@ -58,6 +59,8 @@ fn ggml_type_name(id: u32) -> String {
         "IQ4_NL_4_8",
         "IQ4_NL_8_8",
         "MXFP4",
+        "NVFP4",
+        "Q1_0",
     ];
     NAMES.get(id as usize).map(|s| s.to_string()).unwrap_or_else(|| format!("unknown type {id}"))
 }
@@ -100,6 +103,49 @@ pub struct GgufLayout {
     pub alignment: u64,
     /// The number of tensors.
     pub tensor_count: usize,
+    /// The tensors of types candle cannot hold (`extra_types`), which the `Content` leaves out.
+    pub extra_tensors: HashMap<String, ExtraTensor>,
+}
+
+/// A tensor of a type candle cannot hold: where it is and how to decode it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtraTensor {
+    /// Its type.
+    pub ty: ExtraType,
+    /// Its shape, outermost dimension first (as candle's).
+    pub shape: Vec<usize>,
+    /// Where its data starts, relative to the data section.
+    pub offset: u64,
+}
+
+/// A tensor's stored type: one candle holds, or one `extra_types` decodes.
+#[derive(Debug, Clone, Copy)]
+enum StoredType {
+    Candle(GgmlDType),
+    Extra(ExtraType),
+}
+
+impl StoredType {
+    fn of(id: u32) -> Option<Self> {
+        candle_dtype(id).map(Self::Candle).or_else(|| ExtraType::from_id(id).map(Self::Extra))
+    }
+
+    /// Values and bytes of one block.
+    fn block(self) -> (u64, u64) {
+        match self {
+            Self::Candle(d) => (d.block_size() as u64, d.type_size() as u64),
+            Self::Extra(t) => (t.block_values() as u64, t.block_bytes() as u64),
+        }
+    }
+}
+
+impl std::fmt::Display for StoredType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Candle(d) => write!(f, "{d:?}"),
+            Self::Extra(t) => write!(f, "{t:?}"),
+        }
+    }
 }
 
 /// A byte cursor over the header that never reads or skips past the end of the file.
@@ -281,7 +327,7 @@ fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<(GgufLa
     }
     struct Info {
         name: String,
-        dtype: GgmlDType,
+        dtype: StoredType,
         dims: Vec<u64>,
         offset: u64,
         bytes: u64,
@@ -311,15 +357,15 @@ fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<(GgufLa
         let Some(elems) = elems else {
             return Err(format!("tensor `{name}` has shape {dims:?}, more elements than any file can hold").into());
         };
-        let Some(dtype) = candle_dtype(ty) else {
+        let Some(dtype) = StoredType::of(ty) else {
             return Err(LayoutError::UnsupportedType { tensor: name, dtype: ggml_type_name(ty) });
         };
-        let (block, type_size) = (dtype.block_size() as u64, dtype.type_size() as u64);
+        let (block, type_size) = dtype.block();
         // A rank-0 tensor is one element, as in ggml (whose unused dimensions are 1).
         let row = dims.first().copied().unwrap_or(1);
         if row % block != 0 {
             return Err(format!(
-                "tensor `{name}` ({dtype:?}, shape {dims:?}) has rows of {} elements, not a multiple of the \
+                "tensor `{name}` ({dtype}, shape {dims:?}) has rows of {} elements, not a multiple of the \
                  type's block of {block}",
                 row
             )
@@ -341,7 +387,7 @@ fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<(GgufLa
         let end = data_offset.saturating_add(t.offset).saturating_add(t.bytes);
         if end > h.size {
             return Err(format!(
-                "tensor `{}` ({:?}, shape {:?}) needs bytes up to offset {end}, but the file has {}",
+                "tensor `{}` ({}, shape {:?}) needs bytes up to offset {end}, but the file has {}",
                 t.name, t.dtype, t.dims, h.size
             )
             .into());
@@ -356,15 +402,23 @@ fn walk_layout<R: Read + Seek>(h: &mut Header<R>) -> std::result::Result<(GgufLa
         )
         .into());
     }
-    let layout = GgufLayout { data_offset, alignment, tensor_count: infos.len() };
-    // candle's shapes list dimensions outermost first; GGUF's innermost first.
-    let tensor_infos = infos
-        .into_iter()
-        .map(|t| {
-            let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
-            (t.name, gguf_file::TensorInfo { ggml_dtype: t.dtype, shape: shape.into(), offset: t.offset })
-        })
-        .collect();
+    let tensor_count = infos.len();
+    let mut tensor_infos = HashMap::new();
+    let mut extra_tensors = HashMap::new();
+    for t in infos {
+        // candle's shapes list dimensions outermost first; GGUF's innermost first.
+        let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        match t.dtype {
+            StoredType::Candle(ggml_dtype) => {
+                tensor_infos
+                    .insert(t.name, gguf_file::TensorInfo { ggml_dtype, shape: shape.into(), offset: t.offset });
+            }
+            StoredType::Extra(ty) => {
+                extra_tensors.insert(t.name, ExtraTensor { ty, shape, offset: t.offset });
+            }
+        }
+    }
+    let layout = GgufLayout { data_offset, alignment, tensor_count, extra_tensors };
     Ok((layout, Content { magic, metadata, tensor_infos, tensor_data_offset: data_offset }))
 }
 
@@ -445,6 +499,8 @@ pub fn read_content(path: &Path) -> Result<Content> {
 pub struct GgufWeights {
     path: PathBuf,
     content: Content,
+    /// Tensors of the types candle lacks, decoded by `extra_types` as they load.
+    extra: HashMap<String, ExtraTensor>,
     dequantize: bool,
     /// Tokens in `tokenizer.ggml.tokens`, kept when the vocabulary itself is handed on.
     vocabulary_len: Option<usize>,
@@ -459,9 +515,10 @@ const VOCABULARY_KEYS: [&str; 4] =
 impl GgufWeights {
     /// Opens and validates `path`; `dequantize` expands every weight to the model dtype at load.
     pub fn open(path: &Path, dequantize: bool) -> Result<Self> {
-        let content = read_content(path)?;
+        let (layout, content) = read_header(path)?;
         let vocabulary_len = Metadata::new(&content.metadata).array_len(VOCABULARY_KEYS[0]);
-        Ok(Self { path: path.to_owned(), content, dequantize, vocabulary_len, check_tensors: true })
+        let extra = layout.extra_tensors;
+        Ok(Self { path: path.to_owned(), content, extra, dequantize, vocabulary_len, check_tensors: true })
     }
 
     /// Turns the check for NaN and infinite values off (`false`) or on, as llama.cpp's
@@ -505,13 +562,17 @@ impl GgufWeights {
 
     /// The dominant quantization of the matmul weights (e.g. `Q4_K`), for display.
     pub fn quantization(&self) -> String {
-        let mut counts: HashMap<GgmlDType, usize> = HashMap::new();
+        let mut counts: HashMap<String, usize> = HashMap::new();
         for info in self.content.tensor_infos.values() {
             if info.shape.rank() == 2 {
-                *counts.entry(info.ggml_dtype).or_default() += 1;
+                *counts.entry(format!("{:?}", info.ggml_dtype)).or_default() += 1;
             }
         }
-        counts.into_iter().max_by_key(|(_, n)| *n).map(|(d, _)| format!("{d:?}")).unwrap_or_default()
+        for t in self.extra.values().filter(|t| t.shape.len() == 2) {
+            *counts.entry(format!("{:?}", t.ty)).or_default() += 1;
+        }
+        // Ties broken by name, so that the display does not change from one load to the next.
+        counts.into_iter().max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0))).map(|(d, _)| d).unwrap_or_default()
     }
 
     fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
@@ -532,6 +593,49 @@ impl GgufWeights {
             Ok(())
         };
         read_blocks(fill, dtype, info.shape.dims()).map_err(|e| self.malformed(name, e))
+    }
+
+    /// The raw blocks of a tensor of a type candle lacks, checked for non-finite scales.
+    fn extra_bytes(&self, name: &str, t: &ExtraTensor) -> Result<Vec<u8>> {
+        let file = File::open(&self.path)
+            .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
+        // The layout check bounded the size by the file's, and the product cannot overflow.
+        let elems: usize = t.shape.iter().product();
+        let mut bytes = vec![0u8; elems / t.ty.block_values() * t.ty.block_bytes()];
+        read_at(&file, self.content.tensor_data_offset + t.offset, &mut bytes).map_err(|e| self.malformed(name, e))?;
+        if self.check_tensors {
+            finite::check_extra(t.ty, &bytes, 0).map_err(|e| self.malformed(name, skip_hint(e)))?;
+        }
+        Ok(bytes)
+    }
+
+    /// A tensor of a type candle lacks, de-quantized to float32 (bit for bit as `gguf.quants`).
+    fn extra_dense(&self, name: &str, t: &ExtraTensor, device: &Device) -> Result<Tensor> {
+        let values = t.ty.dequantize(&self.extra_bytes(name, t)?).map_err(|e| self.malformed(name, e))?;
+        Tensor::from_vec(values, t.shape.clone(), device).ctx(|| format!("de-quantizing `{name}` ({:?})", t.ty))
+    }
+
+    /// A tensor of a type candle lacks, re-encoded as Q8_0 for the int8 kernels (exact or
+    /// nearly: `ExtraType::to_q8_0`; rows are whole blocks of 32 or 256 values, so whole Q8_0
+    /// blocks); `None` (float32 instead) where no Q8_0 scale reaches its values.
+    fn extra_q8_0(&self, name: &str, t: &ExtraTensor, device: &Device) -> Result<Option<QTensor>> {
+        let bytes = self.extra_bytes(name, t)?;
+        let mut conversion = None;
+        let q = if device.is_cpu() {
+            // Written straight into the tensor's blocks.
+            let fill = |out: &mut [u8]| t.ty.to_q8_0(&bytes, out).map(|c| conversion = Some(c));
+            read_blocks(fill, GgmlDType::Q8_0, &t.shape).map_err(|e| self.malformed(name, e))?
+        } else {
+            let mut q8 = vec![0u8; t.ty.q8_0_bytes(bytes.len())];
+            conversion = Some(t.ty.to_q8_0(&bytes, &mut q8).map_err(|e| self.malformed(name, e))?);
+            candle_core::quantized::ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &q8, t.shape.clone(), device)
+                .ctx(|| format!("moving `{name}` to {device:?}"))?
+        };
+        // Values beyond what any float16 scale reaches (MXFP4 only) stay float32.
+        if conversion.is_some_and(|c| c.unrepresentable > 0) {
+            return Ok(None);
+        }
+        Ok(Some(q))
     }
 
     /// `name`'s description, its file, and where its data starts in the file.
@@ -679,14 +783,20 @@ fn zeroed<T: candle_core::quantized::k_quants::GgmlType>(n: usize) -> std::resul
 
 impl WeightSource for GgufWeights {
     fn names(&self) -> Vec<String> {
-        self.content.tensor_infos.keys().cloned().collect()
+        self.content.tensor_infos.keys().chain(self.extra.keys()).cloned().collect()
     }
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec())
+        match self.extra.get(name) {
+            Some(t) => Some(t.shape.clone()),
+            None => self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec()),
+        }
     }
 
     fn dense(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        if let Some(t) = self.extra.get(name) {
+            return convert(self.extra_dense(name, t, device)?, name, dtype);
+        }
         let t = self.qtensor(name, device)?.dequantize(device).ctx(|| format!("de-quantizing `{name}`"))?;
         convert(t, name, dtype)
     }
@@ -694,6 +804,12 @@ impl WeightSource for GgufWeights {
     fn matmul(&self, name: &str, dtype: DType, device: &Device) -> Result<Weight> {
         if self.dequantize {
             return Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?)));
+        }
+        if let Some(t) = self.extra.get(name) {
+            return match self.extra_q8_0(name, t, device)? {
+                Some(q) => Weight::prepare(q, device).ctx(|| format!("preparing matmul weight `{name}`")),
+                None => Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?))),
+            };
         }
         if let Some(tiles) = self.interleaved(name, device)? {
             return Ok(Weight::Interleaved(tiles));
@@ -739,6 +855,15 @@ impl WeightSource for GgufWeights {
     }
 
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
+        if let Some(t) = self.extra.get(name) {
+            let q = if self.dequantize { None } else { self.extra_q8_0(name, t, device)? };
+            return match q {
+                Some(q) => {
+                    Weight::prepare(q, device).map(super::embedding_of).ctx(|| format!("preparing embedding `{name}`"))
+                }
+                None => Ok(Embedding::Dense(self.dense(name, dtype, device)?)),
+            };
+        }
         if !self.dequantize {
             if let Some(tiles) = self.interleaved(name, device)? {
                 return Ok(Embedding::Interleaved(tiles));
@@ -954,8 +1079,15 @@ mod tests {
             let msg = reason(&bytes);
             assert!(msg.contains(want), "expected {want:?} in {msg}");
         }
-        let f = gguf(&[], &[("a", &[256], 16, 0)], 66);
-        assert!(matches!(check(&f), Err(CandleError::UnsupportedTensorType { ref dtype, .. }) if dtype == "IQ2_XXS"));
+        let f = gguf(&[], &[("a", &[64], 40, 0)], 64);
+        assert!(matches!(check(&f), Err(CandleError::UnsupportedTensorType { ref dtype, .. }) if dtype == "NVFP4"));
+        // The types `extra_types` decodes are laid out with their own block sizes.
+        let f = gguf(&[], &[("a", &[256, 2], 16, 0), ("b", &[32], 39, 160)], 192);
+        let layout = check(&f).unwrap();
+        assert_eq!(layout.extra_tensors["a"].shape, vec![2, 256]);
+        assert_eq!((layout.extra_tensors["b"].ty, layout.extra_tensors["b"].offset), (ExtraType::MXFP4, 160));
+        assert!(reason(&gguf(&[], &[("a", &[256, 2], 16, 0)], 128)).contains("needs bytes up to"));
+        assert!(reason(&gguf(&[], &[("a", &[33], 39, 0)], 32)).contains("MXFP4"));
     }
 
     /// Everything candle's `Content` holds, in a comparable form.

@@ -1,7 +1,9 @@
 //! Where weights come from: a checkpoint format behind one small interface.
 
+pub mod extra_types;
 pub mod finite;
 pub mod gguf;
+mod iquant_grids;
 pub mod quantize;
 pub mod relayout;
 pub mod requant;
@@ -138,11 +140,7 @@ impl<'a> WeightLoader<'a> {
     pub fn embedding(&self, name: &str, rows: usize, cols: usize, tied: bool) -> Result<Embedding> {
         self.check(name, &[rows, cols])?;
         if let Some(q) = self.quantized(name, WeightRole::TokenEmbedding { tied })? {
-            return match Weight::prepare(q, self.device).ctx(|| format!("preparing embedding `{name}`"))? {
-                Weight::Interleaved(tiles) => Ok(Embedding::Interleaved(tiles)),
-                Weight::Candle(QMatMul::QTensor(q)) => Ok(Embedding::Quantized(q)),
-                Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => Ok(Embedding::Dense(t)),
-            };
+            return Weight::prepare(q, self.device).map(embedding_of).ctx(|| format!("preparing embedding `{name}`"));
         }
         self.source.embedding(name, self.dtype, self.device)
     }
@@ -215,4 +213,13 @@ pub(crate) fn convert(t: Tensor, name: &str, dtype: DType) -> Result<Tensor> {
         return Ok(t);
     }
     t.to_dtype(dtype).ctx(|| format!("converting `{name}` to {dtype:?}"))
+}
+
+/// An embedding table held as the matmul weight it was prepared as.
+pub(crate) fn embedding_of(weight: Weight) -> Embedding {
+    match weight {
+        Weight::Interleaved(tiles) => Embedding::Interleaved(tiles),
+        Weight::Candle(QMatMul::QTensor(q)) => Embedding::Quantized(q),
+        Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => Embedding::Dense(t),
+    }
 }
