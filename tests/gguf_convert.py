@@ -22,7 +22,12 @@ departs from it, each time in one place marked "Departure":
 - Gemma 3's converter writes no layer pattern (llama.cpp assumes five sliding layers, then one
   global); where `layer_types` says otherwise, llama.cpp's per-layer key
   `{arch}.attention.sliding_window_pattern` (booleans) is written. Real Gemma 3 checkpoints
-  follow the assumed pattern and get no such key.
+  follow the assumed pattern and get no such key. llama.cpp reads it: on the tiny Gemma 3 (global
+  layer 3 of 4) its logits are within 3e-4 of the reference with the key, 0.54 away without.
+
+Left as the converter writes them, though llama.cpp cannot then reproduce the fixture: gpt-oss's
+`swiglu_limit` (no key; llama.cpp clamps at 7.0, the fixture at 1.0) and OLMoE's k norm, which
+llama.cpp expects as wide as the residual (the tiny OLMoE has fewer key/value heads than heads).
 """
 
 from __future__ import annotations

@@ -214,3 +214,28 @@ def test_moe_files_hold_stacked_experts(gguf_file, moe):
     arch = reader.fields["general.architecture"].contents()
     assert reader.fields[f"{arch}.expert_count"].contents() == n_experts
     assert reader.fields[f"{arch}.expert_used_count"].contents() == cfg["num_experts_per_tok"]
+
+
+# llama.cpp itself on the same files: proof that they are what its loader reads. Phi-3 is left out
+# because llama.cpp's Phi-3 vocabulary setup looks up tokens (`unordered_map::at`) that the minimal
+# vocabulary the fixtures get does not have; OLMoE because llama.cpp expects its k norm as wide as
+# the residual (true of the released OLMoE, which has as many key/value heads as query heads), and
+# the tiny one groups its queries; gpt-oss because llama.cpp clamps its SwiGLU at 7.0, not at the
+# fixture's `swiglu_limit` 1.0, which no GGUF key carries.
+LLAMA_CPP_CASES = [c for c in DENSE if c != "phi3"] + ["qwen3_moe", "mixtral", "granitemoe"]
+
+
+@pytest.mark.parametrize("case_", LLAMA_CPP_CASES)
+def test_llama_cpp_reads_the_files_as_the_reference(gguf_file, case_):
+    """llama.cpp (llama-cpp-python) on the all-F32 file, with a float32 KV cache, teacher-forced:
+    the de-quantized bound on the top-20 logits of every row."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = reference(case_)
+    ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(str(gguf_file(case_, "f32")), n_ctx=64, logits_all=True, verbose=False,
+                          n_threads=1, type_k=f32, type_v=f32)
+    llm.eval(ids)
+    errs = top20_errors(np.array(llm.scores[: len(ids)]), ref["sequence_logits"])
+    print(f"\n[llama.cpp f32] {case_}: top-20 rel L2 max {errs.max():.2e}")
+    assert errs.max() <= F32_TOL

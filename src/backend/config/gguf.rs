@@ -261,6 +261,13 @@ mod tests {
         let windows: Vec<_> = cfg.layers.iter().map(|l| l.sliding_window).collect();
         assert_eq!(windows, [Some(6), None, Some(6), None]);
         assert_eq!((cfg.block_norms, cfg.activation), (BlockNorms::Sandwich, Activation::GeluTanh));
+        assert_eq!(cfg.attn_scale, 0.25, "1/sqrt(head_dim)");
+        // Gemma 2 27B (46 layers): llama.cpp's 1/sqrt(hidden / heads).
+        let mut md = metadata("gemma2", vec![("attention.key_length", Value::U32(8))]);
+        md.insert("gemma2.block_count".into(), Value::U32(46));
+        assert_eq!(parse(&md, &[]).unwrap().attn_scale, 0.25);
+        md.insert("gemma2.block_count".into(), Value::U32(4));
+        assert!((parse(&md, &[]).unwrap().attn_scale - 8f64.powf(-0.5)).abs() < 1e-12);
         let pattern = Value::Array([true, true, true, false].map(Value::Bool).to_vec());
         let md = metadata(
             "gemma3",
