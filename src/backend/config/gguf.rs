@@ -62,27 +62,49 @@ pub fn parse_config(
         return Err(CandleError::UnsupportedConfig { what: "LongRoPE (rope_factors_long) scaling".into() });
     }
     let full = RopeConfig { theta, scaling };
-    let gemma = arch == Architecture::Gemma3;
-    let window = md.opt_usize(&key("attention.sliding_window"))?;
-    let layers: Vec<LayerConfig> = (0..n_layers)
-        .map(|i| {
-            if gemma {
-                // llama.cpp: five sliding layers then one global, the sliding ones with base 10k.
-                let sliding = (i + 1) % 6 != 0;
-                match (sliding, window) {
-                    (true, Some(w)) => LayerConfig {
-                        sliding_window: Some(w),
-                        rope: Some(RopeConfig { theta: 10_000.0, scaling: RopeScaling::None }),
-                    },
-                    _ => LayerConfig { sliding_window: None, rope: Some(full) },
-                }
-            } else {
-                let w = if matches!(arch, Architecture::Mistral | Architecture::Phi3) { window } else { None };
-                LayerConfig { sliding_window: w, rope: Some(full) }
-            }
+    let gemma = matches!(arch, Architecture::Gemma2 | Architecture::Gemma3);
+    // GPT-2 and GPT-NeoX: LayerNorm with biases and an ungated MLP, as llama.cpp builds them.
+    let gpt = matches!(arch, Architecture::Gpt2 | Architecture::GptNeoX);
+    let window = md.opt_usize(&key("attention.sliding_window"))?.filter(|&w| w > 0);
+    let sliding = sliding_layers(md, arch, n_layers, window.is_some(), &key("attention.sliding_window_pattern"))?;
+    let layers: Vec<LayerConfig> = sliding
+        .into_iter()
+        .enumerate()
+        .map(|(i, slides)| {
+            let rope = match arch {
+                Architecture::Gpt2 => None,
+                // llama.cpp's `n_no_rope_layer_step = 4`: every fourth layer rotates nothing.
+                Architecture::SmolLm3 if (i + 1) % 4 == 0 => None,
+                // llama.cpp's `rope_freq_base_train_swa`: Gemma 3's sliding layers keep base 10k.
+                Architecture::Gemma3 if slides => Some(RopeConfig { theta: 10_000.0, scaling: RopeScaling::None }),
+                _ => Some(full),
+            };
+            LayerConfig { sliding_window: if slides { window } else { None }, rope }
         })
         .collect();
     let has = |t: &str| has_tensor(&format!("blk.0.{t}.weight")) || has_tensor(&format!("blk.0.{t}.bias"));
+    let eps = match gpt {
+        true => md.f64(&key("attention.layer_norm_epsilon"))?,
+        false => md.opt_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
+    };
+    let granite = arch == Architecture::Granite;
+    // llama.cpp requires Granite's four multipliers; an attention scale of 0 means 1/sqrt(head_dim).
+    let granite_scale = |k: &str| -> Result<Option<f64>> {
+        if granite {
+            md.f64(&key(k)).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let attn_multiplier = granite_scale("attention.scale")?.filter(|&s| s != 0.0);
+    // llama.cpp scales Gemma 2/3 27B queries by 1/sqrt(hidden / heads) (their
+    // query_pre_attn_scalar), recognising the model by its layer count; all others by 1/sqrt(head_dim).
+    let big_gemma = matches!((arch, n_layers), (Architecture::Gemma2, 46) | (Architecture::Gemma3, 62));
+    let attn_scale = match attn_multiplier {
+        Some(s) => s,
+        None if big_gemma => ((hidden / heads) as f64).powf(-0.5),
+        None => (head_dim as f64).powf(-0.5),
+    };
     let config = ArchConfig {
         architecture: arch,
         vocab_size,
@@ -92,29 +114,48 @@ pub fn parse_config(
         num_kv_heads: kv_heads,
         head_dim,
         layers,
-        rms_norm_eps: md.opt_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
-        norm_kind: NormKind::Rms,
-        block_norms: if has("post_attention_norm") { BlockNorms::Sandwich } else { BlockNorms::Pre },
-        parallel_residual: false,
-        learned_positions: false,
+        rms_norm_eps: eps,
+        norm_kind: if gpt { NormKind::Layer } else { NormKind::Rms },
+        block_norms: match arch {
+            _ if gemma => BlockNorms::Sandwich,
+            Architecture::Olmo2 => BlockNorms::Post,
+            _ => BlockNorms::Pre,
+        },
+        parallel_residual: arch == Architecture::GptNeoX && md.opt_bool(&key("use_parallel_residual"))?.unwrap_or(true),
+        learned_positions: arch == Architecture::Gpt2,
         max_position_embeddings: md.opt_usize(&key("context_length"))?.unwrap_or(4096),
         tie_word_embeddings: !has_tensor("output.weight"),
         partial_rotary_factor: rotary as f64 / head_dim as f64,
-        // llama.cpp permutes Llama/Mistral q and k rows so that RoPE rotates adjacent pairs.
-        rope_interleaved: matches!(arch, Architecture::Llama | Architecture::Mistral),
+        // llama.cpp's converter permutes q and k rows of the Llama family (`LlamaModel.permute`) so
+        // that RoPE rotates adjacent pairs; the others keep Hugging Face's halves.
+        rope_interleaved: matches!(
+            arch,
+            Architecture::Llama | Architecture::Mistral | Architecture::SmolLm3 | Architecture::Granite
+        ),
         qkv_bias: has_tensor("blk.0.attn_q.bias") || has_tensor("blk.0.attn_qkv.bias"),
         o_bias: has_tensor("blk.0.attn_output.bias"),
         mlp_bias: has_tensor("blk.0.ffn_down.bias"),
-        mlp_gated: true,
-        qk_norm: if has("attn_q_norm") { QkNorm::PerHead } else { QkNorm::None },
+        mlp_gated: !gpt,
+        qk_norm: match arch {
+            _ if !has("attn_q_norm") => QkNorm::None,
+            Architecture::Olmo2 => QkNorm::Whole,
+            _ => QkNorm::PerHead,
+        },
         // llama.cpp's converter stores Gemma norms with the 1 already added.
         norm_weight_offset: false,
         embed_scale: gemma.then(|| (hidden as f64).sqrt()),
-        embed_multiplier: None,
-        residual_multiplier: None,
-        logits_divisor: None,
-        activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
-        attn_scale: (head_dim as f64).powf(-0.5),
+        embed_multiplier: granite_scale("embedding_scale")?,
+        residual_multiplier: granite_scale("residual_scale")?,
+        logits_divisor: granite_scale("logit_scale")?,
+        // GGUF records no activation: each architecture's own, as transformers computes it. (llama.cpp
+        // computes GPT-NeoX's exact GELU with the tanh approximation; Pythia's config says `gelu`.)
+        activation: match arch {
+            _ if gemma => Activation::GeluTanh,
+            Architecture::Gpt2 => Activation::GeluTanh,
+            Architecture::GptNeoX => Activation::Gelu,
+            _ => Activation::Silu,
+        },
+        attn_scale,
         attn_scale_by_layer: false,
         attn_softcap: md.opt_f64(&key("attn_logit_softcapping"))?,
         final_softcap: md.opt_f64(&key("final_logit_softcapping"))?,
@@ -135,8 +176,13 @@ pub fn parse_config(
             "vocab_size" => "token_embd.weight (rows)".to_owned(),
             "max_position_embeddings" => key("context_length"),
             "partial_rotary_factor" => key("rope.dimension_count"),
+            "rms_norm_eps" if gpt => key("attention.layer_norm_epsilon"),
             "rms_norm_eps" => key("attention.layer_norm_rms_epsilon"),
+            "query_pre_attn_scalar" if granite => key("attention.scale"),
             "query_pre_attn_scalar" => key("attention.key_length"),
+            "embedding_multiplier" => key("embedding_scale"),
+            "residual_multiplier" => key("residual_scale"),
+            "logits_scaling" => key("logit_scale"),
             "attn_logit_softcapping" | "final_logit_softcapping" => key(name),
             "sliding_window" => key("attention.sliding_window"),
             "rope_theta" => key("rope.freq_base"),
@@ -185,4 +231,151 @@ fn with_experts(mut config: ArchConfig, md: &Metadata<'_>, key: &dyn Fn(&str) ->
         sparse_layers: vec![true; n_layers],
     });
     Ok(config)
+}
+
+/// Which layers slide: a per-layer `attention.sliding_window_pattern` where the file has one, else
+/// the layout llama.cpp assumes for the architecture (`set_swa_pattern`: Gemma 3 five sliding layers
+/// then one global, Gemma 2 every other layer from the first; Mistral and Phi-3 every layer).
+fn sliding_layers(
+    md: &Metadata<'_>,
+    arch: Architecture,
+    n_layers: usize,
+    has_window: bool,
+    pattern_key: &str,
+) -> Result<Vec<bool>> {
+    if !has_window {
+        return Ok(vec![false; n_layers]);
+    }
+    if let Some(pattern) = md.opt_bool_array(pattern_key)? {
+        if pattern.len() != n_layers {
+            return Err(CandleError::UnsupportedConfig {
+                what: format!("GGUF metadata `{pattern_key}` has {} entries for {n_layers} layers", pattern.len()),
+            });
+        }
+        return Ok(pattern);
+    }
+    Ok((0..n_layers)
+        .map(|i| match arch {
+            Architecture::Gemma3 => (i + 1) % 6 != 0,
+            Architecture::Gemma2 => i % 2 == 0,
+            Architecture::Mistral | Architecture::Phi3 => true,
+            _ => false,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use candle_core::quantized::gguf_file::Value;
+
+    use super::*;
+
+    /// The keys llama.cpp's converter writes for a 4-layer model of `arch`, plus `extra`.
+    fn metadata(arch: &str, extra: Vec<(&str, Value)>) -> HashMap<String, Value> {
+        let mut md: HashMap<String, Value> = [
+            ("general.architecture".to_owned(), Value::String(arch.into())),
+            (format!("{arch}.embedding_length"), Value::U32(64)),
+            (format!("{arch}.block_count"), Value::U32(4)),
+            (format!("{arch}.feed_forward_length"), Value::U32(128)),
+            (format!("{arch}.attention.head_count"), Value::U32(4)),
+            (format!("{arch}.context_length"), Value::U32(512)),
+        ]
+        .into_iter()
+        .collect();
+        for (k, v) in extra {
+            md.insert(format!("{arch}.{k}"), v);
+        }
+        md
+    }
+
+    fn parse(md: &HashMap<String, Value>, tensors: &[&str]) -> Result<ArchConfig> {
+        parse_config(&Metadata::new(md), &|t| tensors.contains(&t), 10, None, "x.gguf")
+    }
+
+    #[test]
+    fn gemma2_slides_on_even_layers_and_gemma3_follows_a_pattern_array() {
+        let md = metadata("gemma2", vec![("attention.sliding_window", Value::U32(6))]);
+        let cfg = parse(&md, &[]).unwrap();
+        let windows: Vec<_> = cfg.layers.iter().map(|l| l.sliding_window).collect();
+        assert_eq!(windows, [Some(6), None, Some(6), None]);
+        assert_eq!((cfg.block_norms, cfg.activation), (BlockNorms::Sandwich, Activation::GeluTanh));
+        assert_eq!(cfg.attn_scale, 0.25, "1/sqrt(head_dim)");
+        // Gemma 2 27B (46 layers): llama.cpp's 1/sqrt(hidden / heads).
+        let mut md = metadata("gemma2", vec![("attention.key_length", Value::U32(8))]);
+        md.insert("gemma2.block_count".into(), Value::U32(46));
+        assert_eq!(parse(&md, &[]).unwrap().attn_scale, 0.25);
+        md.insert("gemma2.block_count".into(), Value::U32(4));
+        assert!((parse(&md, &[]).unwrap().attn_scale - 8f64.powf(-0.5)).abs() < 1e-12);
+        let pattern = Value::Array([true, true, true, false].map(Value::Bool).to_vec());
+        let md = metadata(
+            "gemma3",
+            vec![("attention.sliding_window", Value::U32(6)), ("attention.sliding_window_pattern", pattern)],
+        );
+        let cfg = parse(&md, &[]).unwrap();
+        assert_eq!(cfg.layers[3].sliding_window, None);
+        assert_eq!(cfg.layers[2].rope.unwrap().theta, 10_000.0);
+        let short = Value::Array(vec![Value::Bool(true)]);
+        let md = metadata(
+            "gemma3",
+            vec![("attention.sliding_window", Value::U32(6)), ("attention.sliding_window_pattern", short)],
+        );
+        assert!(parse(&md, &[]).unwrap_err().to_string().contains("sliding_window_pattern"));
+    }
+
+    #[test]
+    fn smollm3_leaves_every_fourth_layer_unrotated_and_gpt2_every_layer() {
+        let cfg = parse(&metadata("smollm3", vec![]), &[]).unwrap();
+        let rotating: Vec<bool> = cfg.layers.iter().map(|l| l.rope.is_some()).collect();
+        assert_eq!(rotating, [true, true, true, false]);
+        assert!(cfg.rope_interleaved);
+        let md = metadata("gpt2", vec![("attention.layer_norm_epsilon", Value::F32(1e-5))]);
+        let cfg = parse(&md, &["position_embd.weight"]).unwrap();
+        assert!(cfg.layers.iter().all(|l| l.rope.is_none()) && cfg.learned_positions && !cfg.mlp_gated);
+        assert_eq!(cfg.norm_kind, NormKind::Layer);
+    }
+
+    #[test]
+    fn neox_reads_parallel_residual_and_rejects_a_wrong_type() {
+        let base = vec![("attention.layer_norm_epsilon", Value::F32(1e-5)), ("rope.dimension_count", Value::U32(4))];
+        let mut serial = base.clone();
+        serial.push(("use_parallel_residual", Value::Bool(false)));
+        let cfg = parse(&metadata("gptneox", serial), &[]).unwrap();
+        assert!(!cfg.parallel_residual);
+        assert_eq!((cfg.rotary_dim(), cfg.activation), (4, Activation::Gelu));
+        let mut wrong = base.clone();
+        wrong.push(("use_parallel_residual", Value::U32(1)));
+        let err = parse(&metadata("gptneox", wrong), &[]).unwrap_err().to_string();
+        assert!(err.contains("use_parallel_residual"), "{err}");
+        let err = parse(&metadata("gptneox", vec![]), &[]).unwrap_err().to_string();
+        assert!(err.contains("layer_norm_epsilon"), "{err}");
+    }
+
+    #[test]
+    fn granite_multipliers_are_required_and_checked() {
+        let scales = |residual: f32| {
+            vec![
+                ("attention.scale", Value::F32(0.0625)),
+                ("embedding_scale", Value::F32(12.0)),
+                ("residual_scale", Value::F32(residual)),
+                ("logit_scale", Value::F32(2.0)),
+            ]
+        };
+        let cfg = parse(&metadata("granite", scales(0.25)), &[]).unwrap();
+        assert_eq!((cfg.attn_scale, cfg.embed_multiplier, cfg.logits_divisor), (0.0625, Some(12.0), Some(2.0)));
+        let err = parse(&metadata("granite", scales(-1.0)), &[]).unwrap_err().to_string();
+        assert!(err.contains("granite.residual_scale"), "{err}");
+        let mut missing = scales(0.25);
+        missing.pop();
+        let err = parse(&metadata("granite", missing), &[]).unwrap_err().to_string();
+        assert!(err.contains("granite.logit_scale"), "{err}");
+    }
+
+    #[test]
+    fn olmo2_norms_come_after_each_branch_and_cover_the_whole_projection() {
+        let cfg = parse(&metadata("olmo2", vec![]), &["blk.0.attn_q_norm.weight"]).unwrap();
+        assert_eq!((cfg.block_norms, cfg.qk_norm), (BlockNorms::Post, QkNorm::Whole));
+        assert!(!cfg.rope_interleaved);
+    }
 }

@@ -80,7 +80,8 @@ impl Architecture {
     }
 
     /// The `general.architecture` llama.cpp's converter writes for it, where candlewick reads
-    /// that architecture's GGUF files (`None` where it does not yet).
+    /// that architecture's GGUF files (`None` where it does not yet). The converter writes Mistral
+    /// checkpoints as `llama`; `mistral` is what other writers use.
     pub fn gguf_name(self) -> Option<&'static str> {
         match self {
             Self::Llama => Some("llama"),
@@ -89,7 +90,12 @@ impl Architecture {
             Self::Qwen3 => Some("qwen3"),
             Self::Gemma3 => Some("gemma3"),
             Self::Phi3 => Some("phi3"),
-            Self::Gemma2 | Self::Olmo2 | Self::SmolLm3 | Self::Granite | Self::GptNeoX | Self::Gpt2 => None,
+            Self::Gemma2 => Some("gemma2"),
+            Self::Olmo2 => Some("olmo2"),
+            Self::SmolLm3 => Some("smollm3"),
+            Self::Granite => Some("granite"),
+            Self::GptNeoX => Some("gptneox"),
+            Self::Gpt2 => Some("gpt2"),
             Self::Qwen3Moe => Some("qwen3moe"),
             // llama.cpp's converter writes Mixtral as `llama` with `llama.expert_count`.
             Self::Mixtral => Some("llama"),

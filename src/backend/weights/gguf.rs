@@ -971,6 +971,36 @@ impl<'a> Metadata<'a> {
         }
     }
 
+    /// A float value that must be present.
+    pub fn f64(&self, key: &str) -> Result<f64> {
+        self.opt_f64(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    /// An optional boolean.
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(other) => Err(self.wrong(key, other)),
+        }
+    }
+
+    /// An optional array of booleans (a per-layer flag such as `attention.sliding_window_pattern`).
+    pub fn opt_bool_array(&self, key: &str) -> Result<Option<Vec<bool>>> {
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| match v {
+                    Value::Bool(b) => Ok(*b),
+                    other => Err(self.wrong(key, other)),
+                })
+                .collect::<Result<Vec<bool>>>()
+                .map(Some),
+            Some(other) => Err(self.wrong(key, other)),
+        }
+    }
+
     fn out_of_range(&self, key: &str, x: i128) -> CandleError {
         CandleError::UnsupportedConfig { what: format!("GGUF metadata `{key}` = {x} is out of range") }
     }

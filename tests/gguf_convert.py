@@ -1,0 +1,402 @@
+"""A tiny Hugging Face checkpoint to a GGUF file, written as llama.cpp's `convert_hf_to_gguf.py`
+writes it (the `conversion/` modules of ggml-org/llama.cpp: `base.py`, `llama.py`, `gemma.py`,
+`gpt2.py`, `gptneox.py`, `olmo.py`, `granite.py`, `phi.py`, `qwen.py`, `gpt_oss.py`).
+
+What is reproduced: the architecture name, the metadata keys the converter's
+`set_gguf_parameters` writes, tensor names through the `gguf` package's `TensorNameMap`, every
+tensor transform (`LlamaModel.permute` of q/k rows for the Llama family, Gemma's norm + 1, GPT-2's
+`Conv1D` transposed, GPT-NeoX's per-head qkv regrouped as q, k, v, experts stacked into 3-D
+`ffn_*_exps`, gpt-oss's interleaved gate/up split, Granite MoE's fused input split) and the
+converter's type rule (1-D tensors, `*_norm.weight`, biases, `ffn_gate_inp` and `position_embd`
+stay F32; every other weight takes the output type, F16 where its rows do not fit the blocks).
+
+Where the converter would fail on these fixtures or cannot say what they hold, this module
+departs from it, each time in one place marked "Departure":
+
+- the fixtures have no tokenizer, on which the converter stops; a minimal SentencePiece-style
+  vocabulary of `vocab_size` tokens (`<t{i}>`) is written so that llama.cpp can load the file;
+- configs written by transformers 5 keep `partial_rotary_factor` in `rope_parameters` and have no
+  `n_ctx` / `rotary_pct`, keys the GPT-2 and GPT-NeoX converters read;
+- GPT-2's converter writes `feed_forward_length = 4 · n_embd`, true of every released GPT-2 but
+  not of the tiny one (`n_inner` = 128): the real width is written;
+- Gemma 3's converter writes no layer pattern (llama.cpp assumes five sliding layers, then one
+  global); where `layer_types` says otherwise, llama.cpp's per-layer key
+  `{arch}.attention.sliding_window_pattern` (booleans) is written. Real Gemma 3 checkpoints
+  follow the assumed pattern and get no such key. llama.cpp reads it: on the tiny Gemma 3 (global
+  layer 3 of 4) its logits are within 3e-4 of the reference with the key, 0.54 away without.
+
+Left as the converter writes them, though llama.cpp cannot then reproduce the fixture: gpt-oss's
+`swiglu_limit` (no key; llama.cpp clamps at 7.0, the fixture at 1.0) and OLMoE's k norm, which
+llama.cpp expects as wide as the residual (the tiny OLMoE has fewer key/value heads than heads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+F32 = "f32"
+Q8_0 = "q8_0"
+
+# config.json `model_type` → llama.cpp's `general.architecture`.
+ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "phi3": "phi3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "gpt2": "gpt2",
+    "gpt_neox": "gptneox",
+    "gemma2": "gemma2",
+    "smollm3": "smollm3",
+    "olmo2": "olmo2",
+    "granite": "granite",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+    "granitemoe": "granitemoe",
+    "gpt_oss": "gpt-oss",
+}
+
+# The converters that derive from `LlamaModel` and so permute q/k rows (`undo_permute = True`).
+LLAMA_FAMILY = {"llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe"}
+
+
+def _arch_enum(name):
+    import gguf
+
+    return next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name)
+
+
+def _permute(w, n_head, n_head_kv):
+    """`LlamaModel.permute`: each head's rows from halves (HF) to interleaved pairs (GGUF)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_params(cfg):
+    """`TextModel.rope_parameters`: `rope_parameters` or `rope_scaling`, with `rope_theta` mirrored in."""
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "full_attention" not in rp and "sliding_attention" not in rp:
+        if "rope_theta" not in rp:
+            for k in ("rope_theta", "global_rope_theta", "rotary_emb_base"):
+                if cfg.get(k) is not None:
+                    rp["rope_theta"] = cfg[k]
+                    break
+        if "rope_type" not in rp and rp.get("type") is not None:
+            rp["rope_type"] = rp["type"]
+    return rp
+
+
+def _find(cfg, *keys):
+    return next((cfg[k] for k in keys if cfg.get(k) is not None), None)
+
+
+def _text_model_parameters(w, cfg, n_layers):
+    """`TextModel.set_gguf_parameters`."""
+    import gguf
+
+    w.add_block_count(n_layers)
+    if (n_ctx := _find(cfg, "max_position_embeddings", "n_ctx", "n_positions")) is not None:
+        w.add_context_length(n_ctx)
+    if (n_embd := _find(cfg, "hidden_size", "n_embd")) is not None:
+        w.add_embedding_length(n_embd)
+    if (n_ff := _find(cfg, "intermediate_size", "n_inner")) is not None:
+        w.add_feed_forward_length(n_ff)
+    if (n_head := _find(cfg, "num_attention_heads", "n_head")) is not None:
+        w.add_head_count(n_head)
+    if (n_head_kv := _find(cfg, "num_key_value_heads", "n_kv_heads")) is not None:
+        w.add_head_count_kv(n_head_kv)
+    rp = _rope_params(cfg)
+    rp = rp.get("full_attention", rp)
+    rope_type = rp.get("rope_type")
+    if rope_type == "linear" and rp.get("factor") is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rp["factor"])
+    elif rope_type == "yarn" and rp.get("factor") is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        if (v := rp.get("extrapolation_factor")) is not None:
+            w.add_rope_scaling_yarn_ext_factor(v)
+        if (v := rp.get("attention_factor", rp.get("attn_factor"))) is not None:
+            w.add_rope_scaling_yarn_attn_factor(v)
+        if (v := rp.get("beta_fast")) is not None:
+            w.add_rope_scaling_yarn_beta_fast(v)
+        if (v := rp.get("beta_slow")) is not None:
+            w.add_rope_scaling_yarn_beta_slow(v)
+    if (theta := rp.get("rope_theta")) is not None:
+        w.add_rope_freq_base(theta)
+    if (eps := _find(cfg, "rms_norm_eps", "norm_eps")) is not None:
+        w.add_layer_norm_rms_eps(eps)
+    if (eps := _find(cfg, "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")) is not None:
+        w.add_layer_norm_eps(eps)
+    if (n := cfg.get("num_local_experts")) is not None:
+        w.add_expert_count(n)
+    if (n := cfg.get("num_experts_per_tok")) is not None:
+        w.add_expert_used_count(n)
+    if (head_dim := cfg.get("head_dim")) is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+
+
+def _parameters(w, cfg, model_type, n_layers):
+    """Each converter class's `set_gguf_parameters`."""
+    hidden = _find(cfg, "hidden_size", "n_embd")
+    heads = _find(cfg, "num_attention_heads", "n_head")
+    if model_type == "gpt2":
+        w.add_block_count(n_layers)
+        # Departure: `n_ctx` is absent from transformers 5 configs; `n_positions` is the same length.
+        w.add_context_length(_find(cfg, "n_ctx", "n_positions"))
+        w.add_embedding_length(hidden)
+        # Departure: the converter writes 4 · n_embd, wrong for a checkpoint with another n_inner.
+        w.add_feed_forward_length(cfg.get("n_inner") or 4 * hidden)
+        w.add_head_count(heads)
+        w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+        return
+    if model_type == "gpt_neox":
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(hidden)
+        w.add_block_count(n_layers)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        # Departure: transformers 5 moved `rotary_pct` into `rope_parameters.partial_rotary_factor`.
+        pct = _find(cfg, "rotary_pct", "partial_rotary_factor")
+        if pct is None:
+            pct = _rope_params(cfg).get("partial_rotary_factor", 1.0)
+        w.add_rope_dimension_count(int(pct * (hidden // heads)))
+        w.add_head_count(heads)
+        w.add_parallel_residual(cfg.get("use_parallel_residual", True))
+        w.add_layer_norm_eps(cfg["layer_norm_eps"])
+        return
+    if model_type == "gemma2":
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(hidden)
+        w.add_block_count(n_layers)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(heads)
+        w.add_head_count_kv(cfg.get("num_key_value_heads", heads))
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+        return
+    if model_type == "phi3":
+        rot_pct = cfg.get("partial_rotary_factor", _rope_params(cfg).get("partial_rotary_factor", 1.0))
+        w.add_context_length(_find(cfg, "n_positions", "max_position_embeddings"))
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        w.add_embedding_length(hidden)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_block_count(n_layers)
+        w.add_head_count(heads)
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_rope_dimension_count(int(rot_pct * hidden) // heads)
+        rp = _rope_params(cfg)
+        w.add_rope_freq_base(rp.get("full_attention", rp)["rope_theta"])
+        # "use zero value of sliding_window to distinguish Phi-4 from other PHI3 models"
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        return
+    granite = model_type in ("granite", "granitemoe")
+    if granite:
+        cfg = {k: v for k, v in cfg.items() if k != "head_dim"}  # "Ignoring head_dim ... for Granite"
+    _text_model_parameters(w, cfg, n_layers)
+    if model_type in LLAMA_FAMILY:
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(cfg.get("head_dim") or hidden // heads)
+    if granite:
+        if v := cfg.get("attention_multiplier"):
+            w.add_attention_scale(v)
+        if v := cfg.get("embedding_multiplier"):
+            w.add_embedding_scale(v)
+        if v := cfg.get("residual_multiplier"):
+            w.add_residual_scale(v)
+        if v := cfg.get("logits_scaling"):
+            w.add_logit_scale(v)
+        if v := cfg.get("shared_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(v)
+    if model_type == "gemma3":
+        w.add_context_length(cfg.get("max_position_embeddings", 131072))
+        w.add_head_count(cfg.get("num_attention_heads", 8))
+        w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+        w.add_key_length(cfg.get("head_dim", 256))
+        w.add_value_length(cfg.get("head_dim", 256))
+        rp = _rope_params(cfg)
+        w.add_rope_freq_base(rp.get("full_attention", rp).get("rope_theta", 1_000_000.0))
+        if v := cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(v)
+        if cfg.get("sliding_window_pattern") != 1:
+            w.add_sliding_window(cfg["sliding_window"])
+        w.add_head_count_kv(cfg.get("num_key_value_heads", 4))
+        # Departure (see the module's doc): the pattern only where llama.cpp's assumption is wrong.
+        types = cfg.get("layer_types")
+        assumed = [(i + 1) % 6 != 0 for i in range(n_layers)]
+        if types is not None and [t == "sliding_attention" for t in types] != assumed:
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    if model_type == "olmo2" and "sliding_window" in cfg:
+        w.add_sliding_window(cfg["sliding_window"])
+        types = cfg.get("layer_types")
+        pattern = [t == "sliding_attention" for t in types] if types else [(i + 1) % 4 != 0 for i in range(n_layers)]
+        w.add_sliding_window_pattern(pattern)
+    if model_type == "olmoe":
+        w.add_layer_norm_rms_eps(1e-5)
+        if (n := cfg.get("num_experts")) is not None:
+            w.add_expert_count(n)
+    if model_type == "qwen3_moe":
+        if (n := cfg.get("moe_intermediate_size")) is not None:
+            w.add_expert_feed_forward_length(n)
+        if (n := cfg.get("shared_expert_intermediate_size")) is not None:
+            w.add_expert_shared_feed_forward_length(n)
+    if model_type == "gpt_oss":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+
+
+def _tensors(cfg, model_type, weights, n_layers, arch):
+    """Each converter class's `modify_tensors`: (HF-style name to map, array) pairs, or
+    (GGUF name, array) where the converter names the tensor itself (prefixed by `=`)."""
+    heads = _find(cfg, "num_attention_heads", "n_head")
+    kv_heads = cfg.get("num_key_value_heads")
+    hidden = _find(cfg, "hidden_size", "n_embd")
+    out = []
+    experts: dict[int, dict[str, np.ndarray]] = {}
+    for name, t in weights.items():
+        if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
+            continue
+        if model_type == "gpt2" and name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        if model_type == "gemma2" and name == "lm_head.weight":
+            continue
+        bid = next((int(p) for p in name.split(".") if p.isdecimal()), None)
+        if model_type in LLAMA_FAMILY:
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                t = _permute(t, heads, heads)
+            if name.endswith(("k_proj.weight", "k_proj.bias")):
+                t = _permute(t, heads, kv_heads)
+        if model_type in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)
+        if model_type == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            t = t.T
+        if model_type == "gpt_neox" and ".attention.query_key_value." in name:
+            d = hidden // heads
+            shape = (heads, 3, d, hidden) if name.endswith(".weight") else (heads, 3, d)
+            parts = t.reshape(shape)
+            t = np.concatenate([parts[:, k].reshape((-1, *t.shape[1:])) for k in range(3)], axis=0)
+        if model_type == "mixtral" and ".block_sparse_moe.experts." in name:
+            experts.setdefault(bid, {})[name] = t
+            n = cfg["num_local_experts"]
+            if len(experts[bid]) == 3 * n:
+                for wid in ("w1", "w2", "w3"):
+                    stack = [experts[bid][f"model.layers.{bid}.block_sparse_moe.experts.{x}.{wid}.weight"] for x in range(n)]
+                    out.append((f"layers.{bid}.feed_forward.experts.{wid}.weight", np.stack(stack)))
+            continue
+        if model_type in ("qwen3_moe", "olmoe") and ".mlp.experts." in name:
+            experts.setdefault(bid, {})[name] = t
+            n = cfg.get("num_local_experts") or cfg["num_experts"]
+            if len(experts[bid]) == 3 * n:
+                for wn in ("down_proj", "gate_proj", "up_proj"):
+                    stack = [experts[bid][f"model.layers.{bid}.mlp.experts.{x}.{wn}.weight"] for x in range(n)]
+                    out.append((f"model.layers.{bid}.mlp.experts.{wn}.weight", np.stack(stack)))
+            continue
+        if model_type == "granitemoe" and name.endswith("block_sparse_moe.input_linear.weight"):
+            ffn = cfg["intermediate_size"]
+            out.append((f"=blk.{bid}.ffn_gate_exps.weight", t[:, :ffn]))
+            out.append((f"=blk.{bid}.ffn_up_exps.weight", t[:, ffn:]))
+            continue
+        if model_type == "gpt_oss":
+            if "sinks" in name:
+                name += ".weight"
+            if name.endswith("down_proj_bias"):
+                name = name.replace("down_proj_bias", "down_proj.bias")
+            elif name.endswith("down_proj"):
+                name, t = name + ".weight", np.swapaxes(t, -1, -2)
+            elif name.endswith("gate_up_proj_bias"):
+                out.append((name.replace("gate_up_proj_bias", "gate_proj.bias"), t[..., ::2]))
+                out.append((name.replace("gate_up_proj_bias", "up_proj.bias"), t[..., 1::2]))
+                continue
+            elif name.endswith("gate_up_proj"):
+                t = np.swapaxes(t, -1, -2)
+                out.append((name.replace("gate_up_proj", "gate_proj.weight"), t[:, ::2, :]))
+                out.append((name.replace("gate_up_proj", "up_proj.weight"), t[:, 1::2, :]))
+                continue
+        out.append((name, t))
+    return out
+
+
+def _minimal_vocab(w, cfg):
+    """Departure: the fixtures have no tokenizer. A SentencePiece-style (`llama`) vocabulary of
+    `vocab_size` distinct tokens, so that llama.cpp (which needs one) loads the file too."""
+    n = cfg["vocab_size"]
+    tokens = [f"<t{i}>" for i in range(n)]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * n)
+    w.add_token_types([1] * n)
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
+        v = cfg.get(key)
+        v = v[0] if isinstance(v, list) else v
+        if v is not None:
+            add(v)
+
+
+def convert(src, dest, outtype=F32, vocab=True):
+    """Writes `dest`, the GGUF file llama.cpp's converter makes of the checkpoint directory `src`
+    with `--outtype` `outtype` (`"f32"` or `"q8_0"`); returns `dest`."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    src, dest = Path(src), Path(dest)
+    cfg = json.loads((src / "config.json").read_text())
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+    model_type = cfg["model_type"]
+    model_type = "gemma3" if model_type == "gemma3_text" else model_type
+    arch = ARCH[model_type]
+    n_layers = _find(cfg, "n_layers", "num_hidden_layers", "n_layer", "num_layers")
+    names = gguf.get_tensor_name_map(_arch_enum(arch), n_layers)
+    weights = load_file(str(src / "model.safetensors"))
+    qtype = {F32: gguf.GGMLQuantizationType.F32, Q8_0: gguf.GGMLQuantizationType.Q8_0}[outtype]
+    ftype = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+
+    w = gguf.GGUFWriter(str(dest), arch)
+    for hf_name, t in _tensors(cfg, model_type, weights, n_layers, arch):
+        if hf_name.startswith("="):
+            new_name = hf_name[1:]
+        else:
+            new_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if new_name is None:
+                raise ValueError(f"{src.name}: cannot map tensor {hf_name!r}")
+        data = np.ascontiguousarray(t, dtype=np.float32)
+        always_f32 = (
+            data.ndim <= 1
+            or new_name.endswith("_norm.weight")
+            or not new_name.endswith(".weight")
+            or new_name.split(".")[-2] in ("ffn_gate_inp", "position_embd")
+        )
+        dtype = gguf.GGMLQuantizationType.F32 if always_f32 else qtype
+        try:
+            raw = gguf.quants.quantize(data, dtype)
+        except gguf.QuantError:
+            dtype = gguf.GGMLQuantizationType.F16
+            raw = gguf.quants.quantize(data, dtype)
+        w.add_tensor(new_name, raw, raw_dtype=dtype)
+
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(src.name)
+    _parameters(w, cfg, model_type, n_layers)
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if vocab:
+        _minimal_vocab(w, cfg)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
