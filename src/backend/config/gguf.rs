@@ -65,7 +65,10 @@ pub fn parse_config(
     let gemma = matches!(arch, Architecture::Gemma2 | Architecture::Gemma3);
     // GPT-2 and GPT-NeoX: LayerNorm with biases and an ungated MLP, as llama.cpp builds them.
     let gpt = matches!(arch, Architecture::Gpt2 | Architecture::GptNeoX);
-    let window = md.opt_usize(&key("attention.sliding_window"))?.filter(|&w| w > 0);
+    let window = md.opt_usize(&key("attention.sliding_window"))?;
+    // Phi-3's converter writes a window of 0 for "none" (llama.cpp's loader reads it so); for the
+    // others 0 stays the invalid window it is, refused by `validate`.
+    let window = if arch == Architecture::Phi3 { window.filter(|&w| w > 0) } else { window };
     let sliding = sliding_layers(md, arch, n_layers, window.is_some(), &key("attention.sliding_window_pattern"))?;
     let layers: Vec<LayerConfig> = sliding
         .into_iter()
