@@ -151,6 +151,7 @@ class Engine:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> EngineRequest: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -367,6 +368,7 @@ class ModelRuntime:
         threads: int | None = None,
         quantize: str | None = None,
         check_tensors: bool = True,
+        draft_model: str | PathLike[str] | None = None,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
     @property
@@ -434,6 +436,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> list[GenerationResult]: ...
     def fork(self) -> ModelRuntime: ...
     def unembed(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
@@ -474,6 +477,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationResult: ...
     @overload
     def generate(
@@ -500,6 +504,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationStream: ...
     def stream(
         self,
@@ -524,6 +529,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationStream: ...
     @overload
     def chat(
@@ -555,6 +561,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationResult: ...
     @overload
     def chat(
@@ -586,4 +593,5 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationStream: ...

@@ -246,6 +246,10 @@ impl PyModelRuntime {
     ///     check_tensors (bool): check that every weight and block scale is finite as it loads
     ///         (llama.cpp's ``--check-tensors``, on by default here): a NaN or infinity raises
     ///         ``ArtifactError`` naming the tensor. False skips the check.
+    ///     draft_model (str | os.PathLike | None): a smaller model sharing the tokenizer (same
+    ///         vocabulary, BOS and EOS) that proposes tokens for speculative decoding in
+    ///         ``generate``, ``stream`` and ``chat``; loaded with the same options. Output and
+    ///         sampling distribution are unchanged (``num_draft_tokens`` sets how many a step).
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.
@@ -253,7 +257,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -264,6 +268,7 @@ impl PyModelRuntime {
         threads: Option<Bound<'_, PyAny>>,
         quantize: Option<String>,
         check_tensors: bool,
+        draft_model: Option<PathBuf>,
     ) -> PyResult<Self> {
         let options = ModelOptions {
             device: device.to_owned(),
@@ -272,6 +277,7 @@ impl PyModelRuntime {
             threads: count_option(py, "threads", threads.as_ref())?,
             quantize,
             check_tensors,
+            draft_model,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
         if let Some(report) = &model.info().quantized_at_load {
@@ -407,6 +413,7 @@ impl PyModelRuntime {
             None => None,
         };
         d.set_item("quantized_at_load", quantized)?;
+        d.set_item("draft_model", &info.draft_model)?;
         Ok(d)
     }
 
@@ -638,7 +645,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch<'py>(
         &self,
@@ -663,6 +670,7 @@ impl PyModelRuntime {
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Vec<PyGenerationResult>> {
         let args = SamplingArgs {
             max_tokens,
@@ -684,6 +692,7 @@ impl PyModelRuntime {
             regex,
             choice,
             prompt_lookup_num_tokens,
+            num_draft_tokens,
         };
         let opts = args.options(self.lock(py)?.defaults())?;
         let prompts = prompts
@@ -824,7 +833,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
         top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         slf: &Bound<'py, Self>,
@@ -849,6 +858,7 @@ impl PyModelRuntime {
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -870,6 +880,7 @@ impl PyModelRuntime {
             regex,
             choice,
             prompt_lookup_num_tokens,
+            num_draft_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -897,7 +908,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn stream<'py>(
         slf: &Bound<'py, Self>,
@@ -921,6 +932,7 @@ impl PyModelRuntime {
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyGenerationStream> {
         let args = SamplingArgs {
             max_tokens,
@@ -942,6 +954,7 @@ impl PyModelRuntime {
             regex,
             choice,
             prompt_lookup_num_tokens,
+            num_draft_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -983,7 +996,7 @@ impl PyModelRuntime {
         tool_choice=None, parallel_tool_calls=true, tool_call_format=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
         logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat<'py>(
         slf: &Bound<'py, Self>,
@@ -1013,6 +1026,7 @@ impl PyModelRuntime {
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -1034,6 +1048,7 @@ impl PyModelRuntime {
             regex,
             choice,
             prompt_lookup_num_tokens,
+            num_draft_tokens,
         };
         let py = slf.py();
         let mut opts = args.options(slf.get().lock(py)?.defaults())?;
