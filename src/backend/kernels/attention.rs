@@ -48,7 +48,7 @@ pub fn decode(q: &Tensor, k: &Tensor, v: &Tensor, p: Params) -> candle_core::Res
 }
 
 /// `decode`, on this CPU's SIMD code where it has it (`simd`) or on the portable code.
-fn decode_with(q: &Tensor, k: &Tensor, v: &Tensor, p: Params, simd: bool) -> candle_core::Result<Tensor> {
+pub(super) fn decode_with(q: &Tensor, k: &Tensor, v: &Tensor, p: Params, simd: bool) -> candle_core::Result<Tensor> {
     let d = p.head_dim;
     let keys = k.dim(2)?;
     let q = q.flatten_all()?.to_vec1::<f32>()?;
