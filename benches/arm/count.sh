@@ -32,7 +32,7 @@ per_call() {  # PROBE_WITHOUT_REPS REPS -> instructions per call
 
 echo "probe instructions/call"
 for shape in "1:2048:512" "16:2048:512"; do
-    for fmt in q8_0 q4_0 q4_1 q5_0; do
+    for fmt in q8_0 q4_1; do
         for path in portable neon neon-dotprod neon-i8mm; do
             echo "int8:$path:$fmt:$shape $(per_call "int8:$path:$fmt:$shape" 3)"
         done
