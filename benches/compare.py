@@ -110,6 +110,9 @@ def main():
     ap.add_argument("--candlewick-python", action="append", default=[], metavar="LABEL=PYTHON",
                     help="also run candlewick under another interpreter, i.e. another build of it "
                          "(the portable wheel beside the native one), as row candlewick[LABEL]")
+    ap.add_argument("--roofline", action="store_true",
+                    help="also measure the host's read bandwidth and int8 peak (benches/roofline.py; needs the "
+                         "gguf package) and report decode and prefill as fractions of them")
     ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
     args = ap.parse_args()
     models = args.model or [default_model()]
@@ -151,6 +154,35 @@ def main():
         print_model(name, summary, lens)
     print("\n### candlewick / llama.cpp\n")
     print(ratio_table(per_model, lens))
+    if args.roofline:
+        result = json.loads(Path(args.out).read_text())
+        result["roofline"] = roofline_table(models, per_model, lens, args.threads)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def roofline_table(models, per_model, lens, threads):
+    """Decode as a fraction of the measured read bandwidth (weights and KV cache read per token),
+    prefill as a fraction of the measured int8 multiply-accumulate peak (matrix products only)."""
+    import roofline
+
+    limits = roofline.host_limits(threads)
+    print(f"\n### Roofline ({threads} threads: read {limits['read_gbs']:.1f} GB/s, int8 "
+          f"{limits['int8_gmacs']:.0f} GMAC/s, bf16 {limits['bf16_gmacs']:.0f} GMAC/s)\n")
+    print("| model | runtime | " + " | ".join(f"decode@{n} of bandwidth | prefill@{n} of int8 peak" for n in lens)
+          + " |")
+    print("|---" * (2 + 2 * len(lens)) + "|")
+    rows = {}
+    for model in models:
+        name = Path(model).name
+        for runtime, s in per_model[name].items():
+            cells = []
+            for n in lens:
+                f = roofline.fractions(model, limits, s[f"decode_tps@{n}"], s[f"prefill_tps@{n}"], n)
+                rows.setdefault(name, {}).setdefault(runtime, {})[str(n)] = f
+                cells.append(f"{f['decode_of_bandwidth']:.0%} ({f['decode_gbs']:.1f} GB/s) | "
+                             f"{f['prefill_of_int8_peak']:.0%} ({f['prefill_gmacs']:.0f} GMAC/s)")
+            print(f"| {name} | {runtime} | " + " | ".join(cells) + " |")
+    return {"limits": limits, "models": rows}
 
 
 if __name__ == "__main__":
