@@ -10,7 +10,7 @@ use std::sync::Arc;
 pub use info::ModelInfo;
 
 use crate::backend::weights::quantize::parse_quantize;
-use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
+use crate::backend::{parse_dtype, parse_kv_cache_type, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{
     generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult, PendingPrefill,
@@ -70,6 +70,9 @@ pub struct ModelOptions {
     /// Check that every weight and block scale is finite as it loads (llama.cpp's
     /// `--check-tensors`); a NaN or infinity is then an artifact error naming the tensor.
     pub check_tensors: bool,
+    /// How the KV cache holds keys and values: `f16`, `q8_0`, `f32`, `bf16` (llama.cpp's
+    /// `-ctk`/`-ctv`); `None`: float16 for a quantized model on the CPU, else the compute dtype.
+    pub kv_cache_type: Option<String>,
 }
 
 impl Default for ModelOptions {
@@ -81,6 +84,7 @@ impl Default for ModelOptions {
             threads: None,
             quantize: None,
             check_tensors: true,
+            kv_cache_type: None,
         }
     }
 }
@@ -112,12 +116,14 @@ impl Model {
         let threads = crate::backend::threads::configure(options.threads)?;
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
         let quantize = options.quantize.as_deref().map(parse_quantize).transpose()?;
+        let kv_cache_type = options.kv_cache_type.as_deref().map(parse_kv_cache_type).transpose()?;
         let backend = CandleBackend::new(&options.device)?;
         let load = LoadOptions {
             dtype,
             max_context: options.max_context,
             quantize,
             skip_tensor_check: !options.check_tensors,
+            kv_cache_type,
         };
         let (tokenizer, runtime) = match format {
             // The tokenizer first: its conversion's temporaries are freed (and handed back to the

@@ -246,6 +246,10 @@ impl PyModelRuntime {
     ///     check_tensors (bool): check that every weight and block scale is finite as it loads
     ///         (llama.cpp's ``--check-tensors``, on by default here): a NaN or infinity raises
     ///         ``ArtifactError`` naming the tensor. False skips the check.
+    ///     kv_cache_type (str | None): how the KV cache holds keys and values: ``"f16"``,
+    ///         ``"q8_0"`` (about half of float16's memory; the CPU only, docs/cpu.md), ``"f32"`` or
+    ///         ``"bf16"`` (llama.cpp's ``-ctk``/``-ctv``); None: float16 for a quantized model on
+    ///         the CPU, the compute dtype otherwise. Another name raises ``ValueError``.
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.
@@ -253,7 +257,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, kv_cache_type=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -264,6 +268,7 @@ impl PyModelRuntime {
         threads: Option<Bound<'_, PyAny>>,
         quantize: Option<String>,
         check_tensors: bool,
+        kv_cache_type: Option<String>,
     ) -> PyResult<Self> {
         let options = ModelOptions {
             device: device.to_owned(),
@@ -272,6 +277,7 @@ impl PyModelRuntime {
             threads: count_option(py, "threads", threads.as_ref())?,
             quantize,
             check_tensors,
+            kv_cache_type,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
         if let Some(report) = &model.info().quantized_at_load {
@@ -382,6 +388,7 @@ impl PyModelRuntime {
         d.set_item("context_length", info.context_length)?;
         d.set_item("max_context", info.max_context)?;
         d.set_item("sliding_window", info.sliding_window)?;
+        d.set_item("kv_cache_type", &info.kv_cache_type)?;
         d.set_item("tie_word_embeddings", info.tie_word_embeddings)?;
         d.set_item("num_experts", info.num_experts)?;
         d.set_item("experts_per_token", info.experts_per_token)?;
