@@ -367,6 +367,7 @@ class ModelRuntime:
         threads: int | None = None,
         quantize: str | None = None,
         check_tensors: bool = True,
+        kv_cache_type: str | None = None,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
     @property
