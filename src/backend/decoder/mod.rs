@@ -264,8 +264,19 @@ impl Decoder {
         let width = 4 * c.hidden_size + 3 * c.intermediate_size + 3 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
         let activations = mul(&[t, width as u64, f]);
         let logits = mul(&[if rows == LogitsRows::All { t } else { 1 }, c.vocab_size as u64, f]);
-        // Keys and values of every layer, at most twice over while the cache grows by copying.
-        let cache = mul(&[2, 2, c.num_layers() as u64, c.num_kv_heads as u64, c.head_dim as u64, keys, f]);
+        // Keys and values of every layer in the cache's storage, at most twice over while the
+        // cache grows by copying: every position, or a ring's window and the step.
+        let (dtype, row) = self.cache_type().storage(c.head_dim);
+        let per_position = mul(&[2, c.num_kv_heads as u64, row as u64, dtype.size_in_bytes() as u64]);
+        let held: u64 = c
+            .layers
+            .iter()
+            .map(|l| match l.sliding_window {
+                Some(w) => keys.min(w as u64 + t.max(crate::backend::kv_cache::RING_SLACK as u64)),
+                None => keys,
+            })
+            .fold(0u64, u64::saturating_add);
+        let cache = mul(&[2, per_position, held]);
         attention.saturating_add(activations).saturating_add(logits).saturating_add(cache)
     }
 

@@ -671,4 +671,54 @@ mod tests {
             }
         }
     }
+    /// `cargo test --release --lib attention_timing -- --ignored --nocapture`: the decode and
+    /// prompt kernels over a float16 and a q8_0 cache of Gemma 3 270M's shape (4 query heads, 1
+    /// kv head of 256), best of 5.
+    #[test]
+    #[ignore]
+    fn attention_timing() {
+        let dev = Device::Cpu;
+        let (heads, kv_heads, d) = (4, 1, 256);
+        let p = Params { heads, kv_heads, head_dim: d, scale: 0.0625, softcap: None };
+        // This thread's CPU time (run with CANDLE_NUM_THREADS=1 so the kernels run on it): on a
+        // shared machine, less moved by the neighbours than the wall clock.
+        let cpu = || {
+            let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            // SAFETY: a valid clock id and a timespec to write.
+            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+            ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+        };
+        let best = |f: &dyn Fn(), reps: usize| {
+            f();
+            (0..5)
+                .map(|_| {
+                    let t = cpu();
+                    for _ in 0..reps {
+                        f();
+                    }
+                    (cpu() - t) / reps as f64
+                })
+                .fold(f64::MAX, f64::min)
+        };
+        for keys in [2048usize, 16384] {
+            for ty in [KvType::Dense(DType::F16), KvType::Q8_0] {
+                let (k, v) = buffers(ty, kv_heads, keys, d);
+                let view = KvView { k: &k, v: &v, first: 0, len: keys };
+                let q = Tensor::randn(0f32, 1.0, (1, heads, 1, d), &dev).unwrap();
+                let t = best(&|| drop(decode(&q, &view, p).unwrap()), 50);
+                let bytes = (k.elem_count() * k.dtype().size_in_bytes() * 2) as f64;
+                println!("decode over {keys} keys, {}: {:.1} us ({:.1} GB/s)", ty.name(), t * 1e6, bytes / t / 1e9);
+            }
+        }
+        for (t, keys) in [(512usize, 2048usize)] {
+            for ty in [KvType::Dense(DType::F16), KvType::Q8_0] {
+                let (k, v) = buffers(ty, kv_heads, keys, d);
+                let view = KvView { k: &k, v: &v, first: 0, len: keys };
+                let q = Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev).unwrap();
+                let span = PromptSpan { offset: keys - t, first_key: 0, window: None };
+                let s = best(&|| drop(prompt(&q, &view, span, p).unwrap()), 2);
+                println!("prompt of {t} rows over {keys} keys, {}: {:.2} ms", ty.name(), s * 1e3);
+            }
+        }
+    }
 }
