@@ -175,3 +175,25 @@ def test_gemma_caches_q8_0_blocks_and_its_windowed_layers_keep_their_window(rt_q
     # 512-token chunk, whatever the length.
     assert rt.session.cache_bytes <= (3 * n + 15 * (window + 512)) * row
     assert rt.session.cache_bytes < 18 * n * row * 0.6
+
+
+def test_gemma_rewinds_within_its_rings_and_says_so_beyond(gemma_path):
+    rt = cw.ModelRuntime.load(gemma_path, device="cpu", max_context=4096)
+    ids = [2] + [(i * 7919) % 200_000 + 1000 for i in range(1300)]
+    rt.prefill(ids).wait()
+    # Within the ring's slack (a rejected draft, a stop string's tail): fine.
+    rt.session.truncate(1200)
+    assert rt.session.position == 1200
+    # Past what the 512-token windows kept: a typed error, and the session as it was.
+    with pytest.raises(cw.SessionError, match="sliding-window"):
+        rt.session.truncate(100)
+    assert rt.session.position == 1200 and rt.session.snapshot().tokens == ids[:1200]
+    # A new prompt sharing only an early prefix is run again rather than rewound: its output is
+    # a fresh session's.
+    other = ids[:100] + [3000 + i for i in range(20)]
+    got = rt.generate(other, max_tokens=4, temperature=0.0, ignore_eos=True)
+    fresh = cw.ModelRuntime.load(gemma_path, device="cpu", max_context=4096)
+    want = fresh.generate(other, max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert got.token_ids == want.token_ids
+    rt.session.truncate(0)
+    assert rt.session.position == 0
