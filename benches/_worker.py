@@ -41,10 +41,12 @@ def run_candlewick(model, threads, lens, n_decode, python_loop):
     # benches/device_check.sh measures the same thing on a GPU.
     # The context is the model's unless the longest prompt needs more (as the peer's is sized).
     need = max(lens) + n_decode + 8
-    rt = cw.ModelRuntime.load(model, device=os.environ.get("CANDLEWICK_BENCH_DEVICE", "cpu"), threads=threads)
+    # CANDLEWICK_BENCH_KV_CACHE_TYPE=q8_0 measures another cache type (builds before it had none).
+    kv = {"kv_cache_type": os.environ["CANDLEWICK_BENCH_KV_CACHE_TYPE"]} if os.environ.get("CANDLEWICK_BENCH_KV_CACHE_TYPE") else {}
+    rt = cw.ModelRuntime.load(model, device=os.environ.get("CANDLEWICK_BENCH_DEVICE", "cpu"), threads=threads, **kv)
     if rt.model_info["max_context"] < need:
         rt = cw.ModelRuntime.load(model, device=os.environ.get("CANDLEWICK_BENCH_DEVICE", "cpu"), threads=threads,
-                                  max_context=need)
+                                  max_context=need, **kv)
     load = clock() - t
     vocab = rt.model_info["vocab_size"]
     out = {"load_s": load, "runs": {}}
@@ -66,7 +68,8 @@ def run_candlewick(model, threads, lens, n_decode, python_loop):
             t = clock()
             r = rt.generate(ids, max_tokens=n_decode + 1, temperature=0.0, ignore_eos=True)
             decode = r.usage["decode_seconds"] if clock is time.perf_counter else clock() - t
-        out["runs"][str(n)] = {"prefill_tps": n / ttft, "ttft_s": ttft, "decode_tps": n_decode / decode}
+        out["runs"][str(n)] = {"prefill_tps": n / ttft, "ttft_s": ttft, "decode_tps": n_decode / decode,
+                               "cache_mb": rt.session.cache_bytes / 1e6}
     out["peak_rss_mb"] = peak_rss_mb()
     return out
 

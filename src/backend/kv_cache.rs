@@ -1,8 +1,137 @@
-//! The KV cache: per layer, keys and values of every position held, grown on demand.
+//! The KV cache: per layer, the keys and values a later step can still attend, in the cache's type.
+//!
+//! A layer without a window holds every position at slot = position. A sliding-window layer
+//! (Gemma 2/3's local layers, Mistral, gpt-oss's windowed layers) holds a ring, as llama.cpp's SWA
+//! cache does: slot = position mod capacity, the capacity being the window plus the largest step in
+//! flight (`RING_SLACK` at least), so its memory stops growing at the window however long the
+//! sequence. Kernels read keys in position order whatever the slots (`KvView::runs`), so a ring,
+//! a full layer, a fork and a restored snapshot give the same numbers bit for bit.
+//!
+//! What a ring has overwritten is gone: a truncate that would need it is refused
+//! (`KvCache::can_truncate`), never answered with a different state.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
+use half::f16;
 
-/// Keys and values of one layer, `[1, kv_heads, capacity, head_dim]`, valid up to the session's length.
+use crate::backend::session::PREFILL_CHUNK;
+
+/// Positions a ring keeps beyond its window, at least: a prompt chunk of `PREFILL_CHUNK` (the
+/// largest plain step) fits beside the window without growing it, and a rewind of up to this
+/// many tokens (a rejected draft, a stop string's tail) stays possible.
+pub const RING_SLACK: usize = PREFILL_CHUNK;
+
+/// Values per q8_0 block (ggml's `QK8_0`).
+pub const Q8_BLOCK: usize = 32;
+/// Bytes per q8_0 block: a float16 scale, then 32 signed bytes (ggml's `block_q8_0`).
+pub const Q8_BYTES: usize = 34;
+
+/// How keys and values are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvType {
+    /// A float dtype (float32, float16, bfloat16).
+    Dense(DType),
+    /// ggml's q8_0 blocks per head row (llama.cpp's `-ctk q8_0 -ctv q8_0`), held as bytes
+    /// `[1, kv_heads, capacity, head_dim / 32 · 34]`; the CPU only.
+    Q8_0,
+}
+
+impl KvType {
+    /// The names `parse` takes, as error messages list them.
+    pub const ACCEPTED: &'static str = "f32, f16, bf16, q8_0";
+
+    /// The type a name gives (`f16`, `float16`, `q8_0`, ...), or `None`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Self::Dense(DType::F32),
+            "f16" | "float16" => Self::Dense(DType::F16),
+            "bf16" | "bfloat16" => Self::Dense(DType::BF16),
+            "q8_0" => Self::Q8_0,
+            _ => return None,
+        })
+    }
+
+    /// Its name (`f32`, `f16`, `bf16`, `q8_0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Dense(DType::F32) => "f32",
+            Self::Dense(DType::F16) => "f16",
+            Self::Dense(DType::BF16) => "bf16",
+            Self::Dense(_) => "other",
+            Self::Q8_0 => "q8_0",
+        }
+    }
+
+    /// The element type and elements per head row of its buffers.
+    pub fn storage(self, head_dim: usize) -> (DType, usize) {
+        match self {
+            Self::Dense(d) => (d, head_dim),
+            Self::Q8_0 => (DType::U8, head_dim / Q8_BLOCK * Q8_BYTES),
+        }
+    }
+
+    /// Keys or values `x` `[1, kv_heads, t, head_dim]` in this type's storage.
+    pub fn encode(self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(d) => x.to_dtype(d),
+            Self::Q8_0 => {
+                let (b, h, t, d) = x.dims4()?;
+                let values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let mut bytes = vec![0u8; values.len() / Q8_BLOCK * Q8_BYTES];
+                for (block, out) in values.chunks_exact(Q8_BLOCK).zip(bytes.chunks_exact_mut(Q8_BYTES)) {
+                    quantize_q8_0(block, out);
+                }
+                Tensor::from_vec(bytes, (b, h, t, d / Q8_BLOCK * Q8_BYTES), x.device())
+            }
+        }
+    }
+
+    /// Stored rows `x` `[1, kv_heads, n, row]` as `dtype` values `[1, kv_heads, n, head_dim]`.
+    pub fn decode(self, x: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(_) => x.to_dtype(dtype),
+            Self::Q8_0 => {
+                let (b, h, n, row) = x.dims4()?;
+                let bytes = x.flatten_all()?.to_vec1::<u8>()?;
+                let mut values = vec![0f32; bytes.len() / Q8_BYTES * Q8_BLOCK];
+                for (block, out) in bytes.chunks_exact(Q8_BYTES).zip(values.chunks_exact_mut(Q8_BLOCK)) {
+                    dequantize_q8_0(block, out);
+                }
+                Tensor::from_vec(values, (b, h, n, row / Q8_BYTES * Q8_BLOCK), x.device())?.to_dtype(dtype)
+            }
+        }
+    }
+
+    /// The type of buffers holding `dtype` elements.
+    pub fn of_storage(dtype: DType) -> Self {
+        if dtype == DType::U8 {
+            Self::Q8_0
+        } else {
+            Self::Dense(dtype)
+        }
+    }
+}
+
+/// One q8_0 block of `x` (32 values) into `out` (34 bytes), as ggml's `quantize_row_q8_0_ref`.
+pub fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for (o, &v) in out[2..].iter_mut().zip(x) {
+        *o = ((v * id).round() as i8) as u8;
+    }
+}
+
+/// One q8_0 block (34 bytes) as its 32 values.
+pub fn dequantize_q8_0(block: &[u8], out: &mut [f32]) {
+    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+    for (o, &q) in out.iter_mut().zip(&block[2..]) {
+        *o = d * (q as i8) as f32;
+    }
+}
+
+/// Keys and values of one layer, `[1, kv_heads, capacity, row]`, positions at `slot` (see the
+/// module's notes), valid from `first` up to the session's length.
 ///
 /// Not `Clone`: appends write into the buffers in place, so a clone sharing them would see the
 /// other's writes. `KvCache::deep_copy` makes an independent one.
@@ -13,6 +142,94 @@ pub struct LayerKv {
     /// Positions the session expects to hold (`KvCache::reserve`): the first allocation past
     /// what is held takes this size at once rather than growing by doubling.
     reserve: usize,
+    /// The layer's sliding window: its buffers are then a ring.
+    window: Option<usize>,
+    /// Positions a ring keeps beyond its window, at least.
+    slack: usize,
+    /// The first position still held (above 0 only once a ring has wrapped).
+    first: usize,
+}
+
+/// Positions `first..first + len` of one layer's keys and values, read in place: position `p`
+/// is at row `p % capacity` of `k` and `v` `[1, kv_heads, capacity, row]`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvView<'a> {
+    /// The layer's key buffer.
+    pub k: &'a Tensor,
+    /// The layer's value buffer.
+    pub v: &'a Tensor,
+    /// The first position viewed.
+    pub first: usize,
+    /// Positions viewed.
+    pub len: usize,
+}
+
+impl<'a> KvView<'a> {
+    /// Rows of the buffers.
+    pub fn capacity(&self) -> usize {
+        self.k.dims()[2]
+    }
+
+    /// Positions `first..first + len`, which must lie inside this view.
+    pub fn range(&self, first: usize, len: usize) -> candle_core::Result<KvView<'a>> {
+        if first < self.first || first + len > self.first + self.len {
+            candle_core::bail!(
+                "KV view {first}..{} outside the positions {}..{} held",
+                first + len,
+                self.first,
+                self.first + self.len
+            )
+        }
+        Ok(KvView { first, len, ..*self })
+    }
+
+    /// The view's rows as runs `(slot, count)` of consecutive slots, in position order: one run,
+    /// or two where a ring wraps.
+    pub fn runs(&self) -> impl Iterator<Item = (usize, usize)> {
+        let cap = self.capacity().max(1);
+        let start = self.first % cap;
+        let head = self.len.min(cap - start);
+        [(start, head), (0, self.len - head)].into_iter().filter(|&(_, n)| n > 0)
+    }
+
+    /// Copies of the stored rows in position order, `[1, kv_heads, len, row]`, in buffers of
+    /// their own (never sharing the cache's storage, which later appends overwrite in place).
+    pub fn stored(&self) -> candle_core::Result<(Tensor, Tensor)> {
+        let gather = |t: &Tensor| -> candle_core::Result<Tensor> {
+            let (b, h, _, d) = t.dims4()?;
+            let out = Tensor::zeros((b, h, self.len, d), t.dtype(), t.device())?;
+            let mut done = 0;
+            for (slot, n) in self.runs() {
+                out.slice_set(&t.narrow(2, slot, n)?.contiguous()?, 2, done)?;
+                done += n;
+            }
+            Ok(out)
+        };
+        Ok((gather(self.k)?, gather(self.v)?))
+    }
+
+    /// Keys and values in position order as `dtype` values `[1, kv_heads, len, head_dim]`: the
+    /// operands of attention through materialised scores. A view that does not wrap over float
+    /// buffers is a narrowed view of the cache (no copy unless `dtype` differs).
+    pub fn dense(&self, dtype: DType) -> candle_core::Result<(Tensor, Tensor)> {
+        let ty = KvType::of_storage(self.k.dtype());
+        let (k, v) = match (self.runs().collect::<Vec<_>>().as_slice(), ty) {
+            ([(s, n)], KvType::Dense(_)) => (self.k.narrow(2, *s, *n)?, self.v.narrow(2, *s, *n)?),
+            _ => self.stored()?,
+        };
+        Ok((ty.decode(&k, dtype)?, ty.decode(&v, dtype)?))
+    }
+}
+
+/// One layer's held positions copied out in position order (snapshots, forks, the prefix cache).
+#[derive(Debug, Clone)]
+pub struct HeldKv {
+    /// The first position held.
+    pub first: usize,
+    /// Keys `[1, kv_heads, positions, row]` in the cache's storage type.
+    pub k: Tensor,
+    /// Values, as `k`.
+    pub v: Tensor,
 }
 
 /// The whole model's cache and how many positions it holds.
@@ -24,42 +241,99 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// An empty cache for `n_layers` layers that never grows past `max_context` positions.
-    pub fn new(n_layers: usize, max_context: usize) -> Self {
-        Self { layers: (0..n_layers).map(|_| LayerKv { k: None, v: None, reserve: 0 }).collect(), len: 0, max_context }
+    /// An empty cache for layers with these sliding windows (`None`: the layer attends every
+    /// position) that never grows past `max_context` positions.
+    pub fn new(windows: &[Option<usize>], max_context: usize) -> Self {
+        let layers = windows.iter().map(|&window| LayerKv::empty(window)).collect();
+        Self { layers, len: 0, max_context }
+    }
+
+    /// Makes every ring keep at least `slack` positions beyond its window (`RING_SLACK` unless
+    /// set; 0 makes each ring exactly the window plus the step in flight, as tests want).
+    pub fn set_ring_slack(&mut self, slack: usize) {
+        for l in &mut self.layers {
+            l.slack = slack;
+        }
     }
 
     /// A copy that shares no buffer with this cache, holding exactly its positions.
     pub fn deep_copy(&self) -> candle_core::Result<Self> {
-        let held = self
-            .held()?
-            .into_iter()
-            .map(|kv| kv.map(|(k, v)| Ok::<_, candle_core::Error>((owned_copy(&k)?, owned_copy(&v)?))).transpose())
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self::from_held(held, self.len, self.max_context))
+        let held = self.held()?;
+        let mut copy = Self::from_held(held, self.len, self.max_context, &self.windows())?;
+        copy.set_ring_slack(self.layers.first().map_or(RING_SLACK, |l| l.slack));
+        Ok(copy)
     }
 
-    /// Views of each layer's held keys and values, `[1, kv_heads, len, head_dim]` (`None` when empty).
-    pub fn held(&self) -> candle_core::Result<Vec<Option<(Tensor, Tensor)>>> {
+    /// Each layer's sliding window.
+    pub fn windows(&self) -> Vec<Option<usize>> {
+        self.layers.iter().map(|l| l.window).collect()
+    }
+
+    /// Each layer's held positions, read in place (`None` when empty).
+    pub fn views(&self) -> Vec<Option<KvView<'_>>> {
+        self.layers.iter().map(|l| l.view(self.len)).collect()
+    }
+
+    /// Each layer's held positions copied out in position order (`None` when empty).
+    pub fn held(&self) -> candle_core::Result<Vec<Option<HeldKv>>> {
         self.layers
             .iter()
-            .map(|l| match (&l.k, &l.v) {
-                (Some(k), Some(v)) if self.len > 0 => Ok(Some((k.narrow(2, 0, self.len)?, v.narrow(2, 0, self.len)?))),
-                _ => Ok(None),
+            .map(|l| match l.view(self.len) {
+                Some(view) => {
+                    let (k, v) = view.stored()?;
+                    Ok(Some(HeldKv { first: view.first, k, v }))
+                }
+                None => Ok(None),
             })
             .collect()
     }
 
-    /// A cache holding `layers` (each `[1, kv_heads, len, head_dim]`, owned by the new cache) at `len` positions.
-    pub fn from_held(layers: Vec<Option<(Tensor, Tensor)>>, len: usize, max_context: usize) -> Self {
-        let layers = layers
-            .into_iter()
-            .map(|kv| match kv {
-                Some((k, v)) => LayerKv { k: Some(k), v: Some(v), reserve: 0 },
-                None => LayerKv { k: None, v: None, reserve: 0 },
-            })
-            .collect();
-        Self { layers, len, max_context }
+    /// A cache of `len` positions holding `layers` (owned by the new cache), for layers with these
+    /// windows; a ring given more positions than it keeps takes the latest. Positions a layer
+    /// needs but `layers` lacks (a full layer not starting at 0, a window reaching before the
+    /// first position given) are an error.
+    pub fn from_held(
+        layers: Vec<Option<HeldKv>>,
+        len: usize,
+        max_context: usize,
+        windows: &[Option<usize>],
+    ) -> candle_core::Result<Self> {
+        if layers.len() != windows.len() {
+            candle_core::bail!("{} layers of keys and values for {} layers", layers.len(), windows.len())
+        }
+        let mut out = Vec::with_capacity(layers.len());
+        for (i, (held, &window)) in layers.into_iter().zip(windows).enumerate() {
+            let mut layer = LayerKv::empty(window);
+            if let Some(h) = held {
+                let n = h.k.dim(2)?;
+                if h.first + n != len || h.v.dims() != h.k.dims() {
+                    candle_core::bail!("layer {i} holds positions {}..{} of {len}", h.first, h.first + n)
+                }
+                if h.first > layer.needed_from(len) {
+                    candle_core::bail!(
+                        "layer {i} holds positions from {} on; continuing at {len} needs them from {}",
+                        h.first,
+                        layer.needed_from(len)
+                    )
+                }
+                // A ring keeps what it would have kept had it computed them: its target size.
+                let keep_from = match window {
+                    Some(w) => h.first.max(len.saturating_sub(layer.ring_target(w, 1, max_context))),
+                    None => h.first,
+                };
+                let (k, v) = (h.k.narrow(2, keep_from - h.first, len - keep_from)?, h.v.narrow(2, keep_from - h.first, len - keep_from)?);
+                let cap = len - keep_from;
+                if cap > 0 {
+                    layer.k = Some(place(&k, keep_from, cap)?);
+                    layer.v = Some(place(&v, keep_from, cap)?);
+                    layer.first = keep_from;
+                }
+            } else if len > 0 && layer.needed_from(len) < len {
+                candle_core::bail!("layer {i} holds nothing of the {len} positions")
+            }
+            out.push(layer);
+        }
+        Ok(Self { layers: out, len, max_context })
     }
 
     /// Number of layers.
@@ -90,8 +364,9 @@ impl KvCache {
     /// Says the session will hold `total` positions (a prompt and the tokens to generate), so
     /// that a layer that must grow allocates that much at once: a 4,000-token prompt then holds
     /// a cache of its size, not of the next power of two, and is not copied at every doubling.
-    /// Never past `max_context`; a later append beyond it grows geometrically as before.
-    /// A smaller hint than one already given keeps the larger; `reset` forgets it.
+    /// Never past `max_context` (nor past a ring's size); a later append beyond it grows
+    /// geometrically as before. A smaller hint than one already given keeps the larger; `reset`
+    /// forgets it.
     pub fn reserve(&mut self, total: usize) {
         let total = total.min(self.max_context);
         for l in &mut self.layers {
@@ -104,9 +379,30 @@ impl KvCache {
         self.len += n;
     }
 
-    /// Keeps only the first `n` positions; later appends overwrite the rest.
+    /// The smallest `n` above 0 that `truncate` takes: a step at `n` must find every key its
+    /// windows reach back to, and a ring has overwritten what lies further back than its slack.
+    /// 0 when every position is held.
+    pub fn earliest_truncate(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| l.window.filter(|_| l.first > 0).map(|w| l.first + w - 1))
+            .max()
+            .unwrap_or(0)
+            .min(self.len)
+    }
+
+    /// Whether `truncate(n)` keeps a state a step can continue from (0 always does).
+    pub fn can_truncate(&self, n: usize) -> bool {
+        n <= self.len && (n == 0 || n >= self.earliest_truncate())
+    }
+
+    /// Keeps only the first `n` positions; later appends overwrite the rest. The caller checked
+    /// `can_truncate(n)` (or is undoing a failed step, which a ring always keeps room for).
     pub fn truncate(&mut self, n: usize) {
         self.len = self.len.min(n);
+        for l in &mut self.layers {
+            l.first = l.first.min(self.len);
+        }
     }
 
     /// Forgets everything and frees the memory.
@@ -116,6 +412,7 @@ impl KvCache {
             l.k = None;
             l.v = None;
             l.reserve = 0;
+            l.first = 0;
         }
     }
 
@@ -131,50 +428,122 @@ impl KvCache {
 }
 
 impl LayerKv {
-    /// Writes `k`, `v` `[1, kv_heads, t, head_dim]` at positions `pos..pos + t` and returns
-    /// views of all `pos + t` positions.
-    pub fn append(
-        &mut self,
-        k: &Tensor,
-        v: &Tensor,
-        pos: usize,
-        max_context: usize,
-    ) -> candle_core::Result<(Tensor, Tensor)> {
+    fn empty(window: Option<usize>) -> Self {
+        Self { k: None, v: None, reserve: 0, window: window.map(|w| w.max(1)), slack: RING_SLACK, first: 0 }
+    }
+
+    /// The layer's sliding window, if it has one.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
+    /// The first position a step at `pos` attends in this layer.
+    fn needed_from(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+
+    /// The size a ring of window `w` takes for steps of up to `t` positions.
+    fn ring_target(&self, w: usize, t: usize, max_context: usize) -> usize {
+        (w - 1 + t.max(self.slack)).min(max_context)
+    }
+
+    /// The positions `first..len` held (`None` when none are).
+    fn view(&self, len: usize) -> Option<KvView<'_>> {
+        match (&self.k, &self.v) {
+            (Some(k), Some(v)) if len > self.first => Some(KvView { k, v, first: self.first, len: len - self.first }),
+            _ => None,
+        }
+    }
+
+    /// Writes `k`, `v` `[1, kv_heads, t, row]` (in the cache's storage, `KvType::encode`) at
+    /// positions `pos..pos + t` and returns a view of every position held up to `pos + t`: all
+    /// of them, or for a ring at least the window of each of the step's rows.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor, pos: usize, max_context: usize) -> candle_core::Result<KvView<'_>> {
         let t = k.dim(2)?;
-        let needed = pos + t;
         let capacity = self.k.as_ref().map(|k| k.dim(2)).transpose()?.unwrap_or(0);
+        // Slots that must coexist: every position, or for a ring the window of the step's first
+        // row through its last (a row's window reaches `w - 1` back).
+        let needed = match self.window {
+            None => pos + t,
+            Some(w) => (pos + t).min(w - 1 + t),
+        };
         if needed > capacity {
-            // To the reserved size when it covers this append; otherwise geometrically, so a long
-            // generation reallocates O(log n) times; never past max_context.
-            let new_cap = if self.reserve >= needed {
-                self.reserve
-            } else {
-                needed.max(capacity * 2).max(64).min(max_context.max(needed))
+            let limit = match self.window {
+                None => max_context.max(pos + t),
+                Some(w) => self.ring_target(w, t, max_context).max(needed),
             };
-            self.k = Some(grow(self.k.take(), k, pos, new_cap)?);
-            self.v = Some(grow(self.v.take(), v, pos, new_cap)?);
+            // To the reserved size when it covers this append; otherwise geometrically, so a long
+            // generation reallocates O(log n) times; never past max_context (or a ring's size).
+            let new_cap = if self.reserve >= needed {
+                self.reserve.min(limit).max(needed)
+            } else {
+                needed.max(capacity * 2).max(64).min(limit)
+            };
+            // Held positions the new buffers keep: those this step does not overwrite.
+            let keep_from = self.first.max((pos + t).saturating_sub(new_cap)).min(pos);
+            self.k = Some(regrow(self.k.take(), k, keep_from, pos, new_cap)?);
+            self.v = Some(regrow(self.v.take(), v, keep_from, pos, new_cap)?);
+            self.first = keep_from;
         }
         let (kc, vc) = (self.k.as_ref().expect("allocated above"), self.v.as_ref().expect("allocated above"));
-        kc.slice_set(&k.contiguous()?, 2, pos)?;
-        vc.slice_set(&v.contiguous()?, 2, pos)?;
-        Ok((kc.narrow(2, 0, needed)?, vc.narrow(2, 0, needed)?))
+        let cap = kc.dim(2)?;
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        let written = KvView { k: kc, v: vc, first: pos, len: t };
+        let mut done = 0;
+        for (slot, n) in written.runs() {
+            if n == t {
+                kc.slice_set(&k, 2, slot)?;
+                vc.slice_set(&v, 2, slot)?;
+            } else {
+                // A step wrapping past a ring's end: each part in its own contiguous copy.
+                kc.slice_set(&k.narrow(2, done, n)?.contiguous()?, 2, slot)?;
+                vc.slice_set(&v.narrow(2, done, n)?.contiguous()?, 2, slot)?;
+            }
+            done += n;
+        }
+        self.first = self.first.min(pos).max((pos + t).saturating_sub(cap));
+        Ok(KvView { k: kc, v: vc, first: self.first, len: pos + t - self.first })
     }
 }
 
-fn grow(old: Option<Tensor>, like: &Tensor, keep: usize, capacity: usize) -> candle_core::Result<Tensor> {
+/// New buffers of `capacity` rows like `like` (`[1, kv_heads, _, row]`), holding positions
+/// `from..to` of `old` at their slots (position mod capacity).
+fn regrow(old: Option<Tensor>, like: &Tensor, from: usize, to: usize, capacity: usize) -> candle_core::Result<Tensor> {
     let (b, h, _, d) = like.dims4()?;
     let fresh = Tensor::zeros((b, h, capacity, d), like.dtype(), like.device())?;
     if let Some(old) = old {
-        if keep > 0 {
-            fresh.slice_set(&old.narrow(2, 0, keep)?.contiguous()?, 2, 0)?;
+        if to > from {
+            let view = KvView { k: &old, v: &old, first: from, len: to - from };
+            let (rows, _) = view.stored()?;
+            write_at(&fresh, &rows, from)?;
         }
     }
     Ok(fresh)
 }
 
-/// A `[1, kv_heads, len, head_dim]` tensor in a buffer of its own (never a view sharing storage,
-/// even when `t` is contiguous), as a cache layer needs before it appends in place.
+/// Rows `rows` `[1, kv_heads, n, row]` of positions `first..first + n` in a buffer of their own
+/// with `capacity` rows, each at its slot.
+fn place(rows: &Tensor, first: usize, capacity: usize) -> candle_core::Result<Tensor> {
+    let (b, h, _, d) = rows.dims4()?;
+    let fresh = Tensor::zeros((b, h, capacity, d), rows.dtype(), rows.device())?;
+    write_at(&fresh, &rows.contiguous()?, first)?;
+    Ok(fresh)
+}
+
+/// Writes contiguous `rows` of positions from `first` on into `buffer` at their slots.
+fn write_at(buffer: &Tensor, rows: &Tensor, first: usize) -> candle_core::Result<()> {
+    let n = rows.dim(2)?;
+    let view = KvView { k: buffer, v: buffer, first, len: n };
+    let mut done = 0;
+    for (slot, count) in view.runs() {
+        buffer.slice_set(&rows.narrow(2, done, count)?.contiguous()?, 2, slot)?;
+        done += count;
+    }
+    Ok(())
+}
+
+/// A `[1, kv_heads, len, row]` tensor in a buffer of its own (never a view sharing storage,
+/// even when `t` is contiguous), as a cache layer or a prefix block needs.
 pub fn owned_copy(t: &Tensor) -> candle_core::Result<Tensor> {
-    let len = t.dim(2)?;
-    grow(Some(t.clone()), t, len, len)
+    place(t, 0, t.dim(2)?)
 }

@@ -25,6 +25,7 @@ use config::ArchConfig;
 use decoder::names::Naming;
 use decoder::Decoder;
 pub use error::CandleError;
+pub use kv_cache::KvType;
 use error::Result;
 pub use session::{CandleSession, StepOutput};
 pub use weights::gguf::GgufWeights;
@@ -63,6 +64,18 @@ pub struct LoadOptions {
     /// Skip the check that every weight and block scale is finite (llama.cpp's `--check-tensors`,
     /// which candlewick runs by default).
     pub skip_tensor_check: bool,
+    /// How the KV cache holds keys and values (llama.cpp's `-ctk`/`-ctv`); `None`: float16 for a
+    /// quantized model on the CPU, the activations' dtype otherwise.
+    pub kv_cache_type: Option<KvType>,
+}
+
+/// Parses a KV cache type: `f32`, `f16`, `bf16` or `q8_0`.
+pub fn parse_kv_cache_type(s: &str) -> Result<KvType> {
+    KvType::parse(s).ok_or_else(|| CandleError::InvalidOption {
+        argument: "kv_cache_type",
+        value: s.to_owned(),
+        accepted: KvType::ACCEPTED.into(),
+    })
 }
 
 /// Parses `f32`, `f16`, `bf16` (and their long names).
@@ -127,6 +140,8 @@ pub struct CandleModelConfig {
     pub format: ArtifactFormat,
     /// The block type to quantize matmul weights and embeddings to at load, if any.
     pub quantize: Option<GgmlDType>,
+    /// How the KV cache holds keys and values; `None`: the decoder's default.
+    pub kv_cache_type: Option<KvType>,
 }
 
 /// A decoder ready to run, with the context its session will get; sessions share its weights.
@@ -152,7 +167,10 @@ impl BackendProvider for CandleBackend {
 
     fn prepare_model(&self, config: CandleModelConfig) -> Result<PreparedModel<CandleModel>> {
         let loader = WeightLoader::new(config.weights.as_ref(), config.dtype, &self.device).quantizing(config.quantize);
-        let decoder = Decoder::load(config.arch, &loader, config.naming)?;
+        let mut decoder = Decoder::load(config.arch, &loader, config.naming)?;
+        if let Some(ty) = config.kv_cache_type {
+            decoder.set_cache_type(ty)?;
+        }
         // Every capability below is implemented by CandleSession for every decoder.
         Ok(PreparedModel::new(
             CandleModel { decoder: Arc::new(decoder), max_context: config.max_context },
@@ -207,6 +225,7 @@ impl CandleBackend {
             max_context,
             format: ArtifactFormat::HuggingFace,
             quantize: options.quantize,
+            kv_cache_type: options.kv_cache_type,
         })
     }
 
@@ -249,6 +268,7 @@ impl CandleBackend {
             max_context,
             format: ArtifactFormat::Gguf,
             quantize: options.quantize,
+            kv_cache_type: options.kv_cache_type,
         })
     }
 
@@ -296,3 +316,5 @@ fn check_no_extra_layers(names: &[String], n_layers: usize, prefix: &str, source
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod window_tests;

@@ -151,6 +151,11 @@ pub trait BackendSession<B: BackendProvider> {
     fn reserve(&mut self, _total: usize) {}
     /// Rewinds the cache to its first `n` tokens.
     fn truncate(&mut self, n: usize) -> Result<(), B::Error>;
+    /// Whether `truncate(n)` would succeed: `n` up to the position, where a cache that keeps
+    /// only recent keys (sliding windows) still holds what a step at `n` attends. 0 always does.
+    fn can_truncate(&self, n: usize) -> bool {
+        n <= self.position()
+    }
     /// Empties the cache (and clears any earlier internal failure).
     fn reset(&mut self);
     /// The ids the model itself declares as ending a sequence.

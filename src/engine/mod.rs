@@ -384,8 +384,18 @@ impl Worker {
     /// prefix cache restores a prefix into (only for a request with no edits of its own,
     /// `plain`), or an empty one.
     fn session_for(&mut self, prompt: &[u32], plain: bool) -> Result<Model, ModelError> {
-        let shared =
-            |m: &Model| m.runtime().session().reusable_tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        // A session counts only what it can rewind to (a ring keeps its window's keys only); the
+        // generation keeps one prompt token to run, so rewinding to below the whole shared part.
+        let shared = |m: &Model| {
+            let s = m.runtime().session();
+            let n = s.reusable_tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let n = n.min(prompt.len().saturating_sub(1));
+            if s.can_truncate(n) {
+                n
+            } else {
+                0
+            }
+        };
         let best = (0..self.idle.len()).max_by_key(|&i| shared(&self.idle[i]));
         let idle_shared = best.map_or(0, |i| shared(&self.idle[i]));
         let cached = match &self.prefix {

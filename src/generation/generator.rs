@@ -446,6 +446,8 @@ impl Generation {
         // one token is run to get logits.
         let held = rt.session().reusable_tokens();
         let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
+        // A rewind past what a sliding window kept starts over instead (the prompt recomputed).
+        let common = if rt.session().can_truncate(common) { common } else { 0 };
         rt.session().check_append(common, &prompt[common..]).map_err(RuntimeError::Backend)?;
         rt.session_mut().truncate(common).map_err(RuntimeError::Backend)?;
         // The cache is sized once for the prompt and the tokens asked for, up to 512 of them (a

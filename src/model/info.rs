@@ -35,6 +35,8 @@ pub struct ModelInfo {
     pub max_context: usize,
     /// The sliding window of the layers that have one.
     pub sliding_window: Option<usize>,
+    /// How the KV cache holds keys and values (`f16`, `q8_0`, `f32`, `bf16`).
+    pub kv_cache_type: String,
     /// Whether the output projection is the embedding table.
     pub tie_word_embeddings: bool,
     /// Experts per mixture-of-experts layer (`None` for a dense model).
@@ -85,6 +87,7 @@ impl ModelInfo {
             context_length: c.max_position_embeddings,
             max_context: session.max_context(),
             sliding_window: c.layers.iter().find_map(|l| l.sliding_window),
+            kv_cache_type: decoder.cache_type().name().to_owned(),
             tie_word_embeddings: c.tie_word_embeddings,
             num_experts: c.moe.as_ref().map(|m| m.num_experts),
             experts_per_token: c.moe.as_ref().map(|m| m.experts_per_token),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 pub use info::ModelInfo;
 
 use crate::backend::weights::quantize::parse_quantize;
-use crate::backend::{parse_dtype, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
+use crate::backend::{parse_dtype, parse_kv_cache_type, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{
     generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult, PendingPrefill,
@@ -81,6 +81,9 @@ pub struct ModelOptions {
     /// A smaller model sharing the tokenizer that proposes tokens for speculative decoding
     /// (loaded with the same device, dtype, context, threads, quantization and checks).
     pub draft_model: Option<PathBuf>,
+    /// How the KV cache holds keys and values: `f16`, `q8_0`, `f32`, `bf16` (llama.cpp's
+    /// `-ctk`/`-ctv`); `None`: float16 for a quantized model on the CPU, else the compute dtype.
+    pub kv_cache_type: Option<String>,
 }
 
 impl Default for ModelOptions {
@@ -93,6 +96,7 @@ impl Default for ModelOptions {
             quantize: None,
             check_tensors: true,
             draft_model: None,
+            kv_cache_type: None,
         }
     }
 }
@@ -126,12 +130,14 @@ impl Model {
         let threads = crate::backend::threads::configure(options.threads)?;
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
         let quantize = options.quantize.as_deref().map(parse_quantize).transpose()?;
+        let kv_cache_type = options.kv_cache_type.as_deref().map(parse_kv_cache_type).transpose()?;
         let backend = CandleBackend::new(&options.device)?;
         let load = LoadOptions {
             dtype,
             max_context: options.max_context,
             quantize,
             skip_tensor_check: !options.check_tensors,
+            kv_cache_type,
         };
         let (tokenizer, runtime) = match format {
             // The tokenizer first: its conversion's temporaries are freed (and handed back to the

@@ -164,7 +164,7 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::TokenOutOfRange { .. } => TokenOutOfRangeError::new_err(msg),
         CandleError::ContextFull { .. } => ContextFullError::new_err(msg),
         CandleError::OutOfMemory { .. } => OutOfMemoryError::new_err(msg),
-        CandleError::InvalidInput { .. } => SessionError::new_err(msg),
+        CandleError::InvalidInput { .. } | CandleError::WindowRewind { .. } => SessionError::new_err(msg),
         CandleError::InvalidOption { .. } => Python::attach(|py| invalid_option(py, msg)),
         CandleError::Observation(_) => PyObservationError::new_err(msg),
         CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),

@@ -250,6 +250,10 @@ impl PyModelRuntime {
     ///         vocabulary, BOS and EOS) that proposes tokens for speculative decoding in
     ///         ``generate``, ``stream`` and ``chat``; loaded with the same options. Output and
     ///         sampling distribution are unchanged (``num_draft_tokens`` sets how many a step).
+    ///     kv_cache_type (str | None): how the KV cache holds keys and values: ``"f16"``,
+    ///         ``"q8_0"`` (about half of float16's memory; the CPU only, docs/cpu.md), ``"f32"`` or
+    ///         ``"bf16"`` (llama.cpp's ``-ctk``/``-ctv``); None: float16 for a quantized model on
+    ///         the CPU, the compute dtype otherwise. Another name raises ``ValueError``.
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.
@@ -257,7 +261,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -269,6 +273,7 @@ impl PyModelRuntime {
         quantize: Option<String>,
         check_tensors: bool,
         draft_model: Option<PathBuf>,
+        kv_cache_type: Option<String>,
     ) -> PyResult<Self> {
         let options = ModelOptions {
             device: device.to_owned(),
@@ -278,6 +283,7 @@ impl PyModelRuntime {
             quantize,
             check_tensors,
             draft_model,
+            kv_cache_type,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
         if let Some(report) = &model.info().quantized_at_load {
@@ -388,6 +394,7 @@ impl PyModelRuntime {
         d.set_item("context_length", info.context_length)?;
         d.set_item("max_context", info.max_context)?;
         d.set_item("sliding_window", info.sliding_window)?;
+        d.set_item("kv_cache_type", &info.kv_cache_type)?;
         d.set_item("tie_word_embeddings", info.tie_word_embeddings)?;
         d.set_item("num_experts", info.num_experts)?;
         d.set_item("experts_per_token", info.experts_per_token)?;

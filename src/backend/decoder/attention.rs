@@ -6,7 +6,7 @@ use super::hooks::Hooks;
 use super::layers::{Linear, Norm};
 use super::rope;
 use crate::backend::kernels;
-use crate::backend::kv_cache::LayerKv;
+use crate::backend::kv_cache::{KvType, LayerKv};
 use crate::core::{LayerPoint, Point};
 
 /// The attention's input projections.
@@ -60,8 +60,8 @@ pub struct Attention {
     pub sinks: Option<Tensor>,
     /// Whether RoPE rotates adjacent pairs.
     pub rope_interleaved: bool,
-    /// The dtype keys and values are cached in (see `decoder::cache_dtype`).
-    pub cache_dtype: DType,
+    /// How keys and values are cached (see `decoder::default_cache_type`).
+    pub cache_type: KvType,
     /// The dtype of the score and value products of a prompt: the weights' dtype.
     pub product_dtype: DType,
 }
@@ -201,16 +201,16 @@ impl Attention {
             // The same contiguous layout the rotation would have produced, for the cache's append.
             None => (q.contiguous()?, k.contiguous()?),
         };
-        // Keys and values are rounded to the cache's dtype before anything reads them, so a
+        // Keys and values are rounded to the cache's type before anything reads them, so a
         // prompt's rows see the same keys a later decode step reads back.
-        let (k, v) = (k.to_dtype(self.cache_dtype)?, v.to_dtype(self.cache_dtype)?);
-        let (k_all, v_all) = kv.append(&k, &v, pos, max_context)?;
+        let (k, v) = (self.cache_type.encode(&k)?, self.cache_type.encode(&v)?);
+        let held = kv.append(&k, &v, pos, max_context)?;
         let q = q.to_dtype(self.product_dtype)?;
         let total = pos + t;
         let start = tables.key_start;
         let keys = total - start;
-        let (k_all, v_all) =
-            if start > 0 { (k_all.narrow(2, start, keys)?, v_all.narrow(2, start, keys)?) } else { (k_all, v_all) };
+        // A ring holds at least every key the step's rows attend (`LayerKv::append`).
+        let view = held.range(start, keys)?;
         let pattern_wanted = hooks.wants(Point::Layer(layer, LayerPoint::AttentionPattern));
         let p = kernels::attention::Params {
             heads: nh,
@@ -220,9 +220,9 @@ impl Attention {
             softcap: self.softcap.map(|c| c as f32),
         };
         // Attention sinks (gpt-oss) take their share in the materialised softmax below only.
-        if !pattern_wanted && self.sinks.is_none() && kernels::attention::takes(&q, &k_all, &v_all) {
+        if !pattern_wanted && self.sinks.is_none() && kernels::attention::takes(&q, &view) {
             if tables.decoding && t == 1 {
-                let heads = kernels::attention::decode(&q, &k_all, &v_all, p)?; // [1, nh, d]
+                let heads = kernels::attention::decode(&q, &view, p)?; // [1, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
             }
             if tables.decoding {
@@ -233,8 +233,7 @@ impl Attention {
                 for i in 0..t {
                     let end = pos + i + 1;
                     let first = tables.window.map_or(0, |w| end.saturating_sub(w)).max(start);
-                    let (k_i, v_i) = (k_all.narrow(2, first - start, end - first)?, v_all.narrow(2, first - start, end - first)?);
-                    rows.push(kernels::attention::decode(&q.narrow(2, i, 1)?, &k_i, &v_i, p)?);
+                    rows.push(kernels::attention::decode(&q.narrow(2, i, 1)?, &view.range(first, end - first)?, p)?);
                 }
                 let heads = Tensor::cat(&rows, 0)?; // [t, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
@@ -243,13 +242,13 @@ impl Attention {
                 // Every prompt row, however the prompt was cut into steps, goes through the same
                 // tiled kernel (key blocks at absolute positions), so a reused prefix changes nothing.
                 let span = kernels::attention::PromptSpan { offset: pos - start, first_key: start, window: tables.window };
-                let heads = kernels::attention::prompt(&q, &k_all, &v_all, span, p)?; // [t, nh, d]
+                let heads = kernels::attention::prompt(&q, &view, span, p)?; // [t, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
             }
         }
-        // A float16 cache under float32 products is widened for them (a prompt's products are
-        // compute-bound, not memory-bound).
-        let (k_all, v_all) = (k_all.to_dtype(self.product_dtype)?, v_all.to_dtype(self.product_dtype)?);
+        // Keys and values in position order, widened for the products where the cache is
+        // narrower (a prompt's products are compute-bound, not memory-bound).
+        let (k_all, v_all) = view.dense(self.product_dtype)?;
         // Grouped-query attention without copying keys: fold each group's query heads into rows.
         let group = nh / nkv;
         let q = q.contiguous()?.reshape((1, nkv, group * t, d))?;

@@ -23,7 +23,7 @@ use rope::Rope;
 
 use crate::backend::config::{ArchConfig, ExpertGlu, LayerConfig, NormKind, QkNorm};
 use crate::backend::error::{CandleContext, Result};
-use crate::backend::kv_cache::KvCache;
+use crate::backend::kv_cache::{KvCache, KvType};
 use crate::backend::weights::quantize::QuantizeReport;
 use crate::backend::weights::WeightLoader;
 use crate::core::{LayerPoint, Point};
@@ -150,7 +150,7 @@ impl Decoder {
             };
             let o = linear(Slot::O, i, h, nh * d, c.o_bias)?;
             let sinks = if c.attn_sinks { Some(w.dense_f32(&moe::sinks_name(naming, arch, i), &[nh])?) } else { None };
-            let cache_dtype = cache_dtype(w.dtype(), w.device(), o.is_quantized());
+            let cache_type = default_cache_type(w.dtype(), w.device(), o.is_quantized());
             let attn = Attention {
                 qkv,
                 o,
@@ -162,7 +162,7 @@ impl Decoder {
                 softcap: c.attn_softcap,
                 sinks,
                 rope_interleaved: c.rope_interleaved,
-                cache_dtype,
+                cache_type,
                 product_dtype: w.dtype(),
             };
             // Phi-3 fuses gate and up; GGUF names the fused one like the plain up projection.
@@ -264,8 +264,19 @@ impl Decoder {
         let width = 4 * c.hidden_size + 3 * c.intermediate_size + 3 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
         let activations = mul(&[t, width as u64, f]);
         let logits = mul(&[if rows == LogitsRows::All { t } else { 1 }, c.vocab_size as u64, f]);
-        // Keys and values of every layer, at most twice over while the cache grows by copying.
-        let cache = mul(&[2, 2, c.num_layers() as u64, c.num_kv_heads as u64, c.head_dim as u64, keys, f]);
+        // Keys and values of every layer in the cache's storage, at most twice over while the
+        // cache grows by copying: every position, or a ring's window and the step.
+        let (dtype, row) = self.cache_type().storage(c.head_dim);
+        let per_position = mul(&[2, c.num_kv_heads as u64, row as u64, dtype.size_in_bytes() as u64]);
+        let held: u64 = c
+            .layers
+            .iter()
+            .map(|l| match l.sliding_window {
+                Some(w) => keys.min(w as u64 + t.max(crate::backend::kv_cache::RING_SLACK as u64)),
+                None => keys,
+            })
+            .fold(0u64, u64::saturating_add);
+        let cache = mul(&[2, per_position, held]);
         attention.saturating_add(activations).saturating_add(logits).saturating_add(cache)
     }
 
@@ -313,9 +324,42 @@ impl Decoder {
         self.dtype
     }
 
-    /// The dtype the KV cache holds keys and values in.
-    pub fn cache_dtype(&self) -> DType {
-        self.blocks.first().map_or(self.dtype, |b| b.attn.cache_dtype)
+    /// How the KV cache holds keys and values.
+    pub fn cache_type(&self) -> KvType {
+        self.blocks.first().map_or(KvType::Dense(self.dtype), |b| b.attn.cache_type)
+    }
+
+    /// Caches keys and values as `ty` instead of the default (float16 for a quantized model on
+    /// the CPU, the activations' dtype otherwise). q8_0 runs on the CPU only, and its blocks of
+    /// 32 must tile a head.
+    pub fn set_cache_type(&mut self, ty: KvType) -> Result<()> {
+        if ty == KvType::Q8_0 {
+            if !self.device.is_cpu() {
+                return Err(crate::backend::error::CandleError::UnsupportedConfig {
+                    what: "kv_cache_type=q8_0 runs on the CPU only; use f16 on this device".into(),
+                });
+            }
+            let d = self.config.head_dim;
+            if d % crate::backend::kv_cache::Q8_BLOCK != 0 {
+                return Err(crate::backend::error::CandleError::UnsupportedConfig {
+                    what: format!("kv_cache_type=q8_0 needs a head width that is a multiple of 32; this model's is {d}"),
+                });
+            }
+        }
+        for b in &mut self.blocks {
+            b.attn.cache_type = ty;
+        }
+        Ok(())
+    }
+
+    /// Each layer's sliding window (`None` where the layer attends every position).
+    pub fn layer_windows(&self) -> Vec<Option<usize>> {
+        self.config.layers.iter().map(|l| l.sliding_window).collect()
+    }
+
+    /// An empty KV cache for this decoder's layers, of `max_context` positions.
+    pub fn new_cache(&self, max_context: usize) -> KvCache {
+        KvCache::new(&self.layer_windows(), max_context)
     }
 
     /// The device the weights live on.
@@ -536,15 +580,15 @@ fn norm_or_same(norm: &Option<Norm>, x: &Tensor) -> candle_core::Result<Tensor> 
     }
 }
 
-/// The dtype a layer caches keys and values in: float16 for a quantized model computing in
+/// How a layer caches keys and values unless told: float16 for a quantized model computing in
 /// float32 on the CPU, as llama.cpp does (half the bytes a decode step reads and the cache holds;
 /// quantized weights already round far more than float16's 11 bits), otherwise the activations'
 /// own dtype (a dense checkpoint keeps its reference precision).
-fn cache_dtype(activations: DType, device: &Device, quantized: bool) -> DType {
+fn default_cache_type(activations: DType, device: &Device, quantized: bool) -> KvType {
     if quantized && activations == DType::F32 && device.is_cpu() {
-        DType::F16
+        KvType::Dense(DType::F16)
     } else {
-        activations
+        KvType::Dense(activations)
     }
 }
 

@@ -1,14 +1,22 @@
-//! One decode step's attention over a float32 or float16 KV cache, read in place.
+//! Attention over the KV cache read in place: a decode step's rows, and prompt rows tiled.
 //!
 //! Through candle, a decoded token's scores and weighted values are two batched GEMMs of one
 //! row each, and the `gemm` crate packs its operands first: every step copied the layer's whole
 //! cache before reading it (perf on SmolLM2-135M at 512 tokens: `pack_lhs` and the micro-kernels
 //! 15% of decode). Here each key and value row is read once, straight from the cache, for every
 //! query head of its group; kv heads run in parallel. A float16 cache (quantized models) is
-//! widened in registers as it is read: F16C on x86 CPUs that have it, `fcvtl` on every aarch64 one.
+//! widened in registers as it is read (F16C on x86 CPUs that have it, `fcvtl` on every aarch64
+//! one); a q8_0 cache is
+//! de-quantized in registers as it is read (each key row's blocks times the float32 query), so
+//! both kernels read q8_0 blocks directly, never a widened copy of the cache.
+//!
+//! Keys are read in position order, whatever the slots of a ring (`KvView::runs`), so a ring
+//! and a full cache give the same sums.
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use half::f16;
+
+use crate::backend::kv_cache::{dequantize_q8_0, KvView, Q8_BLOCK, Q8_BYTES};
 
 /// What `decode` needs besides the tensors.
 #[derive(Debug, Clone, Copy)]
@@ -25,76 +33,120 @@ pub struct Params {
     pub softcap: Option<f32>,
 }
 
-/// Whether `decode` takes one query row against this cache view: a float32 query and a float32
-/// or float16 cache on the CPU, each key row contiguous.
-pub fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    let rows_contiguous = |t: &Tensor| {
-        let s = t.stride();
-        t.dims().len() == 4 && s[3] == 1 && s[2] == t.dims()[3]
-    };
+/// Whether the kernels take queries `q` against this cache view: float32 queries and a float32,
+/// float16 or q8_0 cache on the CPU, in the cache's own contiguous buffers.
+pub fn takes(q: &Tensor, kv: &KvView<'_>) -> bool {
+    let (k, v) = (kv.k, kv.v);
     q.device().is_cpu()
         && q.dtype() == DType::F32
         && k.dtype() == v.dtype()
-        && matches!(k.dtype(), DType::F32 | DType::F16)
-        && rows_contiguous(k)
-        && rows_contiguous(v)
-        && k.dims()[3] % 8 == 0
+        && matches!(k.dtype(), DType::F32 | DType::F16 | DType::U8)
+        && k.dims().len() == 4
+        && k.is_contiguous()
+        && v.is_contiguous()
+        && k.dims() == v.dims()
+        && (k.dtype() != DType::U8 || k.dims()[3] % Q8_BYTES == 0)
+        && (k.dtype() == DType::U8 || k.dims()[3] % 8 == 0)
+}
+
+/// Elements per key row, and values per head, of a cache buffer.
+fn row_and_head_dim(k: &Tensor) -> (usize, usize) {
+    let row = k.dims()[3];
+    if k.dtype() == DType::U8 {
+        (row, row / Q8_BYTES * Q8_BLOCK)
+    } else {
+        (row, row)
+    }
 }
 
 /// `softmax(q·Kᵀ·scale)·V` for one query row `q` `[heads · d]` (float32, any layout) against
-/// the cache views `k`, `v` `[1, kv_heads, keys, d]`: each head's output, `[1, heads, d]`.
-pub fn decode(q: &Tensor, k: &Tensor, v: &Tensor, p: Params) -> candle_core::Result<Tensor> {
-    decode_with(q, k, v, p, true)
+/// the cache view `kv`: each head's output, `[1, heads, d]`.
+pub fn decode(q: &Tensor, kv: &KvView<'_>, p: Params) -> candle_core::Result<Tensor> {
+    decode_with(q, kv, p, true)
 }
 
 /// `decode`, on this CPU's SIMD code where it has it (`simd`) or on the portable code.
-pub(super) fn decode_with(q: &Tensor, k: &Tensor, v: &Tensor, p: Params, simd: bool) -> candle_core::Result<Tensor> {
+pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) -> candle_core::Result<Tensor> {
     let d = p.head_dim;
-    let keys = k.dim(2)?;
+    let (row, head_dim) = row_and_head_dim(kv.k);
     let q = q.flatten_all()?.to_vec1::<f32>()?;
-    if q.len() != p.heads * d || p.kv_heads == 0 || p.heads % p.kv_heads != 0 {
+    if q.len() != p.heads * d || head_dim != d || p.kv_heads == 0 || p.heads % p.kv_heads != 0 {
         candle_core::bail!("decode attention: {} query values for {} heads of {d}", q.len(), p.heads)
     }
     let group = p.heads / p.kv_heads;
     let mut out = vec![0f32; p.heads * d];
-    let (ks, kl) = k.storage_and_layout();
-    let (vs, vl) = v.storage_and_layout();
-    let (k_head, v_head) = (kl.stride()[1], vl.stride()[1]);
+    let (ks, kl) = kv.k.storage_and_layout();
+    let (vs, vl) = kv.v.storage_and_layout();
+    let head = kv.capacity() * row;
+    // Runs of slots, as offsets into each kv head's rows (the buffers are contiguous from their
+    // start offsets: `takes`).
     let (k0, v0) = (kl.start_offset(), vl.start_offset());
+    let runs: Vec<(usize, usize)> = kv.runs().collect();
     let ptr = super::OutPtr(out.as_mut_ptr());
-    // Runs `f(queries, keys, values, out)` for each kv head's group of query heads, in parallel.
-    let each_head = |f: &(dyn Fn(&[f32], usize, usize, &mut [f32]) + Sync)| {
-        super::parallel_for(p.kv_heads, |h| {
+    // Runs `f(queries, key runs, value runs, out)` for each kv head's group of query heads, in parallel.
+    fn each_head<T: Sync>(
+        kd: &[T],
+        vd: &[T],
+        q: &[f32],
+        runs: &[(usize, usize)],
+        head: usize,
+        row: usize,
+        group: usize,
+        d: usize,
+        kv_heads: usize,
+        ptr: super::OutPtr,
+        f: &(dyn Fn(&[f32], [&[T]; 2], [&[T]; 2], &mut [f32]) + Sync),
+    ) {
+        super::parallel_for(kv_heads, |h| {
             // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
             #[allow(clippy::redundant_locals)]
             let ptr = ptr;
             // SAFETY: kv head h alone writes its group's query heads' outputs.
             let oh = unsafe { std::slice::from_raw_parts_mut(ptr.0.add(h * group * d), group * d) };
-            f(&q[h * group * d..(h + 1) * group * d], k0 + h * k_head, v0 + h * v_head, oh);
+            fn seg<'a, T>(data: &'a [T], run: Option<&(usize, usize)>, base: usize, row: usize) -> &'a [T] {
+                run.map_or(&data[..0], |&(slot, n)| &data[base + slot * row..][..n * row])
+            }
+            let (base, r0, r1) = (h * head, runs.first(), runs.get(1));
+            let (ks, vs) = ([seg(kd, r0, base, row), seg(kd, r1, base, row)], [seg(vd, r0, base, row), seg(vd, r1, base, row)]);
+            f(&q[h * group * d..(h + 1) * group * d], ks, vs, oh);
         })
-    };
+    }
+    let (kvh, s, cap) = (p.kv_heads, p.scale, p.softcap);
     match (&*ks, &*vs) {
-        (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => each_head(&|qh, ko, vo, oh| {
-            head_group(qh, &kd[ko..][..keys * d], &vd[vo..][..keys * d], oh, d, p.scale, p.softcap, dot, axpy)
-        }),
-        (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => each_head(&|qh, ko, vo, oh| {
-            let (kh, vh) = (&kd[ko..][..keys * d], &vd[vo..][..keys * d]);
-            #[cfg(target_arch = "x86_64")]
-            if simd && x86::available() {
-                // SAFETY: AVX2, FMA and F16C were detected.
-                return unsafe { x86::head_group_f16c(qh, kh, vh, oh, d, p.scale, p.softcap) };
-            }
-            #[cfg(target_arch = "aarch64")]
-            if simd {
-                // SAFETY: NEON and its half-precision conversions are part of every aarch64 CPU.
-                return unsafe { arm::head_group_f16(qh, kh, vh, oh, d, p.scale, p.softcap) };
-            }
-            head_group(qh, kh, vh, oh, d, p.scale, p.softcap, dot, axpy)
-        }),
-        _ => candle_core::bail!("decode attention expects a float32 or float16 CPU cache"),
+        (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
+            each_head(&kd[k0..], &vd[v0..], &q, &runs, head, row, group, d, kvh, ptr, &|qh, kh, vh, oh| {
+                head_group(qh, kh, vh, oh, d, row, s, cap, dot, axpy)
+            })
+        }
+        (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
+            each_head(&kd[k0..], &vd[v0..], &q, &runs, head, row, group, d, kvh, ptr, &|qh, kh, vh, oh| {
+                #[cfg(target_arch = "x86_64")]
+                if simd && x86::available() {
+                    // SAFETY: AVX2, FMA and F16C were detected.
+                    return unsafe { x86::head_group_f16c(qh, kh, vh, oh, d, s, cap) };
+                }
+                #[cfg(target_arch = "aarch64")]
+                if simd {
+                    // SAFETY: NEON and its half-precision conversions are part of every aarch64 CPU.
+                    return unsafe { arm::head_group_f16(qh, kh, vh, oh, d, row, s, cap) };
+                }
+                head_group(qh, kh, vh, oh, d, row, s, cap, dot, axpy)
+            })
+        }
+        (Storage::Cpu(CpuStorage::U8(kd)), Storage::Cpu(CpuStorage::U8(vd))) => {
+            each_head(&kd[k0..], &vd[v0..], &q, &runs, head, row, group, d, kvh, ptr, &|qh, kh, vh, oh| {
+                #[cfg(target_arch = "x86_64")]
+                if simd && x86::available() {
+                    // SAFETY: AVX2, FMA and F16C were detected.
+                    return unsafe { x86::head_group_q8(qh, kh, vh, oh, d, row, s, cap) };
+                }
+                head_group(qh, kh, vh, oh, d, row, s, cap, dot_q8, axpy_q8)
+            })
+        }
+        _ => candle_core::bail!("decode attention expects a float32, float16 or q8_0 CPU cache"),
     }
     drop((ks, vs));
-    Tensor::from_vec(out, (1, p.heads, d), k.device())
+    Tensor::from_vec(out, (1, p.heads, d), kv.k.device())
 }
 
 /// Keys per block of the prompt kernel: the block's keys and values are widened to float32 once
@@ -118,14 +170,15 @@ pub struct PromptSpan {
 }
 
 /// Causal (and sliding-window) attention of prompt rows, tiled: `q` `[1, heads, t, d]` float32
-/// against the cache views `k`, `v` `[1, kv_heads, keys, d]` (float32 or float16, read in
-/// place), with an online softmax over blocks of keys, so no `t × keys` score matrix, mask or
-/// widened copy of the cache is ever made. Returns each row's heads, `[t, heads, d]`.
-pub fn prompt(q: &Tensor, k: &Tensor, v: &Tensor, span: PromptSpan, p: Params) -> candle_core::Result<Tensor> {
+/// against the cache view `kv` (float32, float16 or q8_0, read in place), with an online softmax
+/// over blocks of keys, so no `t × keys` score matrix, mask or widened copy of the cache is ever
+/// made. Returns each row's heads, `[t, heads, d]`.
+pub fn prompt(q: &Tensor, kv: &KvView<'_>, span: PromptSpan, p: Params) -> candle_core::Result<Tensor> {
     let d = p.head_dim;
     let t = q.dim(2)?;
-    let keys = k.dim(2)?;
-    if q.dims() != [1, p.heads, t, d] || p.kv_heads == 0 || p.heads % p.kv_heads != 0 {
+    let keys = kv.len;
+    let (row, head_dim) = row_and_head_dim(kv.k);
+    if q.dims() != [1, p.heads, t, d] || head_dim != d || p.kv_heads == 0 || p.heads % p.kv_heads != 0 {
         candle_core::bail!("prompt attention: queries {:?} for {} heads of {d}", q.dims(), p.heads)
     }
     if span.offset + t > keys {
@@ -134,17 +187,17 @@ pub fn prompt(q: &Tensor, k: &Tensor, v: &Tensor, span: PromptSpan, p: Params) -
     let group = p.heads / p.kv_heads;
     let q = q.contiguous()?.flatten_all()?.to_vec1::<f32>()?; // [heads, t, d]
     let mut out = vec![0f32; t * p.heads * d];
-    let (ks, kl) = k.storage_and_layout();
-    let (vs, vl) = v.storage_and_layout();
-    let (k_head, v_head) = (kl.stride()[1], vl.stride()[1]);
+    let (ks, kl) = kv.k.storage_and_layout();
+    let (vs, vl) = kv.v.storage_and_layout();
     let (k0, v0) = (kl.start_offset(), vl.start_offset());
+    let (cap, head) = (kv.capacity(), kv.capacity() * row);
+    let first_slot = kv.first % cap.max(1);
     let ptr = super::OutPtr(out.as_mut_ptr());
     let tiles = t.div_ceil(QUERY_TILE);
-    let each_tile = |f: &(dyn Fn(usize, std::ops::Range<usize>, usize, usize) + Sync)| {
+    let each_tile = |f: &(dyn Fn(usize, std::ops::Range<usize>) + Sync)| {
         super::parallel_for(p.kv_heads * tiles, |task| {
             let (h, tile) = (task / tiles, task % tiles);
-            let rows = tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(t);
-            f(h, rows, k0 + h * k_head, v0 + h * v_head)
+            f(h, tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(t))
         })
     };
     let run = |h: usize, rows: std::ops::Range<usize>, kh: &dyn Fn(usize, &mut [f32]), vh: &dyn Fn(usize, &mut [f32])| {
@@ -157,22 +210,47 @@ pub fn prompt(q: &Tensor, k: &Tensor, v: &Tensor, span: PromptSpan, p: Params) -
             o.copy_from_slice(values);
         });
     };
+    // Rows `j..` of the view (as many as `dst` holds) of kv head `h`, widened by `widen`, a run
+    // of consecutive slots at a time.
+    fn rows_of<T>(data: &[T], base: usize, row: usize, d: usize, first_slot: usize, cap: usize, j: usize, dst: &mut [f32], widen: impl Fn(&[T], &mut [f32])) {
+        let n = dst.len() / d;
+        let start = (first_slot + j) % cap;
+        let head = n.min(cap - start);
+        for (slot, count, at) in [(start, head, 0), (0, n - head, head)] {
+            if count > 0 {
+                widen(&data[base + slot * row..][..count * row], &mut dst[at * d..(at + count) * d]);
+            }
+        }
+    }
     match (&*ks, &*vs) {
-        (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => each_tile(&|h, rows, ko, vo| {
-            let key = |j: usize, dst: &mut [f32]| dst.copy_from_slice(&kd[ko + j * d..][..dst.len()]);
-            let value = |j: usize, dst: &mut [f32]| dst.copy_from_slice(&vd[vo + j * d..][..dst.len()]);
+        (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => each_tile(&|h, rows| {
+            let widen = |src: &[f32], dst: &mut [f32]| dst.copy_from_slice(src);
+            let key = |j: usize, dst: &mut [f32]| rows_of(kd, k0 + h * head, row, d, first_slot, cap, j, dst, widen);
+            let value = |j: usize, dst: &mut [f32]| rows_of(vd, v0 + h * head, row, d, first_slot, cap, j, dst, widen);
             run(h, rows, &key, &value)
         }),
-        (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => each_tile(&|h, rows, ko, vo| {
+        (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => each_tile(&|h, rows| {
             use half::slice::HalfFloatSliceExt;
-            let key = |j: usize, dst: &mut [f32]| kd[ko + j * d..][..dst.len()].convert_to_f32_slice(dst);
-            let value = |j: usize, dst: &mut [f32]| vd[vo + j * d..][..dst.len()].convert_to_f32_slice(dst);
+            let widen = |src: &[f16], dst: &mut [f32]| src.convert_to_f32_slice(dst);
+            let key = |j: usize, dst: &mut [f32]| rows_of(kd, k0 + h * head, row, d, first_slot, cap, j, dst, widen);
+            let value = |j: usize, dst: &mut [f32]| rows_of(vd, v0 + h * head, row, d, first_slot, cap, j, dst, widen);
             run(h, rows, &key, &value)
         }),
-        _ => candle_core::bail!("prompt attention expects a float32 or float16 CPU cache"),
+        (Storage::Cpu(CpuStorage::U8(kd)), Storage::Cpu(CpuStorage::U8(vd))) => each_tile(&|h, rows| {
+            // A q8_0 block of keys de-quantized once per tile, as the float16 cache is widened.
+            let widen = |src: &[u8], dst: &mut [f32]| {
+                for (block, out) in src.chunks_exact(Q8_BYTES).zip(dst.chunks_exact_mut(Q8_BLOCK)) {
+                    dequantize_q8_0(block, out);
+                }
+            };
+            let key = |j: usize, dst: &mut [f32]| rows_of(kd, k0 + h * head, row, d, first_slot, cap, j, dst, widen);
+            let value = |j: usize, dst: &mut [f32]| rows_of(vd, v0 + h * head, row, d, first_slot, cap, j, dst, widen);
+            run(h, rows, &key, &value)
+        }),
+        _ => candle_core::bail!("prompt attention expects a float32, float16 or q8_0 CPU cache"),
     }
     drop((ks, vs));
-    Tensor::from_vec(out, (t, p.heads, d), k.device())
+    Tensor::from_vec(out, (t, p.heads, d), kv.k.device())
 }
 
 /// One task of `prompt`: a tile of query rows of one kv head's group of query heads.
@@ -286,25 +364,27 @@ impl Element for f16 {
     }
 }
 
-/// The `group` query heads `q` `[group · d]` sharing keys `k` and values `v` `[keys · d]`, with
-/// `dot(query, key)` and `axpy(out, weight, value)` for the cache's element type.
+/// The `group` query heads `q` `[group · d]` sharing keys `k` and values `v` (each one or two
+/// runs of rows of `row` elements, in position order), with `dot(query, key row)` and
+/// `axpy(out, weight, value row)` for the cache's element type.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn head_group<T>(
     q: &[f32],
-    k: &[T],
-    v: &[T],
+    k: [&[T]; 2],
+    v: [&[T]; 2],
     out: &mut [f32],
     d: usize,
+    row: usize,
     scale: f32,
     softcap: Option<f32>,
     dot: impl Fn(&[f32], &[T]) -> f32,
     axpy: impl Fn(&mut [f32], f32, &[T]),
 ) {
-    let keys = k.len() / d;
+    let keys = (k[0].len() + k[1].len()) / row;
     let group = q.len() / d;
     let mut scores = vec![0f32; group * keys];
-    for (i, key) in k.chunks_exact(d).enumerate() {
+    for (i, key) in k[0].chunks_exact(row).chain(k[1].chunks_exact(row)).enumerate() {
         for (g, qg) in q.chunks_exact(d).enumerate() {
             let mut s = dot(qg, key) * scale;
             if let Some(cap) = softcap {
@@ -324,9 +404,38 @@ fn head_group<T>(
         row.iter_mut().for_each(|s| *s *= inv);
     }
     out.fill(0.0);
-    for (i, value) in v.chunks_exact(d).enumerate() {
+    for (i, value) in v[0].chunks_exact(row).chain(v[1].chunks_exact(row)).enumerate() {
         for (g, og) in out.chunks_exact_mut(d).enumerate() {
             axpy(og, scores[g * keys + i], value);
+        }
+    }
+}
+
+/// The dot product of a float32 query with a q8_0 key row: each block's 32 products summed,
+/// times the block's scale.
+#[inline(always)]
+fn dot_q8(a: &[f32], row: &[u8]) -> f32 {
+    let mut total = 0f32;
+    for (x, block) in a.chunks_exact(Q8_BLOCK).zip(row.chunks_exact(Q8_BYTES)) {
+        let scale = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let mut acc = [0f32; 8];
+        for (xs, qs) in x.chunks_exact(8).zip(block[2..].chunks_exact(8)) {
+            for l in 0..8 {
+                acc[l] += xs[l] * (qs[l] as i8) as f32;
+            }
+        }
+        total += scale * acc.iter().sum::<f32>();
+    }
+    total
+}
+
+/// `out += w · x` for a q8_0 value row.
+#[inline(always)]
+fn axpy_q8(out: &mut [f32], w: f32, row: &[u8]) {
+    for (o, block) in out.chunks_exact_mut(Q8_BLOCK).zip(row.chunks_exact(Q8_BYTES)) {
+        let ws = w * f16::from_le_bytes([block[0], block[1]]).to_f32();
+        for (o, &q) in o.iter_mut().zip(&block[2..]) {
+            *o += ws * (q as i8) as f32;
         }
     }
 }
@@ -366,14 +475,69 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn head_group_f16c(
         q: &[f32],
-        k: &[f16],
-        v: &[f16],
+        k: [&[f16]; 2],
+        v: [&[f16]; 2],
         out: &mut [f32],
         d: usize,
         scale: f32,
         softcap: Option<f32>,
     ) {
-        head_group(q, k, v, out, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
+        head_group(q, k, v, out, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
+    }
+
+    /// `head_group` over a q8_0 cache: each block's signed bytes widened 8 at a time and
+    /// multiplied in float32 (`d` is a multiple of 32, `row` its blocks' bytes).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn head_group_q8(
+        q: &[f32],
+        k: [&[u8]; 2],
+        v: [&[u8]; 2],
+        out: &mut [f32],
+        d: usize,
+        row: usize,
+        scale: f32,
+        softcap: Option<f32>,
+    ) {
+        head_group(q, k, v, out, d, row, scale, softcap, |a, b| dot_q8_avx(a, b), |o, w, x| axpy_q8_avx(o, w, x))
+    }
+
+    /// Eight signed bytes widened to float32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8_i8(p: *const u8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_avx(a: &[f32], row: &[u8]) -> f32 {
+        let mut total = _mm256_setzero_ps();
+        for (x, block) in a.chunks_exact(Q8_BLOCK).zip(row.chunks_exact(Q8_BYTES)) {
+            let qs = block.as_ptr().add(2);
+            let mut acc = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr()), load8_i8(qs));
+            for i in (8..Q8_BLOCK).step_by(8) {
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), load8_i8(qs.add(i)), acc);
+            }
+            let scale = _mm256_set1_ps(f16::from_le_bytes([block[0], block[1]]).to_f32());
+            total = _mm256_fmadd_ps(scale, acc, total);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), total);
+        lanes.iter().sum()
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn axpy_q8_avx(out: &mut [f32], w: f32, row: &[u8]) {
+        for (o, block) in out.chunks_exact_mut(Q8_BLOCK).zip(row.chunks_exact(Q8_BYTES)) {
+            let ws = _mm256_set1_ps(w * f16::from_le_bytes([block[0], block[1]]).to_f32());
+            let qs = block.as_ptr().add(2);
+            for i in (0..Q8_BLOCK).step_by(8) {
+                let op = o.as_mut_ptr().add(i);
+                _mm256_storeu_ps(op, _mm256_fmadd_ps(ws, load8_i8(qs.add(i)), _mm256_loadu_ps(op)));
+            }
+        }
     }
 
     /// Eight float16 values widened.
@@ -415,14 +579,15 @@ mod arm {
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn head_group_f16(
         q: &[f32],
-        k: &[f16],
-        v: &[f16],
+        k: [&[f16]; 2],
+        v: [&[f16]; 2],
         out: &mut [f32],
         d: usize,
+        row: usize,
         scale: f32,
         softcap: Option<f32>,
     ) {
-        head_group(q, k, v, out, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
+        head_group(q, k, v, out, d, row, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
     }
 
     /// Eight float16 values from `p[i]` widened.
@@ -456,33 +621,52 @@ mod arm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::kv_cache::KvType;
     use candle_core::{Device, D};
 
+    /// Random key and value buffers of `cap` rows in `ty`'s storage.
+    fn buffers(ty: KvType, kv_heads: usize, cap: usize, d: usize) -> (Tensor, Tensor) {
+        let dev = Device::Cpu;
+        let r = || ty.encode(&Tensor::randn(0f32, 1.0, (1, kv_heads, cap, d), &dev).unwrap()).unwrap();
+        (r(), r())
+    }
+
+    fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
+        let diff = (got - want).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
+        diff / want.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt()
+    }
+
     /// The tiled prompt kernel equals materialised scores under the causal and sliding-window
-    /// masks within 1e-5 relative L2: several query tiles and key blocks, the views starting at
-    /// a key that is not a block boundary, float32 and float16 caches, with and without softcap.
+    /// masks within 1e-5 relative L2: several query tiles and key blocks, the view starting at
+    /// a key that is not a block boundary, a ring whose view wraps, float32, float16 and q8_0
+    /// caches, with and without softcap.
     #[test]
     fn tiled_prompt_attention_equals_masked_softmax() {
         let dev = Device::Cpu;
-        let (heads, kv_heads, d) = (4, 2, 16);
-        for (dtype, window, first_key, held, t) in [
-            (DType::F32, None, 0, 0, 37),
-            (DType::F16, None, 0, 150, 40),
-            (DType::F32, Some(50), 101, 90, 33),
-            (DType::F16, Some(7), 13, 6, 70),
-            (DType::F32, Some(500), 0, 0, 130),
+        let (heads, kv_heads, d) = (4, 2, 32);
+        let (f32_, f16_, q8) = (KvType::Dense(DType::F32), KvType::Dense(DType::F16), KvType::Q8_0);
+        // (type, window, first key's position, keys held before the rows, rows, buffer rows)
+        for (ty, window, first_key, held, t, cap) in [
+            (f32_, None, 0, 0, 37, 45),
+            (f16_, None, 0, 150, 40, 195),
+            (f32_, Some(50), 101, 90, 33, 130),
+            (f16_, Some(7), 13, 6, 70, 80),
+            (f32_, Some(500), 0, 0, 130, 135),
+            // Rings: the view wraps past the buffer's end.
+            (f32_, Some(9), 37, 8, 20, 29),
+            (f16_, Some(30), 1000, 29, 64, 93),
+            (q8, Some(12), 77, 11, 40, 51),
+            (q8, None, 0, 20, 50, 80),
         ] {
             let keys = held + t;
-            let cap = keys + 5;
-            let k_buf = Tensor::randn(0f32, 1.0, (1, kv_heads, cap, d), &dev).unwrap().to_dtype(dtype).unwrap();
-            let v_buf = Tensor::randn(0f32, 1.0, (1, kv_heads, cap, d), &dev).unwrap().to_dtype(dtype).unwrap();
-            let (k, v) = (k_buf.narrow(2, 2, keys).unwrap(), v_buf.narrow(2, 2, keys).unwrap());
+            let (k_buf, v_buf) = buffers(ty, kv_heads, cap, d);
+            let view = KvView { k: &k_buf, v: &v_buf, first: first_key, len: keys };
             let q = Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev).unwrap();
             for softcap in [None, Some(3.0f32)] {
                 let p = Params { heads, kv_heads, head_dim: d, scale: 0.3, softcap };
                 let span = PromptSpan { offset: held, first_key, window };
-                let got = prompt(&q, &k, &v, span, p).unwrap(); // [t, heads, d]
-                let (kf, vf) = (k.to_dtype(DType::F32).unwrap(), v.to_dtype(DType::F32).unwrap());
+                let got = prompt(&q, &view, span, p).unwrap(); // [t, heads, d]
+                let (kf, vf) = view.dense(DType::F32).unwrap();
                 let qg = q.reshape((1, kv_heads, heads / kv_heads * t, d)).unwrap();
                 let mut s = (qg.matmul(&kf.t().unwrap()).unwrap() * 0.3).unwrap();
                 if let Some(c) = softcap {
@@ -502,40 +686,92 @@ mod tests {
                 let probs = candle_nn::ops::softmax(&s, D::Minus1).unwrap().reshape((1, kv_heads, heads / kv_heads * t, keys)).unwrap();
                 let want = probs.matmul(&vf.contiguous().unwrap()).unwrap().reshape((heads, t, d)).unwrap();
                 let want = want.transpose(0, 1).unwrap();
-                let err = (&got - &want).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt()
-                    / want.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
-                assert!(err < 1e-5, "{dtype:?} window {window:?} first {first_key} held {held} t {t} softcap {softcap:?}: rel L2 {err}");
+                let err = rel_l2(&got, &want);
+                assert!(err < 1e-5, "{ty:?} window {window:?} first {first_key} held {held} t {t} softcap {softcap:?}: rel L2 {err}");
             }
         }
     }
 
-    /// Equals candle's grouped matmul / softmax / matmul on a cache view narrowed from a larger
-    /// buffer (as the session's cache is), with and without a softcap, for a float32 and a
-    /// float16 cache (candle's products on the float16 values widened), on the SIMD code and on
-    /// the portable code forced.
+    /// Equals candle's grouped matmul / softmax / matmul on a cache view inside a larger buffer
+    /// (as the session's cache is) and on a ring's view that wraps, with and without a softcap,
+    /// for a float32, float16 and q8_0 cache (candle's products on the values widened), on the
+    /// SIMD code and on the portable code forced.
     #[test]
-    fn equals_candles_attention_on_a_narrowed_cache() {
+    fn equals_candles_attention_on_a_cache_view() {
         let dev = Device::Cpu;
-        let (heads, kv_heads, d, cap, keys) = (6, 2, 16, 40, 29);
-        for (dtype, simd) in [(DType::F32, true), (DType::F16, true), (DType::F16, false)] {
-            let k_buf = Tensor::randn(0f32, 1.0, (1, kv_heads, cap, d), &dev).unwrap().to_dtype(dtype).unwrap();
-            let v_buf = Tensor::randn(0f32, 1.0, (1, kv_heads, cap, d), &dev).unwrap().to_dtype(dtype).unwrap();
-            let (k, v) = (k_buf.narrow(2, 3, keys).unwrap(), v_buf.narrow(2, 3, keys).unwrap());
-            let q = Tensor::randn(0f32, 1.0, (1, heads, 1, d), &dev).unwrap();
-            for softcap in [None, Some(5.0f32)] {
-                let p = Params { heads, kv_heads, head_dim: d, scale: 0.25, softcap };
-                assert!(takes(&q, &k, &v));
-                let got = decode_with(&q, &k, &v, p, simd).unwrap();
-                let (k, v) = (k.to_dtype(DType::F32).unwrap(), v.to_dtype(DType::F32).unwrap());
-                let qg = q.reshape((1, kv_heads, heads / kv_heads, d)).unwrap();
-                let mut s = (qg.matmul(&k.t().unwrap()).unwrap() * 0.25).unwrap();
-                if let Some(c) = softcap {
-                    s = ((s / c as f64).unwrap().tanh().unwrap() * c as f64).unwrap();
+        let (heads, kv_heads, d, cap, keys) = (6, 2, 32, 40, 29);
+        let (f32_, f16_, q8) = (KvType::Dense(DType::F32), KvType::Dense(DType::F16), KvType::Q8_0);
+        for (ty, simd) in [(f32_, true), (f16_, true), (f16_, false), (q8, true), (q8, false)] {
+            let (k_buf, v_buf) = buffers(ty, kv_heads, cap, d);
+            // At slots 3.. (a full layer's positions 3..), and wrapping from slot 31 (a ring).
+            for first in [3, 71] {
+                let view = KvView { k: &k_buf, v: &v_buf, first, len: keys };
+                let q = Tensor::randn(0f32, 1.0, (1, heads, 1, d), &dev).unwrap();
+                for softcap in [None, Some(5.0f32)] {
+                    let p = Params { heads, kv_heads, head_dim: d, scale: 0.25, softcap };
+                    assert!(takes(&q, &view));
+                    let got = decode_with(&q, &view, p, simd).unwrap();
+                    let (k, v) = view.dense(DType::F32).unwrap();
+                    let qg = q.reshape((1, kv_heads, heads / kv_heads, d)).unwrap();
+                    let mut s = (qg.matmul(&k.t().unwrap()).unwrap() * 0.25).unwrap();
+                    if let Some(c) = softcap {
+                        s = ((s / c as f64).unwrap().tanh().unwrap() * c as f64).unwrap();
+                    }
+                    let probs = candle_nn::ops::softmax(&s, D::Minus1).unwrap();
+                    let want = probs.matmul(&v.contiguous().unwrap()).unwrap().reshape((1, heads, d)).unwrap();
+                    let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                    assert!(diff < 1e-5, "{ty:?} simd {simd} first {first} softcap {softcap:?}: max difference {diff}");
                 }
-                let probs = candle_nn::ops::softmax(&s, D::Minus1).unwrap();
-                let want = probs.matmul(&v.contiguous().unwrap()).unwrap().reshape((1, heads, d)).unwrap();
-                let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-                assert!(diff < 1e-5, "{dtype:?} simd {simd} softcap {softcap:?}: max difference {diff}");
+            }
+        }
+    }
+    /// `cargo test --release --lib attention_timing -- --ignored --nocapture`: the decode and
+    /// prompt kernels over a float16 and a q8_0 cache of Gemma 3 270M's shape (4 query heads, 1
+    /// kv head of 256), best of 5.
+    #[test]
+    #[ignore]
+    fn attention_timing() {
+        let dev = Device::Cpu;
+        let (heads, kv_heads, d) = (4, 1, 256);
+        let p = Params { heads, kv_heads, head_dim: d, scale: 0.0625, softcap: None };
+        // This thread's CPU time (run with CANDLE_NUM_THREADS=1 so the kernels run on it): on a
+        // shared machine, less moved by the neighbours than the wall clock.
+        let cpu = || {
+            let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            // SAFETY: a valid clock id and a timespec to write.
+            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+            ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+        };
+        let best = |f: &dyn Fn(), reps: usize| {
+            f();
+            (0..5)
+                .map(|_| {
+                    let t = cpu();
+                    for _ in 0..reps {
+                        f();
+                    }
+                    (cpu() - t) / reps as f64
+                })
+                .fold(f64::MAX, f64::min)
+        };
+        for keys in [2048usize, 16384] {
+            for ty in [KvType::Dense(DType::F16), KvType::Q8_0] {
+                let (k, v) = buffers(ty, kv_heads, keys, d);
+                let view = KvView { k: &k, v: &v, first: 0, len: keys };
+                let q = Tensor::randn(0f32, 1.0, (1, heads, 1, d), &dev).unwrap();
+                let t = best(&|| drop(decode(&q, &view, p).unwrap()), 50);
+                let bytes = (k.elem_count() * k.dtype().size_in_bytes() * 2) as f64;
+                println!("decode over {keys} keys, {}: {:.1} us ({:.1} GB/s)", ty.name(), t * 1e6, bytes / t / 1e9);
+            }
+        }
+        for (t, keys) in [(512usize, 2048usize)] {
+            for ty in [KvType::Dense(DType::F16), KvType::Q8_0] {
+                let (k, v) = buffers(ty, kv_heads, keys, d);
+                let view = KvView { k: &k, v: &v, first: 0, len: keys };
+                let q = Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev).unwrap();
+                let span = PromptSpan { offset: keys - t, first_key: 0, window: None };
+                let s = best(&|| drop(prompt(&q, &view, span, p).unwrap()), 2);
+                println!("prompt of {t} rows over {keys} keys, {}: {:.2} ms", ty.name(), s * 1e3);
             }
         }
     }

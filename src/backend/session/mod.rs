@@ -11,7 +11,7 @@ use crate::backend::decoder::hooks::{Hooks, NoHooks, ReadyEdits, StepHooks};
 use crate::backend::decoder::{BatchItem, Decoder, LogitsRows, StepKind};
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::host::to_host_f32;
-use crate::backend::kv_cache::{owned_copy, KvCache};
+use crate::backend::kv_cache::{HeldKv, KvCache};
 use crate::backend::CandleBackend;
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use snapshot::SessionSnapshot;
@@ -83,6 +83,8 @@ pub struct CandleSession {
     /// How many leading cached positions were computed under the kept edits as they are now
     /// (and no per-call edit): a cache filled under other edits must not serve a new prompt.
     reusable: usize,
+    /// Positions a ring keeps beyond its window, when not `RING_SLACK` (tests).
+    ring_slack: Option<usize>,
 }
 
 /// The most prompt tokens one step of a plain prefill runs: a longer prompt runs in chunks.
@@ -91,14 +93,14 @@ pub const PREFILL_CHUNK: usize = 512;
 impl CandleSession {
     /// A session over a shared `decoder` with a cache of `max_context` positions.
     pub(crate) fn new(decoder: Arc<Decoder>, max_context: usize, capabilities: SessionCapabilities) -> Self {
-        let n = decoder.config().num_layers();
         Self {
+            cache: decoder.new_cache(max_context),
             decoder,
-            cache: KvCache::new(n, max_context),
             tokens: Vec::new(),
             capabilities,
             edits: KeptEdits::default(),
             reusable: 0,
+            ring_slack: None,
         }
     }
 
@@ -112,14 +114,47 @@ impl CandleSession {
         self.cache.allocated_bytes()
     }
 
-    /// Replaces what the session holds by `tokens` and their keys and values `held` (one
-    /// `[1, kv_heads, len, head_dim]` pair per layer, in buffers of the session's own), computed
-    /// with no edit: the prefix cache's restore. The caller checked that no edit is kept.
-    fn install_prefix(&mut self, tokens: Vec<u32>, held: Vec<Option<(Tensor, Tensor)>>) {
+    /// Replaces what the session holds by `tokens` and their keys and values `held` (per layer,
+    /// the positions it needs, in buffers the cache may own), computed with no edit: the prefix
+    /// cache's restore. The caller checked that no edit is kept.
+    fn install_prefix(&mut self, tokens: Vec<u32>, held: Vec<Option<HeldKv>>) -> Result<()> {
         let n = tokens.len();
-        self.cache = KvCache::from_held(held, n, self.cache.max_context());
+        let windows = self.cache.windows();
+        let mut cache = KvCache::from_held(held, n, self.cache.max_context(), &windows)
+            .ctx(|| format!("installing a cached prefix of {n} tokens"))?;
+        cache.set_ring_slack(self.ring_slack());
+        self.cache = cache;
         self.tokens = tokens;
         self.reusable = n;
+        Ok(())
+    }
+
+    /// Positions each sliding-window layer keeps beyond its window.
+    fn ring_slack(&self) -> usize {
+        self.ring_slack.unwrap_or(crate::backend::kv_cache::RING_SLACK)
+    }
+
+    /// Makes every sliding-window layer keep only its window plus `slack` positions (tests: the
+    /// rings then wrap within a few tokens).
+    #[doc(hidden)]
+    pub fn set_ring_slack(&mut self, slack: usize) {
+        self.ring_slack = Some(slack);
+        self.cache.set_ring_slack(slack);
+    }
+
+    /// Makes this session's cache hold every position of every layer, windows or not (tests:
+    /// the reference a windowed cache must equal). Empties the session.
+    #[doc(hidden)]
+    pub fn use_full_cache(&mut self) {
+        self.cache = KvCache::new(&vec![None; self.decoder.config().num_layers()], self.cache.max_context());
+        self.tokens.clear();
+        self.reusable = 0;
+    }
+
+    /// The smallest position above 0 the session can be truncated to (0 when it holds every
+    /// position it needs to rewind anywhere).
+    pub fn earliest_truncate(&self) -> usize {
+        self.cache.earliest_truncate()
     }
 
     /// Validates `edits` against this model and readies them for its device.
@@ -389,10 +424,21 @@ impl BackendSession<CandleBackend> for CandleSession {
                 reason: format!("cannot truncate to {n} tokens: the session holds only {}", self.cache.len()),
             });
         }
+        if !self.cache.can_truncate(n) {
+            return Err(CandleError::WindowRewind {
+                requested: n,
+                position: self.cache.len(),
+                earliest: self.cache.earliest_truncate(),
+            });
+        }
         self.cache.truncate(n);
         self.tokens.truncate(n);
         self.reusable = self.reusable.min(n);
         Ok(())
+    }
+
+    fn can_truncate(&self, n: usize) -> bool {
+        self.cache.can_truncate(n)
     }
 
     fn reset(&mut self) {
@@ -522,24 +568,29 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             capabilities: self.capabilities,
             edits: self.edits.clone(),
             reusable: self.reusable,
+            ring_slack: self.ring_slack,
         })
     }
 
     fn fork_empty(&self) -> Result<Self> {
+        let mut cache = KvCache::new(&self.cache.windows(), self.cache.max_context());
+        cache.set_ring_slack(self.ring_slack());
         Ok(Self {
             decoder: Arc::clone(&self.decoder),
-            cache: KvCache::new(self.decoder.config().num_layers(), self.cache.max_context()),
+            cache,
             tokens: Vec::new(),
             capabilities: self.capabilities,
             edits: self.edits.clone(),
             reusable: 0,
+            ring_slack: self.ring_slack,
         })
     }
 
     fn snapshot(&self) -> Result<SessionSnapshot> {
         Ok(SessionSnapshot {
             tokens: self.tokens.clone(),
-            cache: self.cache.deep_copy().ctx(|| "copying the KV cache for a snapshot".into())?,
+            layers: self.cache.held().ctx(|| "copying the KV cache for a snapshot".into())?,
+            kv_cache_type: self.decoder.cache_type(),
             fingerprint: self.decoder.fingerprint().to_owned(),
             // Only a cache computed with no edit at all is reusable by whoever restores it.
             clean_prefix: if self.edits.set.is_empty() { self.reusable } else { 0 },
@@ -566,30 +617,41 @@ impl SnapshotSession<CandleBackend> for CandleSession {
         if let Some(&t) = snap.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(refuse(format!("the snapshot holds token {t}, outside the vocabulary")));
         }
-        let held = snap.cache.held().ctx(|| "reading the snapshot".into())?;
-        if held.len() != c.num_layers() {
-            return Err(refuse(format!("the snapshot has {} layers, the model {}", held.len(), c.num_layers())));
+        let ty = self.decoder.cache_type();
+        if position > 0 && snap.kv_cache_type != ty {
+            return Err(refuse(format!(
+                "the snapshot's KV cache is {}, this session's {}",
+                snap.kv_cache_type.name(),
+                ty.name()
+            )));
         }
-        let want = [1, c.num_kv_heads, position, c.head_dim];
-        let mut layers = Vec::with_capacity(held.len());
-        for (i, kv) in held.into_iter().enumerate() {
+        if snap.layers.len() != c.num_layers() {
+            return Err(refuse(format!("the snapshot has {} layers, the model {}", snap.layers.len(), c.num_layers())));
+        }
+        let (dtype, row) = ty.storage(c.head_dim);
+        let mut layers = Vec::with_capacity(snap.layers.len());
+        for (i, kv) in snap.layers.iter().enumerate() {
             layers.push(match kv {
-                None if position == 0 => None,
-                Some((k, v)) if k.dims() == want && v.dims() == want && k.dtype() == self.decoder.cache_dtype() => {
-                    // Copied into buffers of this session's own: the snapshot stays reusable.
+                None => None,
+                Some(h) => {
+                    let want = [1, c.num_kv_heads, position.saturating_sub(h.first), row];
+                    if h.first >= position || h.k.dims() != want || h.v.dims() != want || h.k.dtype() != dtype {
+                        return Err(refuse(format!(
+                            "layer {i}'s keys and values do not have shape {want:?} and dtype {dtype:?}"
+                        )));
+                    }
+                    // Moved to this device; `from_held` copies into buffers of the session's own,
+                    // so the snapshot stays reusable.
                     let dev = self.decoder.device();
-                    let copy = |t: &Tensor| owned_copy(&t.to_device(dev)?);
-                    Some((copy(&k).ctx(|| "restoring keys".into())?, copy(&v).ctx(|| "restoring values".into())?))
-                }
-                _ => {
-                    return Err(refuse(format!(
-                        "layer {i}'s keys and values do not have shape {want:?} and dtype {:?}",
-                        self.decoder.cache_dtype()
-                    )))
+                    let (k, v) = (h.k.to_device(dev), h.v.to_device(dev));
+                    Some(HeldKv { first: h.first, k: k.ctx(|| "restoring keys".into())?, v: v.ctx(|| "restoring values".into())? })
                 }
             });
         }
-        self.cache = KvCache::from_held(layers, position, self.cache.max_context());
+        let mut cache = KvCache::from_held(layers, position, self.cache.max_context(), &self.cache.windows())
+            .map_err(|e| refuse(e.to_string()))?;
+        cache.set_ring_slack(self.ring_slack());
+        self.cache = cache;
         self.tokens = snap.tokens.clone();
         self.reusable = if self.edits.set.is_empty() { snap.clean_prefix.min(position) } else { 0 };
         Ok(())

@@ -10,6 +10,12 @@
 //! Memory is bounded by a byte budget; past it the least recently used blocks go first. A
 //! lookup marks a path's blocks from its last to its first, so a block is always older than
 //! its children and eviction never strands a child under a missing parent.
+//!
+//! A sliding-window layer's ring keeps only its last positions, so a block stores that layer's
+//! keys and values only where the session still held them (`None` otherwise, filled in when a
+//! later session that holds them stores the block again). A prefix is restored only up to a
+//! block boundary where every windowed layer's window is in the blocks: what a ring needs to
+//! continue, never less.
 
 use std::collections::HashMap;
 
@@ -17,7 +23,7 @@ use candle_core::Tensor;
 
 use super::CandleSession;
 use crate::backend::error::{CandleContext, Result};
-use crate::backend::kv_cache::owned_copy;
+use crate::backend::kv_cache::{HeldKv, KvView};
 use crate::core::BackendSession;
 
 /// The identity of the (absent) block before a prompt's first.
@@ -42,11 +48,12 @@ pub struct PrefixCacheStats {
     pub evictions: usize,
 }
 
-/// One block: its tokens' keys and values in every layer, `[1, kv_heads, block_tokens, head_dim]`.
+/// One block: its tokens' keys and values in every layer, `[1, kv_heads, block_tokens, row]`
+/// (`None` for a windowed layer whose ring no longer held them when the block was stored).
 #[derive(Debug)]
 struct Block {
     key: (u64, Vec<u32>),
-    layers: Vec<(Tensor, Tensor)>,
+    layers: Vec<Option<(Tensor, Tensor)>>,
     bytes: usize,
     last_used: u64,
 }
@@ -55,6 +62,8 @@ struct Block {
 #[derive(Debug)]
 pub struct PrefixCache {
     block_tokens: usize,
+    /// Each layer's sliding window (learnt from the first session stored or restored).
+    windows: Vec<Option<usize>>,
     budget_bytes: usize,
     /// (parent id, the block's tokens) → block id.
     index: HashMap<(u64, Vec<u32>), u64>,
@@ -69,6 +78,7 @@ impl PrefixCache {
     pub fn new(block_tokens: usize, budget_bytes: usize) -> Self {
         Self {
             block_tokens: block_tokens.max(1),
+            windows: Vec::new(),
             budget_bytes,
             index: HashMap::new(),
             blocks: HashMap::new(),
@@ -88,7 +98,8 @@ impl PrefixCache {
         PrefixCacheStats { blocks: self.blocks.len(), ..self.stats }
     }
 
-    /// The ids of the cached blocks that start `prompt`, in order. At least one token of the
+    /// The ids of the cached blocks that start `prompt`, in order, up to the last whose end a
+    /// session can continue from (every window's keys in the blocks). At least one token of the
     /// prompt is left out, so a restored session still runs a step to get logits.
     fn path(&self, prompt: &[u32]) -> Vec<u64> {
         let usable = prompt.len().saturating_sub(1);
@@ -104,7 +115,23 @@ impl PrefixCache {
                 None => break,
             }
         }
+        while !ids.is_empty() && !self.continuable(&ids) {
+            ids.pop();
+        }
         ids
+    }
+
+    /// The block that holds the first position layer `layer` needs to continue after `ids`.
+    fn first_needed(&self, ids: &[u64], layer: usize) -> usize {
+        let n = ids.len() * self.block_tokens;
+        self.windows.get(layer).copied().flatten().map_or(0, |w| (n + 1).saturating_sub(w) / self.block_tokens)
+    }
+
+    /// Whether the blocks `ids` hold every position a session needs to continue after them.
+    fn continuable(&self, ids: &[u64]) -> bool {
+        (0..self.windows.len()).all(|layer| {
+            ids[self.first_needed(ids, layer)..].iter().all(|id| self.blocks[id].layers[layer].is_some())
+        })
     }
 
     /// How many leading tokens of `prompt` the cache could restore (whole blocks), without
@@ -128,6 +155,9 @@ impl PrefixCache {
     /// returns its length; 0, and the session untouched, when nothing is cached or the session
     /// keeps edits (a cache computed without them would not be what it computes).
     pub fn restore_into(&mut self, session: &mut CandleSession, prompt: &[u32]) -> Result<usize> {
+        if self.windows.len() != session.cache.num_layers() {
+            return Ok(0);
+        }
         let ids = self.path(prompt);
         if ids.is_empty() || !session.edits.set.is_empty() {
             return Ok(0);
@@ -139,13 +169,18 @@ impl PrefixCache {
         let n_layers = session.cache.num_layers();
         let mut held = Vec::with_capacity(n_layers);
         for layer in 0..n_layers {
-            let ks: Vec<&Tensor> = ids.iter().map(|id| &self.blocks[id].layers[layer].0).collect();
-            let vs: Vec<&Tensor> = ids.iter().map(|id| &self.blocks[id].layers[layer].1).collect();
+            // A windowed layer's blocks from the one holding the first key it needs.
+            let from = self.first_needed(&ids, layer);
+            let parts: Vec<&(Tensor, Tensor)> =
+                ids[from..].iter().filter_map(|id| self.blocks[id].layers[layer].as_ref()).collect();
+            let ks: Vec<&Tensor> = parts.iter().map(|kv| &kv.0).collect();
+            let vs: Vec<&Tensor> = parts.iter().map(|kv| &kv.1).collect();
             let ctx = || format!("assembling layer {layer}'s cached prefix of {n} tokens");
             // `cat` writes a buffer of the session's own: the blocks stay shared and unchanged.
-            held.push(Some((Tensor::cat(&ks, 2).ctx(ctx)?, Tensor::cat(&vs, 2).ctx(ctx)?)));
+            let (k, v) = (Tensor::cat(&ks, 2).ctx(ctx)?, Tensor::cat(&vs, 2).ctx(ctx)?);
+            held.push(Some(HeldKv { first: from * self.block_tokens, k, v }));
         }
-        session.install_prefix(prompt[..n].to_vec(), held);
+        session.install_prefix(prompt[..n].to_vec(), held)?;
         // Newest first from the last block back, so parents stay older than their children.
         for id in ids.iter().rev() {
             self.clock += 1;
@@ -166,31 +201,53 @@ impl PrefixCache {
         if whole == 0 || self.budget_bytes == 0 {
             return Ok(());
         }
-        let held = session.cache.held().ctx(|| "reading the KV cache for the prefix cache".to_string())?;
+        if self.windows.is_empty() {
+            self.windows = session.cache.windows();
+        }
+        let views: Vec<Option<KvView<'_>>> = session.cache.views();
+        if views.len() != self.windows.len() {
+            return Ok(());
+        }
         let mut parent = ROOT;
         let mut path = Vec::with_capacity(whole);
         for (b, chunk) in tokens.chunks_exact(self.block_tokens).enumerate() {
             let key = (parent, chunk.to_vec());
-            let id = match self.index.get(&key) {
-                Some(&id) => id,
+            let start = b * self.block_tokens;
+            let existing = self.index.get(&key).copied();
+            // The layers this block lacks that the session still holds (all of them when new).
+            let lacking: Vec<usize> = match existing {
+                Some(id) => (0..views.len()).filter(|&l| self.blocks[&id].layers[l].is_none()).collect(),
+                None => (0..views.len()).collect(),
+            };
+            let mut layers: Vec<Option<(Tensor, Tensor)>> = vec![None; views.len()];
+            let mut bytes = 0;
+            for &l in &lacking {
+                let Some(view) = views[l].filter(|v| v.first <= start) else { continue };
+                let ctx = || format!("copying block {b} of a prompt into the prefix cache");
+                // Buffers of the block's own: the session overwrites its cache in place.
+                let (k, v) = view.range(start, self.block_tokens).ctx(ctx)?.stored().ctx(ctx)?;
+                bytes += (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes();
+                layers[l] = Some((k, v));
+            }
+            if existing.is_none() && layers.iter().all(Option::is_none) {
+                break;
+            }
+            if bytes > self.budget_bytes {
+                break;
+            }
+            let id = match existing {
+                Some(id) => {
+                    let block = self.blocks.get_mut(&id).expect("indexed blocks exist");
+                    for (slot, kv) in block.layers.iter_mut().zip(layers) {
+                        if kv.is_some() {
+                            *slot = kv;
+                        }
+                    }
+                    block.bytes += bytes;
+                    self.stats.bytes += bytes;
+                    id
+                }
                 None => {
-                    let start = b * self.block_tokens;
-                    let ctx = || format!("copying block {b} of a prompt into the prefix cache");
-                    let mut layers = Vec::with_capacity(held.len());
-                    for kv in &held {
-                        let Some((k, v)) = kv else { return Ok(()) };
-                        // A buffer of the block's own: the session overwrites its cache in place.
-                        let k = owned_copy(&k.narrow(2, start, self.block_tokens).ctx(ctx)?).ctx(ctx)?;
-                        let v = owned_copy(&v.narrow(2, start, self.block_tokens).ctx(ctx)?).ctx(ctx)?;
-                        layers.push((k, v));
-                    }
-                    let bytes = layers
-                        .iter()
-                        .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
-                        .sum();
-                    if bytes > self.budget_bytes {
-                        break;
-                    }
                     let id = self.next_id;
                     self.next_id += 1;
                     self.index.insert(key.clone(), id);

@@ -1,10 +1,14 @@
 //! Session snapshots, in memory and on disk.
 //!
 //! The file is a safetensors file (docs/snapshots.md): tensors `tokens` (u32 `[position]`) and
-//! `layers.{i}.k` / `layers.{i}.v` (`[1, kv_heads, position, head_dim]` in the cache's dtype),
-//! and metadata `format` = `candlewick.session`, `version` = `1`, `fingerprint` (the model's),
-//! `position`, `clean_prefix` (leading positions computed with no edit) and `checksum`: CRC-32 of every tensor's bytes in name order, so a flipped byte
-//! anywhere in the data is caught, not only in the header.
+//! `layers.{i}.k` / `layers.{i}.v` (`[1, kv_heads, held, row]` in the cache's storage: `head_dim`
+//! floats, or q8_0 blocks as bytes), and metadata `format` = `candlewick.session`, `version` =
+//! `2`, `fingerprint` (the model's), `position`, `layers`, `kv_cache_type`, `first_positions`
+//! (each layer's first position held, comma-separated: above 0 where a sliding-window layer keeps
+//! only its window, so `held = position - first`), `clean_prefix` (leading positions computed with
+//! no edit) and `checksum`: CRC-32 of every tensor's bytes in name order, so a flipped byte
+//! anywhere in the data is caught, not only in the header. Version 1 files (every layer from
+//! position 0, the cache's dtype named by the tensors) still load.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -13,16 +17,19 @@ use candle_core::safetensors::Load;
 use candle_core::{DType, Device, Tensor};
 
 use crate::backend::error::{CandleContext, CandleError, Result};
-use crate::backend::kv_cache::KvCache;
+use crate::backend::kv_cache::{HeldKv, KvType};
 
 const FORMAT: &str = "candlewick.session";
-const VERSION: &str = "1";
+const VERSION: &str = "2";
 
 /// A session's tokens and KV cache, copied out of it; restoring copies it back in.
 #[derive(Debug)]
 pub struct SessionSnapshot {
     pub(crate) tokens: Vec<u32>,
-    pub(crate) cache: KvCache,
+    /// Each layer's held positions, copied out (`None` for an empty one).
+    pub(crate) layers: Vec<Option<HeldKv>>,
+    /// How the keys and values are stored.
+    pub(crate) kv_cache_type: KvType,
     pub(crate) fingerprint: String,
     /// How many leading positions were computed with no edit (reusable for a new prompt).
     pub(crate) clean_prefix: usize,
@@ -47,10 +54,12 @@ impl SessionSnapshot {
         if !self.tokens.is_empty() {
             tensors.push(("tokens".into(), Tensor::new(self.tokens.as_slice(), &Device::Cpu).ctx(ctx)?));
         }
-        for (i, kv) in self.cache.held().ctx(ctx)?.into_iter().enumerate() {
-            if let Some((k, v)) = kv {
-                tensors.push((format!("layers.{i}.k"), k.contiguous().ctx(ctx)?));
-                tensors.push((format!("layers.{i}.v"), v.contiguous().ctx(ctx)?));
+        let mut firsts = Vec::with_capacity(self.layers.len());
+        for (i, kv) in self.layers.iter().enumerate() {
+            firsts.push(kv.as_ref().map_or(0, |h| h.first).to_string());
+            if let Some(h) = kv {
+                tensors.push((format!("layers.{i}.k"), h.k.contiguous().ctx(ctx)?));
+                tensors.push((format!("layers.{i}.v"), h.v.contiguous().ctx(ctx)?));
             }
         }
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
@@ -63,7 +72,9 @@ impl SessionSnapshot {
             ("version".to_owned(), VERSION.to_owned()),
             ("fingerprint".to_owned(), self.fingerprint.clone()),
             ("position".to_owned(), self.tokens.len().to_string()),
-            ("layers".to_owned(), self.cache.num_layers().to_string()),
+            ("layers".to_owned(), self.layers.len().to_string()),
+            ("kv_cache_type".to_owned(), self.kv_cache_type.name().to_owned()),
+            ("first_positions".to_owned(), firsts.join(",")),
             ("checksum".to_owned(), format!("{:08x}", crc.finalize())),
             ("clean_prefix".to_owned(), self.clean_prefix.to_string()),
         ]);
@@ -85,8 +96,9 @@ impl SessionSnapshot {
         if field("format")? != FORMAT {
             return Err(bad("not a candlewick session snapshot".into()));
         }
-        if field("version")? != VERSION {
-            return Err(bad(format!("version {} is not one this build reads ({VERSION})", field("version")?)));
+        let version = field("version")?;
+        if version != VERSION && version != "1" {
+            return Err(bad(format!("version {version} is not one this build reads (1, {VERSION})")));
         }
         let number = |k: &str| field(k)?.parse::<usize>().map_err(|_| bad(format!("metadata `{k}` is not a number")));
         let (position, layers) = (number("position")?, number("layers")?);
@@ -112,25 +124,43 @@ impl SessionSnapshot {
             None if position == 0 => Vec::new(),
             _ => return Err(bad(format!("`tokens` is not {position} u32 ids"))),
         };
+        // Version 1 held every position of every layer; version 2 says where each layer starts.
+        let firsts: Vec<usize> = match meta.get("first_positions") {
+            Some(list) if !list.is_empty() => list
+                .split(',')
+                .map(|n| n.parse::<usize>().map_err(|_| bad("metadata `first_positions` is not a list of numbers".into())))
+                .collect::<Result<_>>()?,
+            _ => vec![0; layers],
+        };
+        if firsts.len() != layers {
+            return Err(bad(format!("metadata `first_positions` lists {} layers of {layers}", firsts.len())));
+        }
         let mut held = Vec::with_capacity(layers);
-        for i in 0..layers {
+        let mut dtype = None;
+        for (i, &first) in firsts.iter().enumerate() {
             let kv = match (get(&format!("layers.{i}.k"))?, get(&format!("layers.{i}.v"))?) {
-                (Some(k), Some(v)) if k.dims() == v.dims() && k.rank() == 4 && k.dim(2).ok() == Some(position) => {
-                    Some((k, v))
+                (Some(k), Some(v))
+                    if k.dims() == v.dims()
+                        && k.dtype() == v.dtype()
+                        && k.rank() == 4
+                        && first < position
+                        && k.dim(2).ok() == Some(position - first) =>
+                {
+                    dtype = Some(k.dtype());
+                    Some(HeldKv { first, k, v })
                 }
-                (None, None) if position == 0 => None,
-                _ => return Err(bad(format!("layer {i}'s keys and values do not hold {position} positions"))),
+                (None, None) if position == 0 || first >= position => None,
+                _ => return Err(bad(format!("layer {i}'s keys and values do not hold positions {first}..{position}"))),
             };
             held.push(kv);
         }
+        let kv_cache_type = match meta.get("kv_cache_type") {
+            Some(name) => KvType::parse(name).ok_or_else(|| bad(format!("unknown kv_cache_type `{name}`")))?,
+            None => KvType::of_storage(dtype.unwrap_or(DType::F32)),
+        };
         // A file without the key (or with a value past its tokens) offers no reuse: safe either way.
         let clean_prefix = number("clean_prefix").unwrap_or(0).min(position);
-        Ok(Self {
-            tokens,
-            cache: KvCache::from_held(held, position, position),
-            fingerprint: field("fingerprint")?,
-            clean_prefix,
-        })
+        Ok(Self { tokens, layers: held, kv_cache_type, fingerprint: field("fingerprint")?, clean_prefix })
     }
 }
 
