@@ -30,7 +30,27 @@ def test_build_info_describes_this_build():
         assert not any(d.startswith("cuda") for d in info["devices"])
 
 
+def arm_features():
+    """The `Features` line of an Arm Linux /proc/cpuinfo (asimddp: dotprod; i8mm)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Features"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
 def test_int8_kernel_is_chosen_by_this_cpu_not_by_the_build():
+    if platform.machine() in ("aarch64", "arm64"):
+        features = arm_features()
+        if features is None:
+            pytest.skip("no /proc/cpuinfo")
+        want = "neon-i8mm" if {"asimddp", "i8mm"} <= features else "neon-dotprod" if "asimddp" in features else "neon"
+        assert candlewick.build_info()["int8_kernel"] == want
+        assert candlewick.build_info()["interleaved_tiles"] is False
+        return
     flags = cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
     if flags is None:
         pytest.skip("no /proc/cpuinfo")

@@ -151,6 +151,7 @@ class Engine:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> EngineRequest: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -367,6 +368,7 @@ class ModelRuntime:
         threads: int | None = None,
         quantize: str | None = None,
         check_tensors: bool = True,
+        draft_model: str | PathLike[str] | None = None,
         kv_cache_type: str | None = None,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
@@ -435,6 +437,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> list[GenerationResult]: ...
     def fork(self) -> ModelRuntime: ...
     def unembed(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
@@ -475,6 +478,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationResult: ...
     @overload
     def generate(
@@ -501,6 +505,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationStream: ...
     def stream(
         self,
@@ -525,6 +530,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationStream: ...
     @overload
     def chat(
@@ -556,6 +562,7 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationResult: ...
     @overload
     def chat(
@@ -587,4 +594,5 @@ class ModelRuntime:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> GenerationStream: ...

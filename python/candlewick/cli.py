@@ -84,6 +84,7 @@ def load(args: argparse.Namespace) -> ModelRuntime:
         try:
             rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context,
                                    threads=getattr(args, "threads", None), quantize=getattr(args, "quantize", None),
+                                   draft_model=getattr(args, "draft_model", None),
                                    kv_cache_type=getattr(args, "kv_cache_type", None))
         except InvalidOptionError as e:
             # A bad option value is a usage error (status 2), as argparse's own are.
@@ -117,7 +118,8 @@ def sampling(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-        skip_special_tokens=not args.special,
+        skip_special_tokens=not args.special, prompt_lookup_num_tokens=args.prompt_lookup,
+        num_draft_tokens=args.draft_tokens,
     )
     if args.stop:
         kw["stop"] = args.stop
@@ -328,6 +330,14 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--stop", action="append", help="stop string (repeatable)")
     sample.add_argument("--special", action="store_true",
                         help="print control tokens (such as <start_of_image>) in the text; left out by default")
+    sample.add_argument("--draft-model", default=None, metavar="PATH",
+                        help="a smaller model with the same tokenizer that drafts tokens (speculative decoding; "
+                             "output unchanged)")
+    sample.add_argument("--draft-tokens", type=non_negative, default=None, metavar="N",
+                        help="most tokens the draft model proposes a step (default 16; 0: off)")
+    sample.add_argument("--prompt-lookup", type=non_negative, default=None, metavar="N",
+                        help="speculative decoding by prompt lookup: up to N tokens copied from earlier in the "
+                             "context are checked each step (0: off)")
     sample.add_argument(
         "--control-vector",
         action="append",
@@ -384,6 +394,9 @@ def parser() -> argparse.ArgumentParser:
                    help="memory for prompt prefixes kept across requests (system prompts, histories); 0: off")
     v.add_argument("--threads", "-t", type=positive, default=None,
                    help="CPU threads per server (per replica under --ray; default: one per core)")
+    v.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a smaller model with the same tokenizer that drafts tokens for a request running alone "
+                        "(speculative decoding; output unchanged)")
     v.add_argument("--ray", action="store_true", help="serve from replicas under Ray Serve (pip install 'candlewick[ray]')")
     v.add_argument("--replicas", type=int, default=2, help="replicas under --ray")
     v.add_argument("--ray-address", default=None, help="an existing Ray cluster to join (default: start a local one)")
@@ -418,7 +431,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine's settings from `serve`'s flags."""
-    return {"prefill_chunk": args.prefill_chunk or None, "prefix_cache_bytes": args.prefix_cache_mb << 20}
+    return {"prefill_chunk": args.prefill_chunk or None, "prefix_cache_bytes": args.prefix_cache_mb << 20,
+            "draft_model": args.draft_model}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,6 +5,13 @@ use candle_core::Device;
 use crate::backend::error::{CandleError, Result};
 use crate::core::{DeviceCapabilities, DeviceDescriptor};
 
+/// Whether this build can drive CUDA GPUs (feature `cuda`).
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+/// Whether this build can drive Metal GPUs: feature `metal`, or any macOS build (Cargo.toml turns
+/// candle's `metal` on there through a target-specific dependency, which sets no feature of ours).
+pub const METAL_BUILT: bool = cfg!(any(feature = "metal", target_os = "macos"));
+
 /// Opens the device a string names; a device this build or machine lacks is a typed error.
 pub fn parse_device(spec: &str) -> Result<Device> {
     let spec_l = spec.trim().to_ascii_lowercase();
@@ -23,14 +30,16 @@ pub fn parse_device(spec: &str) -> Result<Device> {
         "cpu" => Ok(Device::Cpu),
         "auto" => Ok(best_available()),
         "cuda" => {
-            if !cfg!(feature = "cuda") {
+            if !CUDA_BUILT {
                 return Err(unavailable("this build of candlewick has no CUDA support (feature `cuda`)".into()));
             }
             Device::new_cuda(ordinal).map_err(|e| unavailable(e.to_string()))
         }
         "metal" => {
-            if !cfg!(feature = "metal") {
-                return Err(unavailable("this build of candlewick has no Metal support (feature `metal`)".into()));
+            if !METAL_BUILT {
+                return Err(unavailable(
+                    "this build of candlewick has no Metal support (built for macOS, or with feature `metal`)".into(),
+                ));
             }
             Device::new_metal(ordinal).map_err(|e| unavailable(e.to_string()))
         }
@@ -40,12 +49,12 @@ pub fn parse_device(spec: &str) -> Result<Device> {
 
 /// The best device this build and machine offer: CUDA, then Metal, then the CPU.
 pub fn best_available() -> Device {
-    if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
+    if CUDA_BUILT && candle_core::utils::cuda_is_available() {
         if let Ok(d) = Device::new_cuda(0) {
             return d;
         }
     }
-    if cfg!(feature = "metal") && candle_core::utils::metal_is_available() {
+    if METAL_BUILT && candle_core::utils::metal_is_available() {
         if let Ok(d) = Device::new_metal(0) {
             return d;
         }
@@ -70,8 +79,8 @@ pub fn available_devices() -> Vec<(DeviceDescriptor, DeviceCapabilities)> {
         DeviceCapabilities { dtypes: vec!["f32".into(), "f16".into(), "bf16".into()], asynchronous: false },
     )];
     for (enabled, avail, kind) in [
-        (cfg!(feature = "cuda"), candle_core::utils::cuda_is_available(), "cuda"),
-        (cfg!(feature = "metal"), candle_core::utils::metal_is_available(), "metal"),
+        (CUDA_BUILT, candle_core::utils::cuda_is_available(), "cuda"),
+        (METAL_BUILT, candle_core::utils::metal_is_available(), "metal"),
     ] {
         if enabled && avail {
             out.push((
@@ -97,9 +106,20 @@ mod tests {
     fn missing_or_unknown_devices_are_typed_errors() {
         #[cfg(not(feature = "cuda"))]
         assert!(matches!(parse_device("cuda:0"), Err(CandleError::Device { .. })));
-        #[cfg(not(feature = "metal"))]
+        #[cfg(not(any(feature = "metal", target_os = "macos")))]
         assert!(matches!(parse_device("metal"), Err(CandleError::Device { .. })));
         assert!(matches!(parse_device("tpu"), Err(CandleError::Device { .. })));
         assert!(matches!(parse_device("cuda:x"), Err(CandleError::Device { .. })));
+    }
+
+    /// A macOS build has Metal without naming the feature, and `auto` takes the GPU there.
+    #[test]
+    fn auto_takes_metal_where_there_is_one() {
+        if cfg!(target_os = "macos") {
+            assert!(METAL_BUILT);
+        }
+        if METAL_BUILT && candle_core::utils::metal_is_available() {
+            assert!(parse_device("auto").unwrap().is_metal());
+        }
     }
 }

@@ -240,11 +240,6 @@ impl Engine {
         options
             .validate(self.vocab_size)
             .map_err(|why| EngineError::Model(ModelError::Generation(GenerationError::InvalidOptions(why))))?;
-        if options.prompt_lookup > 0 {
-            return Err(EngineError::Model(ModelError::Generation(GenerationError::InvalidOptions(
-                "prompt_lookup_num_tokens is not supported by the engine (its steps carry one token per request)".into(),
-            ))));
-        }
         if prompt.is_empty() {
             return Err(refused(CandleError::InvalidInput {
                 operation: "submit",
@@ -524,9 +519,19 @@ impl Worker {
         if self.slots.is_empty() {
             return;
         }
-        let mut active: Vec<_> = self.slots.iter_mut().map(|s| (&mut s.generation, s.model.runtime_mut())).collect();
-        let result = step_together(&mut active);
-        drop(active);
+        // A request running alone may guess ahead (speculative decoding: prompt lookup, a draft
+        // model), which checks several of its tokens in one step; with others running, every
+        // step carries one token per request, batched, which is the better use of the weights'
+        // read (llama.cpp's server and vLLM also speculate for a lone sequence only).
+        let result = match &mut self.slots[..] {
+            [alone] if self.joining.is_empty() && alone.generation.speculates(alone.model.has_draft_model()) => {
+                alone.model.step_generation(&mut alone.generation).map(|text| vec![text])
+            }
+            slots => {
+                let mut active: Vec<_> = slots.iter_mut().map(|s| (&mut s.generation, s.model.runtime_mut())).collect();
+                step_together(&mut active)
+            }
+        };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {
             Ok(texts) => {

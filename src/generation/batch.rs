@@ -21,10 +21,10 @@ where
     B: BackendProvider,
     B::Session: BatchSession<B>,
 {
-    if options.iter().any(|o| o.prompt_lookup > 0) {
+    if options.iter().any(|o| o.prompt_lookup > 0 || o.draft_tokens.is_some_and(|n| n > 0)) {
         // Batched steps carry one token per sequence; a draft would need rows of its own.
         return Err(GenerationError::InvalidOptions(
-            "prompt_lookup_num_tokens is not supported by batched generation (generate_batch); use generate or stream"
+            "speculative decoding (prompt_lookup_num_tokens, num_draft_tokens) is not supported by batched generation (generate_batch); use generate or stream"
                 .into(),
         ));
     }
@@ -86,6 +86,7 @@ where
         let out = sub.wait().map_err(RuntimeError::Backend)?;
         let host = rt.session().logits_to_host(&out).map_err(RuntimeError::Backend)?;
         texts[i] = g.accept_logits::<B::Error>(host.last_row().to_vec(), rt.session().position(), seconds)?;
+        g.note_epoch(rt.epoch());
     }
     Ok(texts)
 }

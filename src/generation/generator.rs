@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::constraint::{Constraint, ConstraintSpec};
-use super::sampling::{Sampler, SamplingParams};
+use super::sampling::{argmax, softmax_prob, Sampler, SamplingParams};
+use super::speculative::{accept_or_resample, Proposal, DEFAULT_DRAFT_TOKENS, DRAFT_P_MIN, MAX_DRAFT};
 use super::stopping::{StopScan, StopStrings};
 use crate::core::{BackendProvider, BackendSession, ModelRuntime, RuntimeError};
 use crate::text::{IncrementalDecoder, TextError, Tokenizer};
@@ -88,6 +89,10 @@ pub struct GenerateOptions {
     /// Prompt-lookup speculation: up to this many draft tokens copied from earlier in the
     /// context are checked with each generated token in one step (`speculative`); 0: off.
     pub prompt_lookup: usize,
+    /// Draft-model speculation: the most tokens the draft model proposes per step (`None`: the
+    /// default, `speculative::DEFAULT_DRAFT_TOKENS`; 0: off). Used only when the generation is
+    /// stepped with a draft model (`Generation::step_with`, a model loaded with one).
+    pub draft_tokens: Option<usize>,
 }
 
 /// The default number of tokens to generate (a macro, not a constant, so that the Python
@@ -118,6 +123,7 @@ impl Default for GenerateOptions {
             skip_special_tokens: true,
             constraint: None,
             prompt_lookup: 0,
+            draft_tokens: None,
         }
     }
 }
@@ -130,12 +136,11 @@ impl GenerateOptions {
         if let Some(&(id, _)) = self.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab_size) {
             return Err(format!("logit_bias names token {id}, outside the vocabulary of {vocab_size}"));
         }
-        if self.prompt_lookup > super::speculative::MAX_DRAFT {
-            return Err(format!(
-                "prompt_lookup_num_tokens must be at most {}, got {}",
-                super::speculative::MAX_DRAFT,
-                self.prompt_lookup
-            ));
+        if self.prompt_lookup > MAX_DRAFT {
+            return Err(format!("prompt_lookup_num_tokens must be at most {MAX_DRAFT}, got {}", self.prompt_lookup));
+        }
+        if let Some(n) = self.draft_tokens.filter(|&n| n > MAX_DRAFT) {
+            return Err(format!("num_draft_tokens must be at most {MAX_DRAFT}, got {n}"));
         }
         Ok(())
     }
@@ -165,9 +170,9 @@ pub struct Usage {
     pub constraint_seconds_p99: f64,
     /// With an output constraint: the tokens whose first pick it rejected (a mask computed).
     pub constraint_masks: usize,
-    /// With prompt lookup: draft tokens checked.
+    /// With speculation (prompt lookup or a draft model): draft tokens checked.
     pub draft_tokens: usize,
-    /// With prompt lookup: draft tokens the model confirmed (each saved a step).
+    /// With speculation: draft tokens the model accepted (each saved a step).
     pub accepted_draft_tokens: usize,
 }
 
@@ -288,6 +293,10 @@ pub struct Generation {
     constraint_times: Vec<f32>,
     /// Draft tokens per step from prompt lookup (0: off).
     prompt_lookup: usize,
+    /// Tokens a draft model proposes per step, when the generation is stepped with one.
+    draft_tokens: usize,
+    /// The model's vocabulary: a draft model's guesses past it are not proposed.
+    vocab: usize,
     /// A sampled token not yet fed: the one that refuted a draft, fed with the next draft.
     pending: Option<u32>,
 }
@@ -383,6 +392,8 @@ impl PendingPrefill {
             constraint: self.constraint.take(),
             constraint_times: Vec::new(),
             prompt_lookup: options.prompt_lookup,
+            draft_tokens: options.draft_tokens.unwrap_or(DEFAULT_DRAFT_TOKENS),
+            vocab: rt.session().vocab_size(),
             pending: None,
         }))
     }
@@ -468,6 +479,16 @@ impl Generation {
     /// Samples one token, feeds it to the session unless generation ends, and returns the
     /// newly final text (possibly empty).
     pub fn step<B: BackendProvider>(&mut self, rt: &mut ModelRuntime<B>) -> Result<String, GenerationError<B::Error>> {
+        self.step_with(rt, None)
+    }
+
+    /// `step`, with a draft model (same tokenizer, its own session) proposing the next tokens
+    /// when prompt lookup has none; several tokens may then become final in one step.
+    pub fn step_with<B: BackendProvider>(
+        &mut self,
+        rt: &mut ModelRuntime<B>,
+        draft: Option<&mut ModelRuntime<B>>,
+    ) -> Result<String, GenerationError<B::Error>> {
         if self.finish.is_some() {
             return Ok(String::new());
         }
@@ -481,18 +502,25 @@ impl Generation {
         }
         let session = rt.session();
         let (position, max_context) = (session.position(), session.max_context());
-        let next = match self.pending.take() {
-            Some(token) => Advance::Feed(token),
-            None => self.advance(position, max_context)?,
-        };
+        let next = self.advance(position, max_context)?;
         match next {
             Advance::Done(text) => Ok(text),
             Advance::Feed(token) => {
-                // The context now ends with `token`; room is left for it and every draft token.
-                let room = max_context.saturating_sub(position + 1);
-                let draft = super::speculative::prompt_lookup(&self.context, self.prompt_lookup.min(room)).to_vec();
-                if !draft.is_empty() {
-                    return self.speculate(rt, token, draft);
+                // The context now ends with `token`; room is left for it and every draft token,
+                // and no more is drafted than is left to generate.
+                let room = max_context
+                    .saturating_sub(position + 1)
+                    .min(self.max_tokens.saturating_sub(self.generated.len()));
+                let mut proposals: Vec<Proposal> =
+                    super::speculative::prompt_lookup(&self.context, self.prompt_lookup.min(room))
+                        .iter()
+                        .map(|&t| Proposal::certain(t))
+                        .collect();
+                if let Some(draft) = draft.filter(|_| proposals.is_empty()) {
+                    proposals = self.draft_from(draft, self.draft_tokens.min(room))?;
+                }
+                if !proposals.is_empty() {
+                    return self.speculate(rt, token, proposals);
                 }
                 let t = Instant::now();
                 let out = rt.decode(vec![token].into())?.wait().map_err(RuntimeError::Backend)?;
@@ -504,21 +532,86 @@ impl Generation {
         }
     }
 
-    /// Feeds `token` and the `draft` after it in one step, then samples on along the rows of
-    /// logits while each sample equals the draft token already fed; the first that differs is
-    /// fed alone. The session ends holding exactly the tokens a plain run would have fed.
+    /// Up to `k` tokens proposed by the draft model after the context (which ends with the token
+    /// about to be fed): greedy guesses when the model's sampling is greedy or constrained,
+    /// else draws from the draft's distribution under the same sampling controls. The draft's
+    /// session is brought to the context first, reusing the prefix it holds.
+    fn draft_from<B: BackendProvider>(
+        &mut self,
+        draft: &mut ModelRuntime<B>,
+        k: usize,
+    ) -> Result<Vec<Proposal>, GenerationError<B::Error>> {
+        let ctx = &self.context;
+        let k = k.min(draft.session().max_context().saturating_sub(ctx.len()));
+        if k == 0 {
+            return Ok(Vec::new());
+        }
+        let held = draft.session().tokens();
+        let common = held.iter().zip(ctx).take_while(|(a, b)| a == b).count().min(ctx.len() - 1);
+        // Past what a sliding window kept, the draft starts over rather than rewinds.
+        let common = if draft.session().can_truncate(common) { common } else { 0 };
+        draft.session_mut().truncate(common).map_err(RuntimeError::Backend)?;
+        let out = draft.prefill(ctx[common..].to_vec().into())?.wait().map_err(RuntimeError::Backend)?;
+        let mut logits = draft.session().logits_to_host(&out).map_err(RuntimeError::Backend)?.last_row().to_vec();
+        let sampled = !self.sampler.params().is_greedy() && self.constraint.is_none();
+        let mut seen = ctx.clone();
+        let mut proposals = Vec::with_capacity(k);
+        while proposals.len() < k && logits.iter().all(|l| l.is_finite()) {
+            // An unsure draft is mostly refused and costs a row, so drafting stops where the
+            // draft's most likely token is below `DRAFT_P_MIN`. The test is made before a draw
+            // (on the distribution, not on the token drawn), so that a token that is proposed is
+            // still distributed as `q`, which the acceptance rule needs.
+            let (token, q) = if sampled {
+                self.sampler.adjust(&mut logits, &seen);
+                let q = self.sampler.distribution(&logits);
+                if q.first().is_none_or(|e| e.1 < DRAFT_P_MIN) {
+                    break;
+                }
+                let mut u = self.sampler.uniform();
+                let pick = q.iter().find(|e| {
+                    let hit = u < e.1;
+                    u -= e.1;
+                    hit
+                });
+                let Some(&(token, _)) = pick.or(q.last()) else { break };
+                (token, Some(q))
+            } else {
+                let token = argmax(&logits);
+                if softmax_prob(&logits, token) < DRAFT_P_MIN {
+                    break;
+                }
+                (token, None)
+            };
+            // An end of sequence ends the generation anyway, and the model samples it itself.
+            if token as usize >= self.vocab || self.eos.contains(&token) {
+                break;
+            }
+            proposals.push(Proposal { token, q });
+            seen.push(token);
+            if proposals.len() < k {
+                let out = draft.decode(vec![token].into())?.wait().map_err(RuntimeError::Backend)?;
+                logits = draft.session().logits_to_host(&out).map_err(RuntimeError::Backend)?.last_row().to_vec();
+            }
+        }
+        Ok(proposals)
+    }
+
+    /// Feeds `token` and the `draft` guesses after it in one step, then samples on along the rows
+    /// of logits while each guess is accepted (`speculative` gives the rule); the first token
+    /// that replaces a guess is fed alone. The session ends holding exactly the tokens a plain
+    /// run would have fed.
     fn speculate<B: BackendProvider>(
         &mut self,
         rt: &mut ModelRuntime<B>,
         token: u32,
-        draft: Vec<u32>,
+        draft: Vec<Proposal>,
     ) -> Result<String, GenerationError<B::Error>> {
         let t = Instant::now();
         let start = rt.session().position();
         let max_context = rt.session().max_context();
         let mut fed = Vec::with_capacity(1 + draft.len());
         fed.push(token);
-        fed.extend(&draft);
+        fed.extend(draft.iter().map(|p| p.token));
         // A decode of several tokens yields every row's logits.
         let out = rt.decode(fed.into())?.wait().map_err(RuntimeError::Backend)?;
         self.epoch = rt.epoch();
@@ -535,13 +628,18 @@ impl Generation {
         let mut text = self.take_safe();
         // Tokens of this step the session keeps: `token`, then each confirmed draft token.
         let mut kept = 1;
-        for (i, &d) in draft.iter().enumerate() {
-            match self.advance(start + kept, max_context)? {
+        for (i, d) in draft.iter().enumerate() {
+            let generated = self.generated.len();
+            match self.advance_with(start + kept, max_context, Some(d))? {
                 Advance::Done(end) => {
+                    // The last token may still be the guess (one the session need not keep).
+                    if self.generated.len() > generated && self.generated.last() == Some(&d.token) {
+                        self.usage.accepted_draft_tokens += 1;
+                    }
                     text.push_str(&end);
                     break;
                 }
-                Advance::Feed(s) if s == d => {
+                Advance::Feed(s) if s == d.token => {
                     kept += 1;
                     self.usage.accepted_draft_tokens += 1;
                     self.logits = row(i + 1)?;
@@ -574,6 +672,34 @@ impl Generation {
         position: usize,
         max_context: usize,
     ) -> Result<Advance, GenerationError<E>> {
+        // A token sampled at a refused guess was already chosen: it is the one to feed.
+        if let Some(token) = self.pending.take() {
+            return Ok(Advance::Feed(token));
+        }
+        self.advance_with(position, max_context, None)
+    }
+
+    /// Records the runtime's epoch after a step someone else ran for this generation (a batched
+    /// step), so that `step` goes on from it.
+    pub fn note_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// Whether `step_with` would guess tokens ahead: prompt lookup is on, or a draft model is
+    /// there (`has_draft`) and not turned off.
+    pub fn speculates(&self, has_draft: bool) -> bool {
+        self.prompt_lookup > 0 || (has_draft && self.draft_tokens > 0)
+    }
+
+    /// `advance` at a position where `proposal` was guessed and fed: a guess drawn from a draft
+    /// distribution goes through the acceptance rule (the token returned is the guess when
+    /// accepted); any other is sampled as usual and kept by the caller when equal.
+    fn advance_with<E: std::error::Error + 'static>(
+        &mut self,
+        position: usize,
+        max_context: usize,
+        proposal: Option<&Proposal>,
+    ) -> Result<Advance, GenerationError<E>> {
         if self.finish.is_some() {
             return Ok(Advance::Done(String::new()));
         }
@@ -581,7 +707,16 @@ impl Generation {
         // Log-probabilities are the model's own (raw logits), so they are taken before adjusting.
         let raw = self.logprobs_top.map(|_| logits.clone());
         self.sampler.adjust(&mut logits, &self.context);
-        let mut token = self.sampler.sample(&logits);
+        let mut token = match proposal {
+            Some(Proposal { token: x, q: Some(q) })
+                if self.constraint.is_none() && !self.sampler.params().is_greedy() =>
+            {
+                let p = self.sampler.distribution(&logits);
+                let (u, v) = (self.sampler.uniform(), self.sampler.uniform());
+                accept_or_resample(&p, q, *x, u, v).unwrap_or_else(|| argmax(&logits))
+            }
+            _ => self.sampler.sample(&logits),
+        };
         let constrained = Instant::now();
         if let Some(c) = self.constraint.as_mut() {
             // Sample first; mask and sample again only when the pick does not fit.
@@ -719,8 +854,19 @@ impl Generation {
     /// Runs to the end, passing each piece of final text to `on_text`; `interrupted` is asked
     /// between steps and stops the loop (leaving the session consistent) when it answers true.
     pub fn run<B: BackendProvider>(
+        self,
+        rt: &mut ModelRuntime<B>,
+        on_text: impl FnMut(&str),
+        interrupted: impl FnMut() -> bool,
+    ) -> Result<(GenerationResult, bool), GenerationError<B::Error>> {
+        self.run_with(rt, None, on_text, interrupted)
+    }
+
+    /// `run`, stepping with a draft model (`step_with`).
+    pub fn run_with<B: BackendProvider>(
         mut self,
         rt: &mut ModelRuntime<B>,
+        mut draft: Option<&mut ModelRuntime<B>>,
         mut on_text: impl FnMut(&str),
         mut interrupted: impl FnMut() -> bool,
     ) -> Result<(GenerationResult, bool), GenerationError<B::Error>> {
@@ -728,7 +874,7 @@ impl Generation {
             if interrupted() {
                 return Ok((self.result(), true));
             }
-            let piece = self.step(rt)?;
+            let piece = self.step_with(rt, draft.as_deref_mut())?;
             if !piece.is_empty() {
                 on_text(&piece);
             }

@@ -183,6 +183,12 @@ impl Sampler {
         cand
     }
 
+    /// A uniform draw in [0, 1) from this sampler's generator (for speculative acceptance, so that
+    /// a seeded run stays repeatable).
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.random()
+    }
+
     /// Picks the next token from adjusted logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() {
@@ -201,6 +207,13 @@ impl Sampler {
         }
         dist[dist.len() - 1].0
     }
+}
+
+/// The softmax probability (temperature 1) of `token` under raw `logits`.
+pub fn softmax_prob(logits: &[f32], token: u32) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let total: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    (f64::from(logits[token as usize] - max).exp() / total) as f32
 }
 
 /// The index of the largest logit (the first one among ties).

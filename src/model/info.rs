@@ -63,6 +63,8 @@ pub struct ModelInfo {
     pub threads: usize,
     /// What quantization at load did (`None` when it was not asked for).
     pub quantized_at_load: Option<QuantizeReport>,
+    /// The draft model's path, when speculative decoding has one.
+    pub draft_model: Option<String>,
 }
 
 impl ModelInfo {
@@ -99,6 +101,7 @@ impl ModelInfo {
             device: rt.backend().descriptor().device.to_string(),
             threads,
             quantized_at_load: decoder.quantized_at_load().cloned(),
+            draft_model: None,
         }
     }
 

@@ -4,7 +4,7 @@
 pub mod control_vector;
 mod info;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use info::ModelInfo;
@@ -47,6 +47,14 @@ pub enum ModelError {
     /// A control vector could not be read or does not fit this model.
     #[error(transparent)]
     ControlVector(#[from] control_vector::ControlVectorError),
+    /// The draft model cannot propose tokens for this one.
+    #[error("the draft model {path} cannot draft for this model: {reason}")]
+    DraftModel {
+        /// The draft model's path.
+        path: String,
+        /// What does not match (its tokenizer, usually).
+        reason: String,
+    },
     /// The model ships no chat template and none was given.
     #[error("this model has no chat template; pass one (chat_template=...) or use a chat model")]
     NoChatTemplate,
@@ -73,6 +81,9 @@ pub struct ModelOptions {
     /// How the KV cache holds keys and values: `f16`, `q8_0`, `f32`, `bf16` (llama.cpp's
     /// `-ctk`/`-ctv`); `None`: float16 for a quantized model on the CPU, else the compute dtype.
     pub kv_cache_type: Option<String>,
+    /// A smaller model sharing the tokenizer that proposes tokens for speculative decoding
+    /// (loaded with the same device, dtype, context, threads, quantization and checks).
+    pub draft_model: Option<PathBuf>,
 }
 
 impl Default for ModelOptions {
@@ -85,6 +96,7 @@ impl Default for ModelOptions {
             quantize: None,
             check_tensors: true,
             kv_cache_type: None,
+            draft_model: None,
         }
     }
 }
@@ -106,6 +118,8 @@ pub struct Model {
     chat_template: Option<ChatTemplate>,
     defaults: GenerateOptions,
     info: ModelInfo,
+    /// The draft model's runtime, when speculative decoding has one (its own session).
+    draft: Option<Runtime>,
 }
 
 impl Model {
@@ -152,32 +166,47 @@ impl Model {
                 })?
             }
         };
-        let info = ModelInfo::describe(&runtime, path, format, threads);
+        let mut info = ModelInfo::describe(&runtime, path, format, threads);
         // A template that does not compile is reported when chat is used, not at load.
         let chat_template = tokenizer.as_ref().ok().and_then(|t| t.chat_template_engine().ok());
-        Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info })
+        let draft = match &options.draft_model {
+            Some(draft_path) => {
+                let draft = Self::load(draft_path, &ModelOptions { draft_model: None, ..options.clone() })?;
+                let mismatch = |reason: String| ModelError::DraftModel { path: draft_path.display().to_string(), reason };
+                match (&tokenizer, draft.tokenizer()) {
+                    (Ok(ours), Ok(theirs)) => ours.draft_mismatch(theirs).map_or(Ok(()), |r| Err(mismatch(r)))?,
+                    _ => return Err(mismatch("both models need a tokenizer".into())),
+                }
+                info.draft_model = Some(draft_path.display().to_string());
+                Some(draft.runtime)
+            }
+            None => None,
+        };
+        Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info, draft })
     }
 
     /// A second model over the same weights (no copy: only a new KV cache) whose session
     /// starts as a copy of this one's tokens, cache and kept interventions.
     pub fn fork(&self) -> Result<Self, ModelError> {
-        Ok(self.with_runtime(self.runtime.fork()?))
+        self.with_runtime(self.runtime.fork()?)
     }
 
     /// A second model over the same weights with an empty session and this one's kept edits.
     pub fn fork_empty(&self) -> Result<Self, ModelError> {
-        Ok(self.with_runtime(self.runtime.fork_empty()?))
+        self.with_runtime(self.runtime.fork_empty()?)
     }
 
-    /// This model's tokenizer, template, defaults and description around another runtime.
-    fn with_runtime(&self, runtime: Runtime) -> Self {
-        Self {
+    /// This model's tokenizer, template, defaults, description and draft model (with an empty
+    /// session of its own) around another runtime.
+    fn with_runtime(&self, runtime: Runtime) -> Result<Self, ModelError> {
+        Ok(Self {
             runtime,
             tokenizer: self.tokenizer.clone(),
             chat_template: self.chat_template.clone(),
             defaults: self.defaults.clone(),
             info: self.info.clone(),
-        }
+            draft: self.draft.as_ref().map(Runtime::fork_empty).transpose()?,
+        })
     }
 
     /// The runtime (backend and session).
@@ -281,11 +310,32 @@ impl Model {
         Ok(Generation::begin(&mut self.runtime, tokenizer, prompt, options)?)
     }
 
+    /// Whether speculative decoding has a draft model here.
+    pub fn has_draft_model(&self) -> bool {
+        self.draft.is_some()
+    }
+
+    /// One step of `generation` on this model's session, with the draft model proposing tokens
+    /// when there is one (`Generation::step_with`).
+    pub fn step_generation(&mut self, generation: &mut Generation) -> Result<String, GenerationError<CandleError>> {
+        generation.step_with(&mut self.runtime, self.draft.as_mut())
+    }
+
+    /// Runs `generation` to the end on this model's session (`Generation::run_with`).
+    pub fn run_generation(
+        &mut self,
+        generation: Generation,
+        on_text: impl FnMut(&str),
+        interrupted: impl FnMut() -> bool,
+    ) -> Result<(GenerationResult, bool), GenerationError<CandleError>> {
+        generation.run_with(&mut self.runtime, self.draft.as_mut(), on_text, interrupted)
+    }
+
     /// Generates from `prompt` to the end.
     pub fn generate(&mut self, prompt: &Prompt, options: GenerateOptions) -> Result<GenerationResult, ModelError> {
         let ids = self.prompt_ids(prompt)?;
         let generation = self.start_generation(&ids, options)?;
-        let (result, _) = generation.run(&mut self.runtime, |_| {}, || false)?;
+        let (result, _) = self.run_generation(generation, |_| {}, || false)?;
         Ok(result)
     }
 }

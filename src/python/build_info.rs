@@ -11,11 +11,12 @@ use crate::backend::kernels::{self, int8_gemm};
 /// another CPU, or without CUDA, otherwise shows only as a slower or refused run.
 ///
 /// Returns:
-///     dict: ``version``; ``features`` (``"cuda"``, ``"metal"``: the devices compiled in);
+///     dict: ``version``; ``features`` (``"cuda"``, ``"metal"``: the devices compiled in; every
+///     macOS build has ``"metal"``);
 ///     ``cpu_target_features`` (the SIMD features the compiler could assume, e.g. no
 ///     ``avx512f`` in the portable x86-64-v3 wheel); ``int8_kernel`` (the inner product our
-///     quantized GEMM chose on this CPU at run time: ``"avx512vnni"``, ``"avx2"`` or
-///     ``"portable"``); ``interleaved_tiles`` (whether Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights
+///     quantized GEMM chose on this CPU at run time: ``"avx512vnni"``, ``"avx2"``, ``"neon-i8mm"``,
+///     ``"neon-dotprod"``, ``"neon"`` or ``"portable"``); ``interleaved_tiles`` (whether Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights
 ///     are repacked at load into 16-row tiles for the AVX-512 VNNI GEMM); ``devices`` (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
 ///
 /// Example:
@@ -25,19 +26,14 @@ use crate::backend::kernels::{self, int8_gemm};
 pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("version", env!("CARGO_PKG_VERSION"))?;
-    let features: Vec<&str> = [(cfg!(feature = "cuda"), "cuda"), (cfg!(feature = "metal"), "metal")]
+    let features: Vec<&str> = [(device::CUDA_BUILT, "cuda"), (device::METAL_BUILT, "metal")]
         .into_iter()
         .filter(|f| f.0)
         .map(|f| f.1)
         .collect();
     d.set_item("features", features)?;
     d.set_item("cpu_target_features", kernels::compiled_cpu_features())?;
-    let kernel = match int8_gemm::best_path() {
-        int8_gemm::Path::Avx512Vnni => "avx512vnni",
-        int8_gemm::Path::Avx2 => "avx2",
-        int8_gemm::Path::Portable => "portable",
-    };
-    d.set_item("int8_kernel", kernel)?;
+    d.set_item("int8_kernel", int8_gemm::best_path().name())?;
     d.set_item("interleaved_tiles", kernels::interleaved::available())?;
     let devices: Vec<String> =
         device::available_devices().into_iter().map(|(d, _)| format!("{}:{}", d.kind, d.ordinal)).collect();

@@ -198,6 +198,7 @@ pub fn model_err(e: ModelError) -> PyErr {
         ModelError::Generation(e) => generation_err(e),
         ModelError::Text(e) => text_err(e),
         e @ (ModelError::NoTokenizer { .. } | ModelError::NoChatTemplate) => TokenizerError::new_err(e.to_string()),
+        e @ ModelError::DraftModel { .. } => Python::attach(|py| invalid_option(py, e.to_string())),
         ModelError::ControlVector(e) => match e {
             crate::model::control_vector::ControlVectorError::WrongModel { .. } => {
                 InvalidInterventionError::new_err(e.to_string())

@@ -97,6 +97,8 @@ pub struct SamplingArgs<'py> {
     pub choice: Option<Vec<String>>,
     /// Draft tokens per step from prompt lookup (n-gram speculation); `None` or 0: off.
     pub prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+    /// Tokens the draft model proposes per step; `None`: the default; 0: off.
+    pub num_draft_tokens: Option<Bound<'py, PyAny>>,
 }
 
 impl SamplingArgs<'_> {
@@ -162,6 +164,9 @@ impl SamplingArgs<'_> {
         o.constraint = self.constraint()?;
         if let Some(v) = self.prompt_lookup_num_tokens.as_ref().filter(|v| !v.is_none()) {
             o.prompt_lookup = count("prompt_lookup_num_tokens", v)?;
+        }
+        if let Some(v) = self.num_draft_tokens.as_ref().filter(|v| !v.is_none()) {
+            o.draft_tokens = Some(count("num_draft_tokens", v)?);
         }
         o.sampling.validate().map_err(GenerationOptionError::new_err)?;
         Ok(o)
@@ -364,9 +369,9 @@ pub fn run_to_end(
         catch_panic(|| {
             let mut model = rt.lock_detached()?;
             let generation = model.start_generation(&prompt, opts).map_err(model_err)?;
-            let (result, _) = generation
-                .run(
-                    model.runtime_mut(),
+            let (result, _) = model
+                .run_generation(
+                    generation,
                     |_| {},
                     || {
                         // Signals are only delivered with the GIL held: take it briefly between steps.
@@ -489,7 +494,7 @@ impl PyGenerationStream {
                 return Err(PyStopIteration::new_err(()));
             }
             let piece = py.detach(|| {
-                catch_panic(|| generation.step(rt.lock_detached()?.runtime_mut()).map_err(generation_err))
+                catch_panic(|| rt.lock_detached()?.step_generation(generation).map_err(generation_err))
             })?;
             if !piece.is_empty() {
                 self.keep_logprobs(py, generation)?;

@@ -10,7 +10,7 @@ macro_rules! sampling_signature {
             ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
             "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
             "ignore_eos=False, logprobs=None, skip_special_tokens=True, response_format=None, grammar=None, ",
-            "regex=None, choice=None, prompt_lookup_num_tokens=None"
+            "regex=None, choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None"
         )
     };
 }
@@ -48,7 +48,11 @@ macro_rules! sampling_args_doc {
             "    prompt_lookup_num_tokens (int | None): speculative decoding by prompt lookup: up to\n",
             "        this many tokens that followed the context's last n-gram earlier in it are checked\n",
             "        with each token in one step; output and sampling distribution are unchanged\n",
-            "        (``generate``, ``stream`` and ``chat``; 0 or None: off)."
+            "        (``generate``, ``stream`` and ``chat``; 0 or None: off).\n",
+            "    num_draft_tokens (int | None): with a draft model (``load(..., draft_model=)``): the\n",
+            "        most tokens it proposes a step (None: 16; 0: off); it stops early where it is\n",
+            "        unsure. Greedy output is unchanged, sampled output keeps its distribution (the\n",
+            "        standard acceptance rule). Used when prompt lookup has no guess."
         )
     };
 }

@@ -250,6 +250,10 @@ impl PyModelRuntime {
     ///         ``"q8_0"`` (about half of float16's memory; the CPU only, docs/cpu.md), ``"f32"`` or
     ///         ``"bf16"`` (llama.cpp's ``-ctk``/``-ctv``); None: float16 for a quantized model on
     ///         the CPU, the compute dtype otherwise. Another name raises ``ValueError``.
+    ///     draft_model (str | os.PathLike | None): a smaller model sharing the tokenizer (same
+    ///         vocabulary, BOS and EOS) that proposes tokens for speculative decoding in
+    ///         ``generate``, ``stream`` and ``chat``; loaded with the same options. Output and
+    ///         sampling distribution are unchanged (``num_draft_tokens`` sets how many a step).
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.
@@ -257,7 +261,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, kv_cache_type=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -268,6 +272,7 @@ impl PyModelRuntime {
         threads: Option<Bound<'_, PyAny>>,
         quantize: Option<String>,
         check_tensors: bool,
+        draft_model: Option<PathBuf>,
         kv_cache_type: Option<String>,
     ) -> PyResult<Self> {
         let options = ModelOptions {
@@ -277,6 +282,7 @@ impl PyModelRuntime {
             threads: count_option(py, "threads", threads.as_ref())?,
             quantize,
             check_tensors,
+            draft_model,
             kv_cache_type,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
@@ -414,6 +420,7 @@ impl PyModelRuntime {
             None => None,
         };
         d.set_item("quantized_at_load", quantized)?;
+        d.set_item("draft_model", &info.draft_model)?;
         Ok(d)
     }
 
@@ -645,7 +652,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch<'py>(
         &self,
@@ -670,6 +677,7 @@ impl PyModelRuntime {
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Vec<PyGenerationResult>> {
         let args = SamplingArgs {
             max_tokens,
@@ -691,6 +699,7 @@ impl PyModelRuntime {
             regex,
             choice,
             prompt_lookup_num_tokens,
+            num_draft_tokens,
         };
         let opts = args.options(self.lock(py)?.defaults())?;
         let prompts = prompts
@@ -831,7 +840,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
         top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         slf: &Bound<'py, Self>,
@@ -856,6 +865,7 @@ impl PyModelRuntime {
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -877,6 +887,7 @@ impl PyModelRuntime {
             regex,
             choice,
             prompt_lookup_num_tokens,
+            num_draft_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -904,7 +915,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn stream<'py>(
         slf: &Bound<'py, Self>,
@@ -928,6 +939,7 @@ impl PyModelRuntime {
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyGenerationStream> {
         let args = SamplingArgs {
             max_tokens,
@@ -949,6 +961,7 @@ impl PyModelRuntime {
             regex,
             choice,
             prompt_lookup_num_tokens,
+            num_draft_tokens,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -990,7 +1003,7 @@ impl PyModelRuntime {
         tool_choice=None, parallel_tool_calls=true, tool_call_format=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
         logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat<'py>(
         slf: &Bound<'py, Self>,
@@ -1020,6 +1033,7 @@ impl PyModelRuntime {
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -1041,6 +1055,7 @@ impl PyModelRuntime {
             regex,
             choice,
             prompt_lookup_num_tokens,
+            num_draft_tokens,
         };
         let py = slf.py();
         let mut opts = args.options(slf.get().lock(py)?.defaults())?;

@@ -388,6 +388,28 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// Why a draft model with tokenizer `draft` cannot propose tokens for a model with this one
+    /// (`None` when it can): llama.cpp's rule for speculative decoding — vocabulary sizes at most
+    /// 128 apart, the same BOS and EOS, and the same token at every id both have.
+    pub fn draft_mismatch(&self, draft: &Tokenizer) -> Option<String> {
+        if self.vocab_size.abs_diff(draft.vocab_size) > 128 {
+            return Some(format!("vocabularies of {} and {} tokens", self.vocab_size, draft.vocab_size));
+        }
+        if self.bos_id != draft.bos_id || self.eos_ids.first() != draft.eos_ids.first() {
+            return Some(format!(
+                "BOS/EOS ids {:?}/{:?} against the draft's {:?}/{:?}",
+                self.bos_id,
+                self.eos_ids.first(),
+                draft.bos_id,
+                draft.eos_ids.first()
+            ));
+        }
+        (0..self.vocab_size.min(draft.vocab_size) as u32).find_map(|id| {
+            let (a, b) = (self.id_to_token(id), draft.id_to_token(id));
+            (a != b).then(|| format!("token {id} is {a:?} here and {b:?} in the draft"))
+        })
+    }
+
     /// The text of a token id, in the vocabulary's own spelling.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)

@@ -86,7 +86,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
           chat_template: Optional[str] = None, log_level: str = "info", threads: Optional[int] = None,
           request_timeout: Optional[float] = 600.0, shutdown_grace: float = 30.0,
           prefill_chunk: Optional[int] = 128, prefix_cache_bytes: int = 256 << 20,
-          kv_cache_type: Optional[str] = None) -> None:
+          draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
 
     Each request is cancelled after `request_timeout` seconds (0 or None: never). On SIGTERM
@@ -100,7 +100,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
         print(line, file=sys.stderr, flush=True)
 
     log(f"loading {model}")
-    runtime = ModelRuntime.load(model, device=device, threads=threads, kv_cache_type=kv_cache_type)
+    runtime = ModelRuntime.load(model, device=device, threads=threads, draft_model=draft_model,
+                                kv_cache_type=kv_cache_type)
     server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                     chat_template=chat_template, log=log, request_timeout=request_timeout,

@@ -119,7 +119,7 @@ COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop",
     "logit_bias", "logprobs", "n", "stream", "stream_options", "response_format", "user",
     "top_k", "min_p", "repeat_penalty", "ignore_eos", "skip_special_tokens",
-    "interventions", "control_vector", "observe",
+    "interventions", "control_vector", "observe", "prompt_lookup_num_tokens", "num_draft_tokens",
 }
 FIELDS = {
     "completions": COMMON_FIELDS | {"prompt"},
@@ -146,6 +146,8 @@ SAMPLING = {
     "skip_special_tokens": "skip_special_tokens",
     # Constrained output (JSON object or schema), checked by the engine before any step.
     "response_format": "response_format",
+    # Speculative decoding (used while a request runs alone; output unchanged either way).
+    "prompt_lookup_num_tokens": "prompt_lookup_num_tokens", "num_draft_tokens": "num_draft_tokens",
 }
 
 

@@ -5,7 +5,8 @@
 //! cache before reading it (perf on SmolLM2-135M at 512 tokens: `pack_lhs` and the micro-kernels
 //! 15% of decode). Here each key and value row is read once, straight from the cache, for every
 //! query head of its group; kv heads run in parallel. A float16 cache (quantized models) is
-//! widened in registers (F16C) as it is read, on x86 CPUs that have it; a q8_0 cache is
+//! widened in registers as it is read (F16C on x86 CPUs that have it, `fcvtl` on every aarch64
+//! one); a q8_0 cache is
 //! de-quantized in registers as it is read (each key row's blocks times the float32 query), so
 //! both kernels read q8_0 blocks directly, never a widened copy of the cache.
 //!
@@ -65,7 +66,7 @@ pub fn decode(q: &Tensor, kv: &KvView<'_>, p: Params) -> candle_core::Result<Ten
 }
 
 /// `decode`, on this CPU's SIMD code where it has it (`simd`) or on the portable code.
-fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) -> candle_core::Result<Tensor> {
+pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) -> candle_core::Result<Tensor> {
     let d = p.head_dim;
     let (row, head_dim) = row_and_head_dim(kv.k);
     let q = q.flatten_all()?.to_vec1::<f32>()?;
@@ -123,6 +124,11 @@ fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) -> candle_cor
                 if simd && x86::available() {
                     // SAFETY: AVX2, FMA and F16C were detected.
                     return unsafe { x86::head_group_f16c(qh, kh, vh, oh, d, s, cap) };
+                }
+                #[cfg(target_arch = "aarch64")]
+                if simd {
+                    // SAFETY: NEON and its half-precision conversions are part of every aarch64 CPU.
+                    return unsafe { arm::head_group_f16(qh, kh, vh, oh, d, s, cap) };
                 }
                 head_group(qh, kh, vh, oh, d, row, s, cap, dot, axpy)
             })
@@ -560,6 +566,53 @@ mod x86 {
         for i in (0..out.len().min(x.len()) / 8 * 8).step_by(8) {
             let o = out.as_mut_ptr().add(i);
             _mm256_storeu_ps(o, _mm256_fmadd_ps(wv, load8(x, i), _mm256_loadu_ps(o)));
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use super::*;
+    use std::arch::aarch64::*;
+
+    /// `head_group` over a float16 cache, 8 values per step (`d` is a multiple of 8).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn head_group_f16(
+        q: &[f32],
+        k: [&[f16]; 2],
+        v: [&[f16]; 2],
+        out: &mut [f32],
+        d: usize,
+        scale: f32,
+        softcap: Option<f32>,
+    ) {
+        head_group(q, k, v, out, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
+    }
+
+    /// Eight float16 values from `p[i]` widened.
+    #[inline(always)]
+    unsafe fn load8(p: &[f16], i: usize) -> [float32x4_t; 2] {
+        crate::backend::kernels::arm::widen_f16x8(p.as_ptr().add(i))
+    }
+
+    #[inline(always)]
+    unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+        let (mut acc0, mut acc1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+        for i in (0..a.len().min(b.len()) / 8 * 8).step_by(8) {
+            let [lo, hi] = load8(b, i);
+            acc0 = vfmaq_f32(acc0, vld1q_f32(a.as_ptr().add(i)), lo);
+            acc1 = vfmaq_f32(acc1, vld1q_f32(a.as_ptr().add(i + 4)), hi);
+        }
+        vaddvq_f32(vaddq_f32(acc0, acc1))
+    }
+
+    #[inline(always)]
+    unsafe fn axpy_f16(out: &mut [f32], w: f32, x: &[f16]) {
+        for i in (0..out.len().min(x.len()) / 8 * 8).step_by(8) {
+            let [lo, hi] = load8(x, i);
+            let o = out.as_mut_ptr().add(i);
+            vst1q_f32(o, vfmaq_n_f32(vld1q_f32(o), lo, w));
+            vst1q_f32(o.add(4), vfmaq_n_f32(vld1q_f32(o.add(4)), hi, w));
         }
     }
 }

@@ -25,6 +25,7 @@ const LANES: usize = 16;
 const TILES: usize = 2;
 /// Activation rows multiplied at once: 8 rows × 2 tiles of accumulators, 2 weight registers and
 /// a broadcast fit in the 32 vector registers.
+#[cfg(target_arch = "x86_64")]
 const ROWS: usize = 8;
 
 /// Whether this CPU has `vdpbf16ps` (and AVX-512 BW for the masked stores).

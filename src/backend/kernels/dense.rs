@@ -11,7 +11,7 @@
 //! (half-precision weights multiply half-precision inputs): every kernel then forms the same
 //! exact products and differs from the others only in the order of its float32 additions.
 //! The kernel is chosen at run time — AVX-512 BF16 (`vdpbf16ps`), AVX-512F, AVX2 + FMA (+ F16C),
-//! or portable code — so one binary runs anywhere and uses what the CPU has.
+//! NEON on aarch64, or portable code — so one binary runs anywhere and uses what the CPU has.
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use half::{bf16, f16};
@@ -118,6 +118,9 @@ pub fn widened_matmul(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 pub enum Isa {
     /// Plain Rust: any CPU.
     Portable,
+    /// NEON (every aarch64 CPU; half types widened in registers). Ordered below the x86 sets,
+    /// which an aarch64 CPU never reports, so `isa.min(detected())` keeps to it there.
+    Neon,
     /// AVX2 with FMA and F16C.
     Avx2,
     /// AVX-512F (16 floats per instruction; half types widened in registers).
@@ -143,7 +146,11 @@ pub fn detected() -> Isa {
                 return Isa::Avx2;
             }
         }
-        Isa::Portable
+        if cfg!(target_arch = "aarch64") {
+            Isa::Neon
+        } else {
+            Isa::Portable
+        }
     })
 }
 
@@ -209,9 +216,15 @@ fn kernel_f32(x: &[f32], w: &[f32], k: usize, out: &mut [f32], isa: Isa) {
         match isa {
             Isa::Avx512 | Isa::Avx512Bf16 => return x86::f32_avx512(x, w, k, out),
             Isa::Avx2 => return x86::f32_avx2(x, w, k, out),
-            Isa::Portable => {}
+            Isa::Portable | Isa::Neon => {}
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        // SAFETY: NEON is part of every aarch64 CPU.
+        return unsafe { arm::f32_neon(x, w, k, out) };
+    }
+    let _ = isa;
     for (j, o) in out.iter_mut().enumerate() {
         *o = dot_portable(x, &w[j * k..(j + 1) * k], |v| v);
     }
@@ -225,9 +238,15 @@ fn kernel_bf16(x: &[bf16], w: &[bf16], k: usize, out: &mut [f32], isa: Isa) {
             Isa::Avx512Bf16 => return x86::bf16_avx512bf16(x, w, k, out),
             Isa::Avx512 => return x86::bf16_avx512(x, w, k, out),
             Isa::Avx2 => return x86::bf16_avx2(x, w, k, out),
-            Isa::Portable => {}
+            Isa::Portable | Isa::Neon => {}
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        // SAFETY: NEON is part of every aarch64 CPU.
+        return unsafe { arm::bf16_neon(x, w, k, out) };
+    }
+    let _ = isa;
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     for (j, o) in out.iter_mut().enumerate() {
         *o = dot_portable(&xf, &w[j * k..(j + 1) * k], bf16::to_f32);
@@ -241,9 +260,15 @@ fn kernel_f16(x: &[f32], w: &[f16], k: usize, out: &mut [f32], isa: Isa) {
         match isa {
             Isa::Avx512 | Isa::Avx512Bf16 => return x86::f16_avx512(x, w, k, out),
             Isa::Avx2 => return x86::f16_avx2(x, w, k, out),
-            Isa::Portable => {}
+            Isa::Portable | Isa::Neon => {}
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        // SAFETY: NEON is part of every aarch64 CPU.
+        return unsafe { arm::f16_neon(x, w, k, out) };
+    }
+    let _ = isa;
     for (j, o) in out.iter_mut().enumerate() {
         *o = dot_portable(x, &w[j * k..(j + 1) * k], f16::to_f32);
     }
@@ -441,6 +466,69 @@ mod x86 {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use super::*;
+    use crate::backend::kernels::arm::widen_f16x8;
+    use std::arch::aarch64::*;
+
+    /// One weight row at a time, 8 values a step in two running sums (as the x86 kernels), the
+    /// last `k % 8` values in plain Rust. `load(j, i)` gives values `i..i + 8` of row `j` and of
+    /// `x` as float32 pairs of vectors.
+    #[inline(always)]
+    unsafe fn rows(
+        k: usize,
+        out: &mut [f32],
+        load: impl Fn(usize, usize) -> ([float32x4_t; 2], [float32x4_t; 2]),
+        tail: impl Fn(usize, usize) -> f32,
+    ) {
+        let main = k / 8 * 8;
+        for (j, o) in out.iter_mut().enumerate() {
+            let (mut a0, mut a1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+            for i in (0..main).step_by(8) {
+                let (xv, wv) = load(j, i);
+                a0 = vfmaq_f32(a0, xv[0], wv[0]);
+                a1 = vfmaq_f32(a1, xv[1], wv[1]);
+            }
+            *o = vaddvq_f32(vaddq_f32(a0, a1)) + tail(j, main);
+        }
+    }
+
+    pub(super) unsafe fn f32_neon(x: &[f32], w: &[f32], k: usize, out: &mut [f32]) {
+        let pair = |p: *const f32| [vld1q_f32(p), vld1q_f32(p.add(4))];
+        rows(
+            k,
+            out,
+            |j, i| (pair(x.as_ptr().add(i)), pair(w.as_ptr().add(j * k + i))),
+            |j, i| dot_portable(&x[i..], &w[j * k + i..(j + 1) * k], |v| v),
+        )
+    }
+
+    /// bfloat16 widens exactly by a shift into the top half of a float32.
+    pub(super) unsafe fn bf16_neon(x: &[bf16], w: &[bf16], k: usize, out: &mut [f32]) {
+        let widen = |p: *const bf16| {
+            let h = vld1q_u16(p as *const u16);
+            [vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(h))), vreinterpretq_f32_u32(vshll_high_n_u16::<16>(h))]
+        };
+        let xf: Vec<f32> = x[x.len() / 8 * 8..].iter().map(|v| v.to_f32()).collect();
+        rows(
+            k,
+            out,
+            |j, i| (widen(x.as_ptr().add(i)), widen(w.as_ptr().add(j * k + i))),
+            |j, i| dot_portable(&xf, &w[j * k + i..(j + 1) * k], bf16::to_f32),
+        )
+    }
+
+    pub(super) unsafe fn f16_neon(x: &[f32], w: &[f16], k: usize, out: &mut [f32]) {
+        rows(
+            k,
+            out,
+            |j, i| ([vld1q_f32(x.as_ptr().add(i)), vld1q_f32(x.as_ptr().add(i + 4))], widen_f16x8(w.as_ptr().add(j * k + i))),
+            |j, i| dot_portable(&x[i..], &w[j * k + i..(j + 1) * k], f16::to_f32),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,7 +554,7 @@ mod tests {
 
     #[test]
     fn every_kernel_equals_the_portable_fallback_and_the_reference() {
-        let isas = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+        let isas = [Isa::Portable, Isa::Neon, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
         for (n, k) in [(37, 93), (64, 640), (5, 7), (33, 1024)] {
             let (x, w) = data(n, k);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();

@@ -1,5 +1,6 @@
 //! A tiled int8 matrix product for ggml's 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0) on x86-64, with an AVX2 and an AVX-512 VNNI inner product chosen at run time.
+//! Q8_0): on x86-64 an AVX2 and an AVX-512 VNNI inner product, on aarch64 a NEON one (`smull`),
+//! one with `sdot` (dotprod) and one with `smmla` (i8mm), chosen at run time.
 //!
 //! candle's quantized CPU matmul computes one dot product at a time, loading both blocks for
 //! every (row, column) pair, and runs Q4_1, Q5_0 and Q5_1 with scalar code. Here an R×C tile
@@ -62,6 +63,8 @@ impl BlockFormat {
 /// Activations quantized per row into 32-value blocks: scale, int8 values, `Σq` and `d·Σq`.
 pub(super) struct QuantizedRows {
     pub(super) scales: Vec<f32>,
+    // Only the x86 interleaved tiles start their integer sums from it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) qsums: Vec<i32>,
     pub(super) sums: Vec<f32>,
     pub(super) values: Vec<i8>,
@@ -277,6 +280,225 @@ mod x86 {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use super::*;
+    use crate::backend::kernels::arm::{sdot, smmla};
+    use std::arch::aarch64::*;
+
+    /// A block's 32 values as two vectors (values 0..16 and 16..32).
+    type Block = [int8x16_t; 2];
+
+    /// 16 bytes of nibbles as values 0..16 (low nibbles) and 16..32 (high ones), ggml's order.
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> [uint8x16_t; 2] {
+        let v = vld1q_u8(p);
+        [vandq_u8(v, vdupq_n_u8(0x0F)), vshrq_n_u8::<4>(v)]
+    }
+
+    /// Bit j of the 32-bit word at `p` as byte j of the two vectors: 0x10 where set, 0 where not.
+    #[inline(always)]
+    unsafe fn fifth_bits(p: *const u8) -> [uint8x16_t; 2] {
+        const BITS: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+        let bits = vld1q_u8(BITS.as_ptr());
+        let spread = |a: u8, b: u8| vcombine_u8(vdup_n_u8(a), vdup_n_u8(b));
+        let sixteen = vdupq_n_u8(0x10);
+        [
+            vandq_u8(vtstq_u8(spread(*p, *p.add(1)), bits), sixteen),
+            vandq_u8(vtstq_u8(spread(*p.add(2), *p.add(3)), bits), sixteen),
+        ]
+    }
+
+    /// A weight block's 32 values (unsigned ones fit in i8 as they are; Q8_0's are signed),
+    /// scale and offset.
+    #[inline(always)]
+    unsafe fn load(format: BlockFormat, block: *const u8) -> (Block, f32, f32) {
+        let bytes = std::slice::from_raw_parts(block, format.block_bytes());
+        let (d, m) = scale_and_min(format, bytes);
+        let or = |a: [uint8x16_t; 2], b: [uint8x16_t; 2]| [vorrq_u8(a[0], b[0]), vorrq_u8(a[1], b[1])];
+        let q = match format {
+            BlockFormat::Q8_0 => {
+                return ([vld1q_s8(block.add(2) as *const i8), vld1q_s8(block.add(18) as *const i8)], d, m)
+            }
+            BlockFormat::Q4_0 => nibbles(block.add(2)),
+            BlockFormat::Q4_1 => nibbles(block.add(4)),
+            BlockFormat::Q5_0 => or(nibbles(block.add(6)), fifth_bits(block.add(2))),
+            BlockFormat::Q5_1 => or(nibbles(block.add(8)), fifth_bits(block.add(4))),
+        };
+        ([vreinterpretq_s8_u8(q[0]), vreinterpretq_s8_u8(q[1])], d, m)
+    }
+
+    /// An activation block's 32 values.
+    #[inline(always)]
+    unsafe fn activations(xq: &QuantizedRows, xi: usize) -> Block {
+        let p = xq.values.as_ptr().add(xi * QK);
+        [vld1q_s8(p), vld1q_s8(p.add(16))]
+    }
+
+    /// The products of `R` rows from `row0` with `C` weight rows from `col0`, into `out`.
+    /// `dot` is the int8 dot product of two blocks, as 4 int32 lanes to be summed.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_with<const R: usize, const C: usize>(
+        format: BlockFormat,
+        xq: &QuantizedRows,
+        w: &[u8],
+        nb: usize,
+        row0: usize,
+        col0: usize,
+        out: *mut f32,
+        n: usize,
+        dot: impl Fn(Block, Block) -> int32x4_t,
+    ) {
+        let bb = format.block_bytes();
+        let offset = format != BlockFormat::Q8_0;
+        let mut acc = [[vdupq_n_f32(0.0); C]; R];
+        let mut offsets = [[0f32; C]; R];
+        for b in 0..nb {
+            let loaded: [(Block, f32, f32); C] =
+                std::array::from_fn(|c| load(format, w.as_ptr().add(((col0 + c) * nb + b) * bb)));
+            for r in 0..R {
+                let xi = (row0 + r) * nb + b;
+                let xv = activations(xq, xi);
+                let xd = *xq.scales.get_unchecked(xi);
+                for c in 0..C {
+                    let (wv, wd, _) = loaded[c];
+                    acc[r][c] = vfmaq_n_f32(acc[r][c], vcvtq_f32_s32(dot(wv, xv)), xd * wd);
+                }
+                if offset {
+                    let xs = *xq.sums.get_unchecked(xi);
+                    for c in 0..C {
+                        offsets[r][c] += loaded[c].2 * xs;
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..C {
+                *out.add((row0 + r) * n + col0 + c) = vaddvq_f32(acc[r][c]) + offsets[r][c];
+            }
+        }
+    }
+
+    /// The plain NEON tile (any aarch64 CPU): `smull` into 16-bit products, pairwise added into
+    /// 32-bit lanes (two products of at most 127·128 fit 16 bits).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile<const R: usize, const C: usize>(
+        format: BlockFormat,
+        xq: &QuantizedRows,
+        w: &[u8],
+        nb: usize,
+        row0: usize,
+        col0: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        tile_with::<R, C>(format, xq, w, nb, row0, col0, out, n, |a, b| {
+            let mut p = vdupq_n_s32(0);
+            for h in 0..2 {
+                p = vpadalq_s16(p, vmull_s8(vget_low_s8(a[h]), vget_low_s8(b[h])));
+                p = vpadalq_s16(p, vmull_high_s8(a[h], b[h]));
+            }
+            p
+        })
+    }
+
+    /// The dotprod tile: two `sdot` per pair of blocks.
+    #[target_feature(enable = "dotprod")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile_dot<const R: usize, const C: usize>(
+        format: BlockFormat,
+        xq: &QuantizedRows,
+        w: &[u8],
+        nb: usize,
+        row0: usize,
+        col0: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        tile_with::<R, C>(format, xq, w, nb, row0, col0, out, n, |a, b| {
+            sdot(sdot(vdupq_n_s32(0), a[0], b[0]), a[1], b[1])
+        })
+    }
+
+    /// Two blocks as four 2×8 matrices for `smmla`: rows `a`, `b` of values `8i..8i + 8`.
+    #[inline(always)]
+    unsafe fn pairs(a: Block, b: Block) -> [int8x16_t; 4] {
+        let zip = |a: int8x16_t, b: int8x16_t, high: bool| {
+            let (a, b) = (vreinterpretq_s64_s8(a), vreinterpretq_s64_s8(b));
+            vreinterpretq_s8_s64(if high { vzip2q_s64(a, b) } else { vzip1q_s64(a, b) })
+        };
+        [zip(a[0], b[0], false), zip(a[0], b[0], true), zip(a[1], b[1], false), zip(a[1], b[1], true)]
+    }
+
+    /// The i8mm tile: rows `row0..row0 + 2·R2` by weight rows `col0..col0 + 2·C2`, each 2×2 of
+    /// them one `smmla` per 8 values (a one-row product wastes half of it: odd rows go to `tile_dot`).
+    #[target_feature(enable = "dotprod,i8mm")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile_mm<const R2: usize, const C2: usize>(
+        format: BlockFormat,
+        xq: &QuantizedRows,
+        w: &[u8],
+        nb: usize,
+        row0: usize,
+        col0: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let bb = format.block_bytes();
+        let offset = format != BlockFormat::Q8_0;
+        // Lanes [r0·c0, r0·c1, r1·c0, r1·c1] of each pair of rows and pair of weight rows.
+        let mut acc = [[vdupq_n_f32(0.0); C2]; R2];
+        let mut offsets = [[[0f32; 4]; C2]; R2];
+        for b in 0..nb {
+            let mut wz = [[vdupq_n_s8(0); 4]; C2];
+            let mut wd = [vdupq_n_f32(0.0); C2];
+            let mut wm = [[0f32; 2]; C2];
+            for cp in 0..C2 {
+                let at = |c: usize| w.as_ptr().add(((col0 + 2 * cp + c) * nb + b) * bb);
+                let ((w0, d0, m0), (w1, d1, m1)) = (load(format, at(0)), load(format, at(1)));
+                wz[cp] = pairs(w0, w1);
+                wd[cp] = vcombine_f32(vset_lane_f32::<1>(d1, vdup_n_f32(d0)), vset_lane_f32::<1>(d1, vdup_n_f32(d0)));
+                wm[cp] = [m0, m1];
+            }
+            for rp in 0..R2 {
+                let (x0, x1) = ((row0 + 2 * rp) * nb + b, (row0 + 2 * rp + 1) * nb + b);
+                let xz = pairs(activations(xq, x0), activations(xq, x1));
+                let (d0, d1) = (*xq.scales.get_unchecked(x0), *xq.scales.get_unchecked(x1));
+                let xd = vcombine_f32(vdup_n_f32(d0), vdup_n_f32(d1));
+                for cp in 0..C2 {
+                    let mut p = vdupq_n_s32(0);
+                    for i in 0..4 {
+                        p = smmla(p, xz[i], wz[cp][i]);
+                    }
+                    acc[rp][cp] = vfmaq_f32(acc[rp][cp], vcvtq_f32_s32(p), vmulq_f32(xd, wd[cp]));
+                }
+                if offset {
+                    let (s0, s1) = (*xq.sums.get_unchecked(x0), *xq.sums.get_unchecked(x1));
+                    for cp in 0..C2 {
+                        let o = &mut offsets[rp][cp];
+                        let [m0, m1] = wm[cp];
+                        o[0] += m0 * s0;
+                        o[1] += m1 * s0;
+                        o[2] += m0 * s1;
+                        o[3] += m1 * s1;
+                    }
+                }
+            }
+        }
+        for rp in 0..R2 {
+            for cp in 0..C2 {
+                let mut lanes = [0f32; 4];
+                vst1q_f32(lanes.as_mut_ptr(), acc[rp][cp]);
+                for (i, v) in lanes.into_iter().enumerate() {
+                    let (r, c) = (row0 + 2 * rp + i / 2, col0 + 2 * cp + i % 2);
+                    *out.add(r * n + c) = v + offsets[rp][cp][i];
+                }
+            }
+        }
+    }
+}
+
 /// Which inner product runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
@@ -286,6 +508,53 @@ pub enum Path {
     Avx2,
     /// AVX-512 VNNI.
     Avx512Vnni,
+    /// NEON without extensions (`smull`): every aarch64 CPU.
+    Neon,
+    /// NEON with the dot-product extension (`sdot`).
+    NeonDot,
+    /// NEON with the int8 matrix-multiply extension (`smmla`; `sdot` for an odd last row).
+    NeonI8mm,
+}
+
+impl Path {
+    /// The name `build_info()["int8_kernel"]` gives the path.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512Vnni => "avx512vnni",
+            Self::Neon => "neon",
+            Self::NeonDot => "neon-dotprod",
+            Self::NeonI8mm => "neon-i8mm",
+        }
+    }
+
+    /// Every path this CPU can run, the portable one first (what the tests force one by one).
+    pub fn runnable() -> Vec<Self> {
+        #[allow(unused_mut)]
+        let mut out = vec![Self::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                out.push(Self::Avx2);
+            }
+            if best_path() == Self::Avx512Vnni {
+                out.push(Self::Avx512Vnni);
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            let f = super::arm::Features::get();
+            out.push(Self::Neon);
+            if f.dotprod {
+                out.push(Self::NeonDot);
+                if f.i8mm {
+                    out.push(Self::NeonI8mm);
+                }
+            }
+        }
+        out
+    }
 }
 
 /// The fastest path this CPU runs.
@@ -299,7 +568,24 @@ pub fn best_path() -> Path {
             return Path::Avx2;
         }
     }
-    Path::Portable
+    arm_path().unwrap_or(Path::Portable)
+}
+
+/// The best NEON path of this aarch64 CPU.
+#[cfg(target_arch = "aarch64")]
+fn arm_path() -> Option<Path> {
+    let f = super::arm::Features::get();
+    Some(match (f.dotprod, f.i8mm) {
+        (true, true) => Path::NeonI8mm,
+        (true, false) => Path::NeonDot,
+        _ => Path::Neon,
+    })
+}
+
+/// No NEON path off aarch64.
+#[cfg(not(target_arch = "aarch64"))]
+fn arm_path() -> Option<Path> {
+    None
 }
 
 /// Whether this CPU has a SIMD path (without one, candle's own kernels are the better choice).
@@ -344,7 +630,8 @@ fn portable_columns(
     }
 }
 
-fn matmul_with(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: usize, path: Path) -> Vec<f32> {
+/// `matmul` on a given path (at most what this CPU runs: the tests and probes force each one).
+pub(super) fn matmul_with(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: usize, path: Path) -> Vec<f32> {
     assert_eq!(k % QK, 0);
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * (k / QK) * format.block_bytes());
@@ -360,45 +647,77 @@ fn matmul_with(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: 
         let ptr = ptr;
         let col0 = g * 4;
         let cols = 4.min(n - col0);
-        if path == Path::Portable {
-            return portable_columns(format, &xq, w, nb, m, col0, cols, ptr, n);
+        // 4×4 tiles over whole groups of 4 rows, then the last 1-3 rows still sharing each
+        // weight load across the 4 columns (decode, one row, is all remainder); a last group of
+        // fewer than 4 weight rows one column at a time.
+        #[allow(unused_macros)]
+        macro_rules! tiles {
+            ($($tile:ident)::+) => {{
+                let full_rows = m / 4 * 4;
+                for row0 in (0..full_rows).step_by(4) {
+                    if cols == 4 {
+                        $($tile)::+::<4, 4>(format, &xq, w, nb, row0, col0, ptr.0, n)
+                    } else {
+                        for c in 0..cols {
+                            $($tile)::+::<4, 1>(format, &xq, w, nb, row0, col0 + c, ptr.0, n)
+                        }
+                    }
+                }
+                let rest = m - full_rows;
+                if cols == 4 && rest > 0 {
+                    match rest {
+                        1 => $($tile)::+::<1, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
+                        2 => $($tile)::+::<2, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
+                        _ => $($tile)::+::<3, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
+                    }
+                } else {
+                    for row0 in full_rows..m {
+                        for c in 0..cols {
+                            $($tile)::+::<1, 1>(format, &xq, w, nb, row0, col0 + c, ptr.0, n)
+                        }
+                    }
+                }
+            }};
         }
-        let full_rows = m / 4 * 4;
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        portable_columns(format, &xq, w, nb, m, col0, cols, ptr, n);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the path's features were checked; indices stay inside x, w and out by construction.
         unsafe {
-            macro_rules! run {
-                ($tile:ident) => {{
-                    for row0 in (0..full_rows).step_by(4) {
-                        if cols == 4 {
-                            x86::$tile::<4, 4>(format, &xq, w, nb, row0, col0, ptr.0, n)
-                        } else {
-                            for c in 0..cols {
-                                x86::$tile::<4, 1>(format, &xq, w, nb, row0, col0 + c, ptr.0, n)
-                            }
+            match path {
+                Path::Avx512Vnni => tiles!(x86::tile_vnni),
+                Path::Avx2 => tiles!(x86::tile),
+                _ => portable_columns(format, &xq, w, nb, m, col0, cols, ptr, n),
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above; `tile_mm` runs only where i8mm (and dotprod) were detected.
+        unsafe {
+            match path {
+                Path::NeonI8mm => {
+                    // Pairs of rows through `smmla`; an odd last row through `sdot`.
+                    let pairs = m / 2;
+                    if cols == 4 {
+                        for rp in (0..pairs / 2 * 2).step_by(2) {
+                            arm::tile_mm::<2, 2>(format, &xq, w, nb, 2 * rp, col0, ptr.0, n)
                         }
-                    }
-                    // The last 1-3 rows still share each weight load across the 4 columns
-                    // (decode, one row, is all remainder).
-                    let rest = m - full_rows;
-                    if cols == 4 && rest > 0 {
-                        match rest {
-                            1 => x86::$tile::<1, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
-                            2 => x86::$tile::<2, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
-                            _ => x86::$tile::<3, 4>(format, &xq, w, nb, full_rows, col0, ptr.0, n),
+                        if pairs % 2 == 1 {
+                            arm::tile_mm::<1, 2>(format, &xq, w, nb, 2 * (pairs - 1), col0, ptr.0, n)
+                        }
+                        if m % 2 == 1 {
+                            arm::tile_dot::<1, 4>(format, &xq, w, nb, m - 1, col0, ptr.0, n)
                         }
                     } else {
-                        for row0 in full_rows..m {
+                        for row0 in 0..m {
                             for c in 0..cols {
-                                x86::$tile::<1, 1>(format, &xq, w, nb, row0, col0 + c, ptr.0, n)
+                                arm::tile_dot::<1, 1>(format, &xq, w, nb, row0, col0 + c, ptr.0, n)
                             }
                         }
                     }
-                }};
-            }
-            match path {
-                Path::Avx512Vnni => run!(tile_vnni),
-                _ => run!(tile),
+                }
+                Path::NeonDot => tiles!(arm::tile_dot),
+                Path::Neon => tiles!(arm::tile),
+                _ => portable_columns(format, &xq, w, nb, m, col0, cols, ptr, n),
             }
         }
     });
@@ -450,19 +769,13 @@ mod tests {
         (GgmlDType::Q8_0, BlockFormat::Q8_0),
     ];
 
-    /// Every path this machine has, the portable one forced among them, agrees with candle's
+    /// Every path this machine has, each forced in turn, agrees with candle's
     /// quantized matmul (which rounds `s` to f16 for the offset formats: hence the tolerance
     /// relative to the sum of the absolute products).
     #[test]
     fn every_path_equals_candles_quantized_matmul() {
         let dev = Device::Cpu;
-        let mut paths = vec![Path::Portable];
-        if best_path() != Path::Portable {
-            paths.push(Path::Avx2);
-        }
-        if best_path() == Path::Avx512Vnni {
-            paths.push(Path::Avx512Vnni);
-        }
+        let paths = Path::runnable();
         for (dtype, format) in FORMATS {
             for (m, k, n) in
                 [(1, 64, 5), (2, 64, 8), (3, 128, 12), (6, 96, 16), (7, 96, 9), (16, 640, 36), (33, 128, 4)]

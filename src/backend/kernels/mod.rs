@@ -3,9 +3,12 @@
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
 //! Q5_0, Q5_1, Q4_K, Q6_K on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
-//! (`int8_gemm`: the 32-value formats on CPUs without VNNI), our half-precision GEMV (`dense`),
-//! our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over de-quantized slabs.
+//! (`int8_gemm`: the 32-value formats on CPUs without VNNI, x86 or Arm), our half-precision GEMV
+//! (`dense`), our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over de-quantized slabs. Our
+//! kernels run on the CPU only: on CUDA and Metal every product is candle's.
 
+#[cfg(target_arch = "aarch64")]
+pub mod arm;
 pub mod attention;
 pub mod bf16_gemm;
 pub mod dense;
@@ -124,6 +127,9 @@ fn candle_matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
         QMatMul::QTensor(q) if x.dim(0)? >= DEQUANTIZED_GEMM_ROWS && x.device().is_cpu() && !candle_tiles(q) => {
             dequantized_matmul(x, q)
         }
+        // Slow (the weight is expanded at every product) but correct, where candle's kernel
+        // would stop the process: k-quants on Arm cores without dotprod.
+        QMatMul::QTensor(q) if x.device().is_cpu() && !candle_runs(q.dtype()) => dequantized_matmul(x, q),
         // candle takes its repacked Q6_K kernel from 2 rows on and a row-by-row one below, which
         // adds in another order: a prompt's last row would then differ from the same row
         // computed alone after a reused prefix, or inside a batch. One row goes through the
@@ -139,15 +145,40 @@ fn candle_matmul(x: &Tensor, weight: &QMatMul) -> candle_core::Result<Tensor> {
 
 /// Whether our int8 GEMM multiplies a `dtype` weight by `rows` activation rows: always for the
 /// types candle runs with scalar code (Q4_1, Q5_0, Q5_1), from `Q8_0_TILED_ROWS` rows for Q8_0
-/// and Q4_0 (whose one-row products candle has SIMD kernels for). Measured on SmolLM2-135M Q4_1,
-/// one thread, AMD EPYC (tok/s per CPU-second, candle's scalar kernel → ours): 128-token
-/// prefill 48 → 287, decode 38 → 52.
+/// and Q4_0 (whose one-row products candle has SIMD kernels for), and always for those two where
+/// candle's kernels cannot run (`candle_runs`). Measured on SmolLM2-135M Q4_1, one thread, AMD
+/// EPYC (tok/s per CPU-second, candle's scalar kernel → ours): 128-token prefill 48 → 287,
+/// decode 38 → 52.
 fn ours(dtype: GgmlDType, rows: usize) -> bool {
     match dtype {
         GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 => true,
-        GgmlDType::Q8_0 | GgmlDType::Q4_0 => rows >= Q8_0_TILED_ROWS,
+        GgmlDType::Q8_0 | GgmlDType::Q4_0 => rows >= Q8_0_TILED_ROWS || !candle_runs(dtype),
         _ => false,
     }
+}
+
+/// Whether candle 0.11's CPU kernels for `dtype` weights run on this CPU. Its NEON dot products
+/// of Q4_0, Q8_0 and k-quant blocks (`vec_dot_q4_0_q8_0`, `vec_dot_q8_0_q8_0`,
+/// `vec_dot_q{2..6}k_q8k`) issue `sdot` without checking for the dot-product extension, so on Arm
+/// cores that lack it (Cortex-A72: Raspberry Pi 4, Graviton 1) they stop the process with
+/// SIGILL; its repacked kernels do check, and its Q4_1/Q5_0/Q5_1 ones are scalar.
+pub fn candle_runs(dtype: GgmlDType) -> bool {
+    #[cfg(target_arch = "aarch64")]
+    if matches!(
+        dtype,
+        GgmlDType::Q4_0
+            | GgmlDType::Q8_0
+            | GgmlDType::Q2K
+            | GgmlDType::Q3K
+            | GgmlDType::Q4K
+            | GgmlDType::Q5K
+            | GgmlDType::Q6K
+            | GgmlDType::Q8K
+    ) {
+        return arm::Features::get().dotprod;
+    }
+    let _ = dtype;
+    true
 }
 
 /// From this many rows on, a quantized weight that has no tiled kernel (neither ours for Q8_0
@@ -199,7 +230,7 @@ fn dequantized_matmul_in_slabs(x: &Tensor, q: &QTensor, slab_elems: usize) -> ca
 /// What the kernels' tests compare against.
 #[cfg(test)]
 pub(crate) mod reference {
-    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
     use candle_core::{Module, Tensor};
 
     /// candle's quantized product `x · qᵀ`, and `|x| · |q|ᵀ` (the scale a kernel's difference
@@ -208,7 +239,15 @@ pub(crate) mod reference {
     pub fn candle_product(q: QTensor, x: &Tensor) -> (Vec<f32>, Vec<f32>) {
         let dev = x.device();
         let magnitude = x.abs().unwrap().matmul(&q.dequantize(dev).unwrap().abs().unwrap().t().unwrap()).unwrap();
-        let want = QMatMul::from_qtensor(q).unwrap().forward(x).unwrap();
+        let want = if super::candle_runs(q.dtype()) {
+            QMatMul::from_qtensor(q).unwrap().forward(x).unwrap()
+        } else {
+            // What candle's kernel computes (x quantized as its kernel quantizes it, times the
+            // de-quantized weight), where that kernel would SIGILL.
+            let blocks = if matches!(q.dtype(), GgmlDType::Q4_0 | GgmlDType::Q8_0) { GgmlDType::Q8_0 } else { GgmlDType::Q8K };
+            let xq = QTensor::quantize(x, blocks).unwrap().dequantize(dev).unwrap();
+            xq.matmul(&q.dequantize(dev).unwrap().t().unwrap()).unwrap()
+        };
         (want.flatten_all().unwrap().to_vec1().unwrap(), magnitude.flatten_all().unwrap().to_vec1().unwrap())
     }
 }

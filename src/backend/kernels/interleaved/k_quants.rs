@@ -16,7 +16,7 @@
 //! Q6_K (210 bytes a row): `d`; the 16 signed scales, one byte per row and sub-block of 16
 //! values; the low four bits as for Q4_K; the top two bits of four 32-value units in each byte.
 
-use super::{half, Unit, LANES, QK};
+use super::{half, Unit, LANES};
 
 /// Values of a k-quant super-block.
 pub(super) const QK_K: usize = 256;
@@ -117,14 +117,15 @@ pub(super) fn unpack_q6k(record: &[u8], lane: usize, u: usize) -> Unit {
 }
 
 /// The sums of each 16 quantized activations: Q6_K's offset of 32 is undone per sub-block.
+#[cfg(target_arch = "x86_64")]
 pub(super) fn half_sums(values: &[i8]) -> Vec<i32> {
-    values.chunks_exact(QK / 2).map(|c| c.iter().map(|&v| v as i32).sum()).collect()
+    values.chunks_exact(super::QK / 2).map(|c| c.iter().map(|&v| v as i32).sum()).collect()
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::super::x86::store;
-    use super::super::Interleaved;
+    use super::super::{Interleaved, QK};
     use super::*;
     use crate::backend::kernels::int8_gemm::QuantizedRows;
     use std::arch::x86_64::*;

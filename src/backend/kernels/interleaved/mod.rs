@@ -373,6 +373,7 @@ impl Interleaved {
         assert_eq!(x.len(), m * self.k);
         let xq = quantize_rows(x);
         // Q6_K's scales change every 16 values: its offset needs the activations' sums per 16.
+        #[cfg(target_arch = "x86_64")]
         let half_sums = if self.format == Format::Q6K { k_quants::half_sums(&xq.values) } else { Vec::new() };
         let mut out = vec![0f32; m * self.n];
         let ptr = super::OutPtr(out.as_mut_ptr());
@@ -431,12 +432,18 @@ impl Interleaved {
         }
     }
 }
+
 /// Format tags for the SIMD tile, as const generics.
-const Q8_0: u8 = 0;
-const Q4_0: u8 = 1;
-const Q4_1: u8 = 2;
-const Q5_0: u8 = 3;
-const Q5_1: u8 = 4;
+#[cfg(target_arch = "x86_64")]
+mod tags {
+    pub(super) const Q8_0: u8 = 0;
+    pub(super) const Q4_0: u8 = 1;
+    pub(super) const Q4_1: u8 = 2;
+    pub(super) const Q5_0: u8 = 3;
+    pub(super) const Q5_1: u8 = 4;
+}
+#[cfg(target_arch = "x86_64")]
+use tags::*;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
