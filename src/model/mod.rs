@@ -10,7 +10,9 @@ use std::sync::Arc;
 pub use info::ModelInfo;
 
 use crate::backend::weights::quantize::parse_quantize;
-use crate::backend::{parse_dtype, parse_kv_cache_type, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
+use crate::backend::{
+    parse_dtype, parse_kv_cache_type, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions,
+};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{
     generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult, PendingPrefill,
