@@ -6,7 +6,10 @@
   wherever the reference's top-1 leads its top-2 by more than 1.0. The tiny float32 checkpoints
   whose heads q8_0 blocks tile (head width 32) run against transformers' references; Gemma 3
   270M (Q4_K_M) against its reference prompts. The difference from the float16 cache is printed
-  beside it (``pytest -s``).
+  beside it (``pytest -s``). Measured (Intel Xeon, AVX-512): tiny gemma3 / gemma2 / qwen3 median
+  4.2e-3 / 3.1e-3 / 4.7e-3, whole rows 0.9–1.1e-2 from the float32 cache (float16: 3.5–4.2e-4);
+  Gemma 3 270M per prompt 0.0066 / 0.0170 / 0.0106 / 0.0116 / 0.0115 (float16 cache: 0.0056 /
+  0.0145 / 0.0097 / 0.0118 / 0.0083), top-5 overlap ≥ 3 on 99.9–100% of rows, no argmax miss.
 - Sliding-window layers keep their window only: Gemma 3 270M's cache grows with its 3 global
   layers, not its 18 (the equality with a full cache is in src/backend/window_tests.rs).
 """

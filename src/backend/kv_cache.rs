@@ -321,7 +321,10 @@ impl KvCache {
                     Some(w) => h.first.max(len.saturating_sub(layer.ring_target(w, 1, max_context))),
                     None => h.first,
                 };
-                let (k, v) = (h.k.narrow(2, keep_from - h.first, len - keep_from)?, h.v.narrow(2, keep_from - h.first, len - keep_from)?);
+                let (k, v) = (
+                    h.k.narrow(2, keep_from - h.first, len - keep_from)?,
+                    h.v.narrow(2, keep_from - h.first, len - keep_from)?,
+                );
                 let cap = len - keep_from;
                 if cap > 0 {
                     layer.k = Some(place(&k, keep_from, cap)?);
@@ -458,7 +461,13 @@ impl LayerKv {
     /// Writes `k`, `v` `[1, kv_heads, t, row]` (in the cache's storage, `KvType::encode`) at
     /// positions `pos..pos + t` and returns a view of every position held up to `pos + t`: all
     /// of them, or for a ring at least the window of each of the step's rows.
-    pub fn append(&mut self, k: &Tensor, v: &Tensor, pos: usize, max_context: usize) -> candle_core::Result<KvView<'_>> {
+    pub fn append(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        pos: usize,
+        max_context: usize,
+    ) -> candle_core::Result<KvView<'_>> {
         let t = k.dim(2)?;
         let capacity = self.k.as_ref().map(|k| k.dim(2)).transpose()?.unwrap_or(0);
         // Slots that must coexist: every position, or for a ring the window of the step's first

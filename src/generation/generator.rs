@@ -548,6 +548,8 @@ impl Generation {
         }
         let held = draft.session().tokens();
         let common = held.iter().zip(ctx).take_while(|(a, b)| a == b).count().min(ctx.len() - 1);
+        // Past what a sliding window kept, the draft starts over rather than rewinds.
+        let common = if draft.session().can_truncate(common) { common } else { 0 };
         draft.session_mut().truncate(common).map_err(RuntimeError::Backend)?;
         let out = draft.prefill(ctx[common..].to_vec().into())?.wait().map_err(RuntimeError::Backend)?;
         let mut logits = draft.session().logits_to_host(&out).map_err(RuntimeError::Backend)?.last_row().to_vec();

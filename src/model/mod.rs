@@ -10,7 +10,9 @@ use std::sync::Arc;
 pub use info::ModelInfo;
 
 use crate::backend::weights::quantize::parse_quantize;
-use crate::backend::{parse_dtype, parse_kv_cache_type, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions};
+use crate::backend::{
+    parse_dtype, parse_kv_cache_type, ArtifactFormat, CandleBackend, CandleError, GgufWeights, LoadOptions,
+};
 use crate::core::{ModelLoadError, ModelRuntime, RuntimeError};
 use crate::generation::{
     generate_batch, GenerateOptions, Generation, GenerationError, GenerationResult, PendingPrefill,
@@ -78,12 +80,12 @@ pub struct ModelOptions {
     /// Check that every weight and block scale is finite as it loads (llama.cpp's
     /// `--check-tensors`); a NaN or infinity is then an artifact error naming the tensor.
     pub check_tensors: bool,
-    /// A smaller model sharing the tokenizer that proposes tokens for speculative decoding
-    /// (loaded with the same device, dtype, context, threads, quantization and checks).
-    pub draft_model: Option<PathBuf>,
     /// How the KV cache holds keys and values: `f16`, `q8_0`, `f32`, `bf16` (llama.cpp's
     /// `-ctk`/`-ctv`); `None`: float16 for a quantized model on the CPU, else the compute dtype.
     pub kv_cache_type: Option<String>,
+    /// A smaller model sharing the tokenizer that proposes tokens for speculative decoding
+    /// (loaded with the same device, dtype, context, threads, quantization and checks).
+    pub draft_model: Option<PathBuf>,
 }
 
 impl Default for ModelOptions {
@@ -95,8 +97,8 @@ impl Default for ModelOptions {
             threads: None,
             quantize: None,
             check_tensors: true,
-            draft_model: None,
             kv_cache_type: None,
+            draft_model: None,
         }
     }
 }

@@ -246,14 +246,14 @@ impl PyModelRuntime {
     ///     check_tensors (bool): check that every weight and block scale is finite as it loads
     ///         (llama.cpp's ``--check-tensors``, on by default here): a NaN or infinity raises
     ///         ``ArtifactError`` naming the tensor. False skips the check.
-    ///     draft_model (str | os.PathLike | None): a smaller model sharing the tokenizer (same
-    ///         vocabulary, BOS and EOS) that proposes tokens for speculative decoding in
-    ///         ``generate``, ``stream`` and ``chat``; loaded with the same options. Output and
-    ///         sampling distribution are unchanged (``num_draft_tokens`` sets how many a step).
     ///     kv_cache_type (str | None): how the KV cache holds keys and values: ``"f16"``,
     ///         ``"q8_0"`` (about half of float16's memory; the CPU only, docs/cpu.md), ``"f32"`` or
     ///         ``"bf16"`` (llama.cpp's ``-ctk``/``-ctv``); None: float16 for a quantized model on
     ///         the CPU, the compute dtype otherwise. Another name raises ``ValueError``.
+    ///     draft_model (str | os.PathLike | None): a smaller model sharing the tokenizer (same
+    ///         vocabulary, BOS and EOS) that proposes tokens for speculative decoding in
+    ///         ``generate``, ``stream`` and ``chat``; loaded with the same options. Output and
+    ///         sampling distribution are unchanged (``num_draft_tokens`` sets how many a step).
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.

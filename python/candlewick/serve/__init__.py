@@ -100,7 +100,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
         print(line, file=sys.stderr, flush=True)
 
     log(f"loading {model}")
-    runtime = ModelRuntime.load(model, device=device, threads=threads, draft_model=draft_model, kv_cache_type=kv_cache_type)
+    runtime = ModelRuntime.load(model, device=device, threads=threads, draft_model=draft_model,
+                                kv_cache_type=kv_cache_type)
     server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                     chat_template=chat_template, log=log, request_timeout=request_timeout,

@@ -34,7 +34,8 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
         from . import load_control_vectors
         from .app import Server, build_app
 
-        runtime = ModelRuntime.load(model, device=device, threads=threads, draft_model=draft_model, kv_cache_type=kv_cache_type)
+        runtime = ModelRuntime.load(model, device=device, threads=threads, draft_model=draft_model,
+                                    kv_cache_type=kv_cache_type)
         server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
                         max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                         chat_template=chat_template, request_timeout=request_timeout,

@@ -241,7 +241,8 @@ impl Attention {
             if tiled_prompts() {
                 // Every prompt row, however the prompt was cut into steps, goes through the same
                 // tiled kernel (key blocks at absolute positions), so a reused prefix changes nothing.
-                let span = kernels::attention::PromptSpan { offset: pos - start, first_key: start, window: tables.window };
+                let span =
+                    kernels::attention::PromptSpan { offset: pos - start, first_key: start, window: tables.window };
                 let heads = kernels::attention::prompt(&q, &view, span, p)?; // [t, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
             }

@@ -342,7 +342,9 @@ impl Decoder {
             let d = self.config.head_dim;
             if d % crate::backend::kv_cache::Q8_BLOCK != 0 {
                 return Err(crate::backend::error::CandleError::UnsupportedConfig {
-                    what: format!("kv_cache_type=q8_0 needs a head width that is a multiple of 32; this model's is {d}"),
+                    what: format!(
+                        "kv_cache_type=q8_0 needs a head width that is a multiple of 32; this model's is {d}"
+                    ),
                 });
             }
         }

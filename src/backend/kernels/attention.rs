@@ -107,7 +107,8 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
                 run.map_or(&data[..0], |&(slot, n)| &data[base + slot * row..][..n * row])
             }
             let (base, r0, r1) = (h * head, runs.first(), runs.get(1));
-            let (ks, vs) = ([seg(kd, r0, base, row), seg(kd, r1, base, row)], [seg(vd, r0, base, row), seg(vd, r1, base, row)]);
+            let (ks, vs) =
+                ([seg(kd, r0, base, row), seg(kd, r1, base, row)], [seg(vd, r0, base, row), seg(vd, r1, base, row)]);
             f(&q[h * group * d..(h + 1) * group * d], ks, vs, oh);
         })
     }
@@ -128,7 +129,7 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
                 #[cfg(target_arch = "aarch64")]
                 if simd {
                     // SAFETY: NEON and its half-precision conversions are part of every aarch64 CPU.
-                    return unsafe { arm::head_group_f16(qh, kh, vh, oh, d, row, s, cap) };
+                    return unsafe { arm::head_group_f16(qh, kh, vh, oh, d, s, cap) };
                 }
                 head_group(qh, kh, vh, oh, d, row, s, cap, dot, axpy)
             })
@@ -200,19 +201,30 @@ pub fn prompt(q: &Tensor, kv: &KvView<'_>, span: PromptSpan, p: Params) -> candl
             f(h, tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(t))
         })
     };
-    let run = |h: usize, rows: std::ops::Range<usize>, kh: &dyn Fn(usize, &mut [f32]), vh: &dyn Fn(usize, &mut [f32])| {
-        #[allow(clippy::redundant_locals)]
-        let ptr = ptr;
-        let tile = PromptTile { q: &q, t, d, group, h, rows, span, p };
-        tile.run(kh, vh, |row, head, values| {
-            // SAFETY: each (row, head) is written by the one task that owns its row tile and kv head.
-            let o = unsafe { std::slice::from_raw_parts_mut(ptr.0.add((row * p.heads + head) * d), d) };
-            o.copy_from_slice(values);
-        });
-    };
+    let run =
+        |h: usize, rows: std::ops::Range<usize>, kh: &dyn Fn(usize, &mut [f32]), vh: &dyn Fn(usize, &mut [f32])| {
+            #[allow(clippy::redundant_locals)]
+            let ptr = ptr;
+            let tile = PromptTile { q: &q, t, d, group, h, rows, span, p };
+            tile.run(kh, vh, |row, head, values| {
+                // SAFETY: each (row, head) is written by the one task that owns its row tile and kv head.
+                let o = unsafe { std::slice::from_raw_parts_mut(ptr.0.add((row * p.heads + head) * d), d) };
+                o.copy_from_slice(values);
+            });
+        };
     // Rows `j..` of the view (as many as `dst` holds) of kv head `h`, widened by `widen`, a run
     // of consecutive slots at a time.
-    fn rows_of<T>(data: &[T], base: usize, row: usize, d: usize, first_slot: usize, cap: usize, j: usize, dst: &mut [f32], widen: impl Fn(&[T], &mut [f32])) {
+    fn rows_of<T>(
+        data: &[T],
+        base: usize,
+        row: usize,
+        d: usize,
+        first_slot: usize,
+        cap: usize,
+        j: usize,
+        dst: &mut [f32],
+        widen: impl Fn(&[T], &mut [f32]),
+    ) {
         let n = dst.len() / d;
         let start = (first_slot + j) % cap;
         let head = n.min(cap - start);
@@ -277,7 +289,12 @@ impl PromptTile<'_> {
 
     /// Runs the tile: `key(j, dst)` / `value(j, dst)` write `dst.len() / d` float32 rows from
     /// key `j` on; `emit(row, head, out)` receives each finished output.
-    fn run(&self, key: &dyn Fn(usize, &mut [f32]), value: &dyn Fn(usize, &mut [f32]), emit: impl Fn(usize, usize, &[f32])) {
+    fn run(
+        &self,
+        key: &dyn Fn(usize, &mut [f32]),
+        value: &dyn Fn(usize, &mut [f32]),
+        emit: impl Fn(usize, usize, &[f32]),
+    ) {
         let (d, group, n_rows) = (self.d, self.group, self.rows.len());
         let vectors = n_rows * group;
         let lo = self.visible(self.rows.start).start;
@@ -583,11 +600,10 @@ mod arm {
         v: [&[f16]; 2],
         out: &mut [f32],
         d: usize,
-        row: usize,
         scale: f32,
         softcap: Option<f32>,
     ) {
-        head_group(q, k, v, out, d, row, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
+        head_group(q, k, v, out, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
     }
 
     /// Eight float16 values from `p[i]` widened.
@@ -683,11 +699,17 @@ mod tests {
                 }
                 let mask = Tensor::from_vec(mask, (t, keys), &dev).unwrap();
                 let s = s.reshape((1, heads, t, keys)).unwrap().broadcast_add(&mask).unwrap();
-                let probs = candle_nn::ops::softmax(&s, D::Minus1).unwrap().reshape((1, kv_heads, heads / kv_heads * t, keys)).unwrap();
+                let probs = candle_nn::ops::softmax(&s, D::Minus1)
+                    .unwrap()
+                    .reshape((1, kv_heads, heads / kv_heads * t, keys))
+                    .unwrap();
                 let want = probs.matmul(&vf.contiguous().unwrap()).unwrap().reshape((heads, t, d)).unwrap();
                 let want = want.transpose(0, 1).unwrap();
                 let err = rel_l2(&got, &want);
-                assert!(err < 1e-5, "{ty:?} window {window:?} first {first_key} held {held} t {t} softcap {softcap:?}: rel L2 {err}");
+                assert!(
+                    err < 1e-5,
+                    "{ty:?} window {window:?} first {first_key} held {held} t {t} softcap {softcap:?}: rel L2 {err}"
+                );
             }
         }
     }

@@ -644,7 +644,11 @@ impl SnapshotSession<CandleBackend> for CandleSession {
                     // so the snapshot stays reusable.
                     let dev = self.decoder.device();
                     let (k, v) = (h.k.to_device(dev), h.v.to_device(dev));
-                    Some(HeldKv { first: h.first, k: k.ctx(|| "restoring keys".into())?, v: v.ctx(|| "restoring values".into())? })
+                    Some(HeldKv {
+                        first: h.first,
+                        k: k.ctx(|| "restoring keys".into())?,
+                        v: v.ctx(|| "restoring values".into())?,
+                    })
                 }
             });
         }

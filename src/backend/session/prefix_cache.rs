@@ -129,9 +129,8 @@ impl PrefixCache {
 
     /// Whether the blocks `ids` hold every position a session needs to continue after them.
     fn continuable(&self, ids: &[u64]) -> bool {
-        (0..self.windows.len()).all(|layer| {
-            ids[self.first_needed(ids, layer)..].iter().all(|id| self.blocks[id].layers[layer].is_some())
-        })
+        (0..self.windows.len())
+            .all(|layer| ids[self.first_needed(ids, layer)..].iter().all(|id| self.blocks[id].layers[layer].is_some()))
     }
 
     /// How many leading tokens of `prompt` the cache could restore (whole blocks), without

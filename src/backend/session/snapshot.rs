@@ -128,7 +128,9 @@ impl SessionSnapshot {
         let firsts: Vec<usize> = match meta.get("first_positions") {
             Some(list) if !list.is_empty() => list
                 .split(',')
-                .map(|n| n.parse::<usize>().map_err(|_| bad("metadata `first_positions` is not a list of numbers".into())))
+                .map(|n| {
+                    n.parse::<usize>().map_err(|_| bad("metadata `first_positions` is not a list of numbers".into()))
+                })
                 .collect::<Result<_>>()?,
             _ => vec![0; layers],
         };
