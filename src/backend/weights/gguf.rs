@@ -638,6 +638,34 @@ impl GgufWeights {
         Ok(Some(q))
     }
 
+    /// One expert of a 3-D tensor of a type candle lacks (gpt-oss's MXFP4 experts): its rows are
+    /// contiguous, so it is read as a 2-D tensor of its own and prepared as `matmul` prepares one.
+    fn extra_expert(
+        &self,
+        name: &str,
+        t: &ExtraTensor,
+        expert: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Weight> {
+        let (experts, rows, cols) = match *t.shape.as_slice() {
+            [e, r, c] => (e, r, c),
+            ref other => return Err(self.malformed(name, format!("expected 3 dimensions, found {other:?}"))),
+        };
+        if expert >= experts {
+            return Err(self.malformed(name, format!("no expert {expert} among {experts}")));
+        }
+        // The layout check found whole blocks in every row, and the sizes fit the file.
+        let bytes = rows * cols / t.ty.block_values() * t.ty.block_bytes();
+        let one = ExtraTensor { ty: t.ty, shape: vec![rows, cols], offset: t.offset + (expert * bytes) as u64 };
+        let what = format!("{name}[{expert}]");
+        let q = if self.dequantize { None } else { self.extra_q8_0(&what, &one, device)? };
+        match q {
+            Some(q) => Weight::prepare(q, device).ctx(|| format!("preparing matmul weight `{what}`")),
+            None => Ok(Weight::Candle(QMatMul::Tensor(convert(self.extra_dense(&what, &one, device)?, &what, dtype)?))),
+        }
+    }
+
     /// `name`'s description, its file, and where its data starts in the file.
     fn open_tensor(&self, name: &str) -> Result<(&gguf_file::TensorInfo, File, u64)> {
         let Some(info) = self.content.tensor_infos.get(name) else {
@@ -820,6 +848,9 @@ impl WeightSource for GgufWeights {
     }
 
     fn expert_matmul(&self, name: &str, expert: usize, dtype: DType, device: &Device) -> Result<Weight> {
+        if let Some(t) = self.extra.get(name) {
+            return self.extra_expert(name, t, expert, dtype, device);
+        }
         let (info, file, at) = self.open_tensor(name)?;
         let (experts, rows, cols) = match *info.shape.dims() {
             [e, r, c] => (e, r, c),
@@ -982,6 +1013,17 @@ impl<'a> Metadata<'a> {
             None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
             Some(other) => Err(self.wrong(key, other)),
+        }
+    }
+
+    /// An optional array of floats (a per-layer value such as `swiglu_clamp_exp`); a single float
+    /// is an array of one.
+    pub fn opt_f64_array(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        let float = |v: &Value| v.to_f32().map(f64::from).or_else(|_| v.to_f64()).map_err(|_| self.wrong(key, v));
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items.iter().map(float).collect::<Result<Vec<f64>>>().map(Some),
+            Some(v) => float(v).map(|x| Some(vec![x])),
         }
     }
 
