@@ -293,3 +293,21 @@ def test_llama_cpp_agrees_on_gpt_oss(tmp_path, experts):
     else:
         assert np.median(errs) <= Q_MEDIAN_TOL
         assert np.mean(overlap >= Q_TOP5_MIN_OVERLAP) >= Q_TOP5_MIN_FRACTION
+
+
+@pytest.mark.parametrize("moe", ["qwen3_moe", "olmoe", "gpt_oss"])
+def test_moe_file_quantized_at_load_equals_the_directory_quantized_at_load(gguf_file, moe):
+    """An F32 GGUF mixture quantized at load (each expert read from its slice of the 3-D tensor)
+    holds the same Q8_0 blocks as the Hugging Face directory quantized at load: their logits agree
+    to float32 rounding (1e-4, the float32 bound), teacher-forced."""
+    ref = reference(moe)
+    ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()
+    from_file = cw.ModelRuntime.load(gguf_file(moe, "f32"), device=DEVICE, dtype="f32", quantize="q8_0")
+    report = from_file.model_info["quantized_at_load"]
+    assert report["tensors"]["blk.0.ffn_gate_exps.weight[1]"] == "q8_0"
+    from_dir = cw.ModelRuntime.load(TINY / moe, device=DEVICE, quantize="q8_0")
+    a = from_file.prefill(ids, all_logits=True).wait().logits
+    b = from_dir.prefill(ids, all_logits=True).wait().logits
+    errs = [rel_l2(x, y) for x, y in zip(a, b)]
+    print(f"\n[{moe}] GGUF vs directory, both quantized at load: rel L2 max {max(errs):.2e}")
+    assert max(errs) <= 1e-4
