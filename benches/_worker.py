@@ -26,9 +26,9 @@ def prompt_ids(n, vocab):
     return [2] + rng.integers(1000, min(vocab, 50000), size=n - 1).tolist()
 
 
-# CANDLEWICK_BENCH_CLOCK=cpu: this process's CPU time instead of wall time. On an overloaded
-# shared machine wall time mostly measures the neighbours, while CPU time with one thread still
-# compares two builds of the same code.
+# CANDLEWICK_BENCH_CLOCK=cpu: this process's CPU time instead of wall time (candlewick and
+# llama.cpp). On an overloaded shared machine wall time mostly measures the neighbours, while CPU
+# time with one thread (no worker spinning at a barrier) still compares two runtimes or builds.
 clock = time.process_time if os.environ.get("CANDLEWICK_BENCH_CLOCK") == "cpu" else time.perf_counter
 
 
@@ -78,13 +78,13 @@ def run_llama(model, threads, lens, n_decode):
     import numpy as np
     from llama_cpp import Llama
 
-    t = time.perf_counter()
+    t = clock()
     # The context is sized to the longest prompt and its decoded tokens (llama.cpp allocates it
     # whole at load), and no smaller than the 2,048 of earlier runs so short rows stay comparable.
     n_ctx = max(2048, max(lens) + n_decode + 8)
     llm = Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 verbose=False, logits_all=False)
-    load = time.perf_counter() - t
+    load = clock() - t
     vocab = llm.n_vocab()
 
     def last_logits():
@@ -95,16 +95,16 @@ def run_llama(model, threads, lens, n_decode):
     for n in lens:
         ids = prompt_ids(n, vocab)
         llm.reset()
-        t = time.perf_counter()
+        t = clock()
         llm.eval(ids)
         first = int(np.argmax(last_logits()))
-        ttft = time.perf_counter() - t
+        ttft = clock() - t
         tok = first
-        t = time.perf_counter()
+        t = clock()
         for _ in range(n_decode):
             llm.eval([tok])
             tok = int(np.argmax(last_logits()))
-        decode = time.perf_counter() - t
+        decode = clock() - t
         out["runs"][str(n)] = {"prefill_tps": n / ttft, "ttft_s": ttft, "decode_tps": n_decode / decode}
     out["peak_rss_mb"] = peak_rss_mb()
     return out

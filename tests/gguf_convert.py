@@ -23,11 +23,17 @@ departs from it, each time in one place marked "Departure":
   global); where `layer_types` says otherwise, llama.cpp's per-layer key
   `{arch}.attention.sliding_window_pattern` (booleans) is written. Real Gemma 3 checkpoints
   follow the assumed pattern and get no such key. llama.cpp reads it: on the tiny Gemma 3 (global
-  layer 3 of 4) its logits are within 3e-4 of the reference with the key, 0.54 away without.
+  layer 3 of 4) its logits are within 3e-4 of the reference with the key, 0.54 away without;
+- gpt-oss's converter writes no `swiglu_limit` (llama.cpp clamps its experts at a constant 7.0,
+  the released models' value; the tiny fixture's is 1.0): it is written as
+  `gpt-oss.swiglu_clamp_exp`, one entry per layer, the key llama.cpp's converter writes for
+  DeepSeek's clamp of the same name (`swiglu_limit`). candlewick reads it; llama.cpp's gpt-oss
+  graph does not.
 
-Left as the converter writes them, though llama.cpp cannot then reproduce the fixture: gpt-oss's
-`swiglu_limit` (no key; llama.cpp clamps at 7.0, the fixture at 1.0) and OLMoE's k norm, which
-llama.cpp expects as wide as the residual (the tiny OLMoE has fewer key/value heads than heads).
+Left as the converter writes them, though llama.cpp cannot then reproduce the fixture: gpt-oss
+(llama.cpp clamps at 7.0 whatever the file says, and rounds YaRN's ramp bounds to whole
+dimensions, which the fixture's `truncate: false` does not) and OLMoE's k norm, which llama.cpp
+expects as wide as the residual (the tiny OLMoE has fewer key/value heads than heads).
 """
 
 from __future__ import annotations
@@ -256,6 +262,9 @@ def _parameters(w, cfg, model_type, n_layers):
     if model_type == "gpt_oss":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        # Departure (see the module's doc): the clamp, in the key DeepSeek's converter writes.
+        if (limit := cfg.get("swiglu_limit")) is not None:
+            w.add_array(f"{w.arch}.swiglu_clamp_exp", [float(limit)] * n_layers)
 
 
 def _tensors(cfg, model_type, weights, n_layers, arch):
@@ -346,9 +355,13 @@ def _minimal_vocab(w, cfg):
             add(v)
 
 
-def convert(src, dest, outtype=F32, vocab=True):
+def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None):
     """Writes `dest`, the GGUF file llama.cpp's converter makes of the checkpoint directory `src`
-    with `--outtype` `outtype` (`"f32"` or `"q8_0"`); returns `dest`."""
+    with `--outtype` `outtype` (`"f32"` or `"q8_0"`); returns `dest`.
+
+    `config` overrides keys of the checkpoint's config.json (the same weights, another model);
+    `experts="mxfp4"` stores the 3-D expert tensors in MXFP4 where their rows are whole blocks,
+    as gpt-oss's converter keeps the checkpoint's MXFP4 experts."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -356,6 +369,7 @@ def convert(src, dest, outtype=F32, vocab=True):
     cfg = json.loads((src / "config.json").read_text())
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
+    cfg.update(config or {})
     model_type = cfg["model_type"]
     model_type = "gemma3" if model_type == "gemma3_text" else model_type
     arch = ARCH[model_type]
@@ -381,6 +395,8 @@ def convert(src, dest, outtype=F32, vocab=True):
             or new_name.split(".")[-2] in ("ffn_gate_inp", "position_embd")
         )
         dtype = gguf.GGMLQuantizationType.F32 if always_f32 else qtype
+        if experts == "mxfp4" and new_name.endswith("_exps.weight"):
+            dtype = gguf.GGMLQuantizationType.MXFP4
         try:
             raw = gguf.quants.quantize(data, dtype)
         except gguf.QuantError:

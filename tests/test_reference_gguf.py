@@ -13,8 +13,8 @@ Bounds are DESIGN §7's for GGUF, fixed in advance:
   observation point held to the same median-over-rows bound (a row: one position of a [T, H]
   point, one head's query of a pattern).
 
-Measured figures are printed (``pytest -s``). The five mixtures of experts are written too (3-D
-`ffn_*_exps` tensors) and skip until ``supported_architectures("gguf")`` lists them.
+Measured figures are printed (``pytest -s``). The five mixtures of experts are written with 3-D
+`ffn_*_exps` tensors, as the converter writes them.
 """
 
 import json
@@ -236,7 +236,8 @@ def test_moe_files_hold_stacked_experts(gguf_file, moe):
 # vocabulary the fixtures get does not have; OLMoE because llama.cpp expects its k norm as wide as
 # the residual (true of the released OLMoE, which has as many key/value heads as query heads), and
 # the tiny one groups its queries; gpt-oss because llama.cpp clamps its SwiGLU at 7.0, not at the
-# fixture's `swiglu_limit` 1.0, which no GGUF key carries.
+# fixture's `swiglu_limit` 1.0, and rounds YaRN's ramp bounds, which the fixture's
+# `truncate: false` leaves as they are (test_llama_cpp_agrees_on_gpt_oss checks the rest of it).
 LLAMA_CPP_CASES = [c for c in DENSE if c != "phi3"] + ["qwen3_moe", "mixtral", "granitemoe"]
 
 
@@ -254,3 +255,59 @@ def test_llama_cpp_reads_the_files_as_the_reference(gguf_file, case_):
     errs = top20_errors(np.array(llm.scores[: len(ids)]), ref["sequence_logits"])
     print(f"\n[llama.cpp f32] {case_}: top-20 rel L2 max {errs.max():.2e}")
     assert errs.max() <= F32_TOL
+
+
+# gpt-oss as llama.cpp computes it: its experts clamped at 7.0 (as the released models are) and
+# no YaRN, the two things its graph hard-codes that the tiny fixture does otherwise. The fixture's
+# weights, written as that model, are then one model to both runtimes, and they are compared with
+# each other on the same file (no transformers reference says what this model computes).
+GPT_OSS_AS_LLAMA_CPP = {"swiglu_limit": 7.0, "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}
+
+
+@pytest.mark.parametrize("experts", ["f32", "mxfp4"])
+def test_llama_cpp_agrees_on_gpt_oss(tmp_path, experts):
+    """Sinks, biases, alternating windows, clamped SwiGLU experts (and MXFP4 experts, as the
+    released gpt-oss files store them) through llama.cpp and candlewick, teacher-forced on the
+    fixture's prompt + continuation. All-F32 file: both de-quantized, DESIGN §7's 1e-3 on the
+    top-20 logits of every row. MXFP4 experts: both run them quantized (llama.cpp's MXFP4 dot
+    product, candlewick's Q8_0 tiles), the quantized bounds (median ≤ 0.05, top-5 overlap ≥ 3)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = reference("gpt_oss")
+    ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()
+    path = gguf_convert.convert(TINY / "gpt_oss", tmp_path / f"gpt_oss.{experts}.gguf", "f32",
+                                config=GPT_OSS_AS_LLAMA_CPP, experts=None if experts == "f32" else experts)
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1, type_k=f32, type_v=f32)
+    llm.eval(ids)
+    want = np.array(llm.scores[: len(ids)])
+    rt = cw.ModelRuntime.load(path, device=DEVICE, **({"dtype": "f32"} if experts == "f32" else {}))
+    got = rt.prefill(ids, all_logits=True).wait().logits
+    errs = top20_errors(got, want)
+    top5 = np.argsort(-got, axis=1)[:, :5]
+    ref5 = np.argsort(-want, axis=1)[:, :5]
+    overlap = np.array([len(set(a.tolist()) & set(b.tolist())) for a, b in zip(top5, ref5)])
+    print(f"\n[gpt-oss vs llama.cpp, {experts} experts] top-20 rel L2 max {errs.max():.2e}, median "
+          f"{np.median(errs):.2e}; top-5 overlap >= 3 on {100 * np.mean(overlap >= 3):.0f}% of rows")
+    if experts == "f32":
+        assert errs.max() <= F32_TOL
+    else:
+        assert np.median(errs) <= Q_MEDIAN_TOL
+        assert np.mean(overlap >= Q_TOP5_MIN_OVERLAP) >= Q_TOP5_MIN_FRACTION
+
+
+@pytest.mark.parametrize("moe", ["qwen3_moe", "olmoe", "gpt_oss"])
+def test_moe_file_quantized_at_load_equals_the_directory_quantized_at_load(gguf_file, moe):
+    """An F32 GGUF mixture quantized at load (each expert read from its slice of the 3-D tensor)
+    holds the same Q8_0 blocks as the Hugging Face directory quantized at load: their logits agree
+    to float32 rounding (1e-4, the float32 bound), teacher-forced."""
+    ref = reference(moe)
+    ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()
+    from_file = cw.ModelRuntime.load(gguf_file(moe, "f32"), device=DEVICE, dtype="f32", quantize="q8_0")
+    report = from_file.model_info["quantized_at_load"]
+    assert report["tensors"]["blk.0.ffn_gate_exps.weight[1]"] == "q8_0"
+    from_dir = cw.ModelRuntime.load(TINY / moe, device=DEVICE, quantize="q8_0")
+    a = from_file.prefill(ids, all_logits=True).wait().logits
+    b = from_dir.prefill(ids, all_logits=True).wait().logits
+    errs = [rel_l2(x, y) for x, y in zip(a, b)]
+    print(f"\n[{moe}] GGUF vs directory, both quantized at load: rel L2 max {max(errs):.2e}")
+    assert max(errs) <= 1e-4

@@ -53,9 +53,11 @@ pub fn parse_config(
     // A present key of the wrong type is an error, not "no scaling".
     let scaling_type =
         if md.has(&key("rope.scaling.type")) { Some(md.string(&key("rope.scaling.type"))?) } else { None };
+    let context_length = md.opt_usize(&key("context_length"))?;
     let scaling = match scaling_type.as_deref() {
         None | Some("none") => RopeScaling::None,
         Some("linear") => RopeScaling::Linear { factor: md.opt_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0) },
+        Some("yarn") => yarn(md, &key, arch, context_length)?,
         Some(other) => return Err(CandleError::UnsupportedConfig { what: format!("GGUF rope scaling `{other}`") }),
     };
     if has_tensor("rope_factors_long.weight") {
@@ -90,16 +92,17 @@ pub fn parse_config(
         true => md.f64(&key("attention.layer_norm_epsilon"))?,
         false => md.opt_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
     };
-    let granite = arch == Architecture::Granite;
-    // llama.cpp requires Granite's four multipliers; an attention scale of 0 means 1/sqrt(head_dim).
+    let granite = matches!(arch, Architecture::Granite | Architecture::GraniteMoe);
+    // As llama.cpp's Granite loaders: the logit scale is required, the other three multipliers
+    // optional, and 0 (its default) means none (an attention scale of 1/sqrt(head_dim)).
     let granite_scale = |k: &str| -> Result<Option<f64>> {
-        if granite {
-            md.f64(&key(k)).map(Some)
-        } else {
-            Ok(None)
+        match granite {
+            true if k == "logit_scale" => md.f64(&key(k)).map(Some),
+            true => Ok(md.opt_f64(&key(k))?.filter(|&s| s != 0.0)),
+            false => Ok(None),
         }
     };
-    let attn_multiplier = granite_scale("attention.scale")?.filter(|&s| s != 0.0);
+    let attn_multiplier = granite_scale("attention.scale")?;
     // llama.cpp scales Gemma 2/3 27B queries by 1/sqrt(hidden / heads) (their
     // query_pre_attn_scalar), recognising the model by its layer count; all others by 1/sqrt(head_dim).
     let big_gemma = matches!((arch, n_layers), (Architecture::Gemma2, 46) | (Architecture::Gemma3, 62));
@@ -112,7 +115,13 @@ pub fn parse_config(
         architecture: arch,
         vocab_size,
         hidden_size: hidden,
-        intermediate_size: md.usize(&key("feed_forward_length"))?,
+        // A mixture whose every layer is sparse may say only its experts' width.
+        intermediate_size: match md.opt_usize(&key("feed_forward_length"))? {
+            Some(n) => n,
+            None => md
+                .opt_usize(&key("expert_feed_forward_length"))?
+                .ok_or_else(|| CandleError::MissingMetadata { key: key("feed_forward_length") })?,
+        },
         num_heads: heads,
         num_kv_heads: kv_heads,
         head_dim,
@@ -126,14 +135,18 @@ pub fn parse_config(
         },
         parallel_residual: arch == Architecture::GptNeoX && md.opt_bool(&key("use_parallel_residual"))?.unwrap_or(true),
         learned_positions: arch == Architecture::Gpt2,
-        max_position_embeddings: md.opt_usize(&key("context_length"))?.unwrap_or(4096),
+        max_position_embeddings: context_length.unwrap_or(4096),
         tie_word_embeddings: !has_tensor("output.weight"),
         partial_rotary_factor: rotary as f64 / head_dim as f64,
         // llama.cpp's converter permutes q and k rows of the Llama family (`LlamaModel.permute`) so
         // that RoPE rotates adjacent pairs; the others keep Hugging Face's halves.
         rope_interleaved: matches!(
             arch,
-            Architecture::Llama | Architecture::Mistral | Architecture::SmolLm3 | Architecture::Granite
+            Architecture::Llama
+                | Architecture::Mistral
+                | Architecture::SmolLm3
+                | Architecture::Granite
+                | Architecture::GraniteMoe
         ),
         qkv_bias: has_tensor("blk.0.attn_q.bias") || has_tensor("blk.0.attn_qkv.bias"),
         o_bias: has_tensor("blk.0.attn_output.bias"),
@@ -141,7 +154,7 @@ pub fn parse_config(
         mlp_gated: !gpt,
         qk_norm: match arch {
             _ if !has("attn_q_norm") => QkNorm::None,
-            Architecture::Olmo2 => QkNorm::Whole,
+            Architecture::Olmo2 | Architecture::Olmoe => QkNorm::Whole,
             _ => QkNorm::PerHead,
         },
         // llama.cpp's converter stores Gemma norms with the 1 already added.
@@ -165,7 +178,7 @@ pub fn parse_config(
         eos_token_ids: md.token_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
         bos_token_id: md.token_id("tokenizer.ggml.bos_token_id")?,
         moe: None,
-        attn_sinks: false,
+        attn_sinks: has_tensor("blk.0.attn_sinks.weight"),
     };
     // Errors name llama.cpp's keys, not transformers' names of the same quantities.
     let field = |name: &str| -> String {
@@ -190,32 +203,79 @@ pub fn parse_config(
             "sliding_window" => key("attention.sliding_window"),
             "rope_theta" => key("rope.freq_base"),
             "rope_scaling.factor" => key("rope.scaling.factor"),
+            "rope_scaling.original_max_position_embeddings" => key("rope.scaling.original_context_length"),
+            "rope_scaling.beta_fast" => key("rope.scaling.yarn_beta_fast"),
+            "rope_scaling.beta_slow" => key("rope.scaling.yarn_beta_slow"),
+            "rope_scaling.attention_factor" => key("rope.scaling.yarn_attn_factor"),
             "eos_token_id" | "bos_token_id" => format!("tokenizer.ggml.{name}"),
             other => other.to_owned(),
         }
     };
-    let config = with_experts(config, md, &key)?;
+    let config = with_experts(config, md, &key, has_tensor)?;
     config.validate(path, &|name| match name {
         "num_experts" => key("expert_count"),
         "num_experts_per_tok" => key("expert_used_count"),
         "moe_intermediate_size" => key("expert_feed_forward_length"),
+        "swiglu_limit" => key("swiglu_clamp_exp"),
         other => field(other),
     })?;
     Ok(config)
 }
 
 /// The mixture of experts llama.cpp's keys describe (`{arch}.expert_count` and the rest), added to
-/// a config read as the dense architecture: a `llama` file with experts is Mixtral.
-fn with_experts(mut config: ArchConfig, md: &Metadata<'_>, key: &dyn Fn(&str) -> String) -> Result<ArchConfig> {
+/// a config read as the dense architecture: a `llama` file with experts is Mixtral. Each
+/// architecture routes as llama.cpp's graph for it does.
+fn with_experts(
+    mut config: ArchConfig,
+    md: &Metadata<'_>,
+    key: &dyn Fn(&str) -> String,
+    has_tensor: &dyn Fn(&str) -> bool,
+) -> Result<ArchConfig> {
+    let arch = config.architecture;
     let experts = md.opt_usize(&key("expert_count"))?.unwrap_or(0);
-    let routing = match config.architecture {
+    // As llama.cpp, which refuses these without experts.
+    if experts == 0 && matches!(arch, Architecture::Olmoe | Architecture::GptOss) {
+        return Err(CandleError::MissingMetadata { key: key("expert_count") });
+    }
+    // Granite MoE Shared's always-on expert (`ffn_{gate,up,down}_shexp`) is not in the decoder.
+    if md.opt_usize(&key("expert_shared_feed_forward_length"))?.unwrap_or(0) > 0
+        || has_tensor("blk.0.ffn_up_shexp.weight")
+    {
+        return Err(CandleError::UnsupportedConfig {
+            what: format!("shared experts (`{}`, `ffn_*_shexp`)", key("expert_shared_feed_forward_length")),
+        });
+    }
+    let mut glu = ExpertGlu::Gated;
+    let routing = match arch {
         _ if experts == 0 => return Ok(config),
         Architecture::Llama => {
             config.architecture = Architecture::Mixtral;
             Routing::SoftmaxTopK { renormalize: true }
         }
-        // llama.cpp's Qwen3-MoE graph always renormalises the selected weights.
+        // llama.cpp's Qwen3-MoE graph always renormalises the selected weights; OLMoE's never does.
         Architecture::Qwen3Moe => Routing::SoftmaxTopK { renormalize: true },
+        Architecture::Olmoe => Routing::SoftmaxTopK { renormalize: false },
+        // llama.cpp renormalises Granite MoE's softmax over its top k: the same weights as a softmax
+        // over the top-k logits, which is how transformers (and the HF path here) computes them.
+        Architecture::GraniteMoe => Routing::TopKSoftmax,
+        Architecture::GptOss => {
+            // llama.cpp's gpt-oss graph clamps at a constant 7.0 (`LLM_FFN_SWIGLU_OAI_MOE`), the
+            // released models' `swiglu_limit`; a file may say otherwise in the per-layer key the
+            // converter writes for DeepSeek's clamp, which must then agree across layers.
+            let limit = match md.opt_f64_array(&key("swiglu_clamp_exp"))? {
+                None => 7.0,
+                Some(limits) => match limits.split_first() {
+                    Some((&first, rest)) if rest.iter().all(|&l| l == first) => first,
+                    _ => {
+                        return Err(CandleError::UnsupportedConfig {
+                            what: format!("`{}` {limits:?}: one clamp for every layer", key("swiglu_clamp_exp")),
+                        })
+                    }
+                },
+            };
+            glu = ExpertGlu::ClampedSwiGlu { alpha: 1.702, limit };
+            Routing::TopKSoftmax
+        }
         other => {
             return Err(CandleError::UnsupportedConfig {
                 what: format!("experts (`{}`) in a GGUF `{}` file", key("expert_count"), other.name()),
@@ -228,17 +288,56 @@ fn with_experts(mut config: ArchConfig, md: &Metadata<'_>, key: &dyn Fn(&str) ->
         experts_per_token: md.usize(&key("expert_used_count"))?,
         expert_intermediate_size: md.opt_usize(&key("expert_feed_forward_length"))?.unwrap_or(config.intermediate_size),
         routing,
-        router_bias: false,
-        expert_bias: false,
-        glu: ExpertGlu::Gated,
+        router_bias: has_tensor("blk.0.ffn_gate_inp.bias"),
+        expert_bias: has_tensor("blk.0.ffn_gate_exps.bias"),
+        glu,
         sparse_layers: vec![true; n_layers],
     });
     Ok(config)
 }
 
+/// YaRN as llama.cpp reads it: `rope.scaling.factor`, the ramp computed for
+/// `rope.scaling.original_context_length` (else the training context), its bounds β (32 and 1
+/// where the file gives none, llama.cpp's defaults) and cos/sin multiplied by 0.1·ln(factor) + 1
+/// (or the converter's `yarn_attn_factor`, transformers' `attention_factor`), times
+/// `rope.scaling.attn_factor`.
+fn yarn(
+    md: &Metadata<'_>,
+    key: &dyn Fn(&str) -> String,
+    arch: Architecture,
+    context_length: Option<usize>,
+) -> Result<RopeScaling> {
+    if md.opt_f64(&key("rope.scaling.yarn_log_multiplier"))?.is_some_and(|m| m != 0.0) {
+        return Err(CandleError::UnsupportedConfig {
+            what: format!("YaRN with `{}` (DeepSeek's mscale_all_dim)", key("rope.scaling.yarn_log_multiplier")),
+        });
+    }
+    let factor = md.opt_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0);
+    let original = md.opt_usize(&key("rope.scaling.original_context_length"))?.or(context_length);
+    let original =
+        original.ok_or_else(|| CandleError::MissingMetadata { key: key("rope.scaling.original_context_length") })?;
+    let mscale = if factor <= 1.0 { 1.0 } else { 0.1 * factor.ln() + 1.0 };
+    let attention = md.opt_f64(&key("rope.scaling.yarn_attn_factor"))?.unwrap_or(mscale);
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original as f64,
+        beta_fast: md.opt_f64(&key("rope.scaling.yarn_beta_fast"))?.unwrap_or(32.0),
+        beta_slow: md.opt_f64(&key("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
+        // Whether the ramp's bounds are rounded to whole dimensions: transformers' default, and what
+        // llama.cpp always does (`ggml_rope_yarn_corr_dims`). gpt-oss's config says
+        // `truncate: false`, which no GGUF key carries; its ramp is left unrounded as the model
+        // defines it (on the tiny fixture the rounded ramp moves one frequency pair and the logits
+        // by far more than DESIGN §7's bound).
+        truncate: arch != Architecture::GptOss,
+        attention_factor: attention * md.opt_f64(&key("rope.scaling.attn_factor"))?.unwrap_or(1.0),
+    })
+}
+
 /// Which layers slide: a per-layer `attention.sliding_window_pattern` where the file has one, else
-/// the layout llama.cpp assumes for the architecture (`set_swa_pattern`: Gemma 3 five sliding layers
-/// then one global, Gemma 2 every other layer from the first; Mistral and Phi-3 every layer).
+/// a period there (`n`: n - 1 sliding layers, then a global one), else the layout llama.cpp assumes
+/// for the architecture (`load_swa_pattern`: Gemma 3 five sliding layers then one global, OLMo 2
+/// three then one, Gemma 2 and gpt-oss every other layer from the first; Mistral and Phi-3 every
+/// layer).
 fn sliding_layers(
     md: &Metadata<'_>,
     arch: Architecture,
@@ -249,7 +348,8 @@ fn sliding_layers(
     if !has_window {
         return Ok(vec![false; n_layers]);
     }
-    if let Some(pattern) = md.opt_bool_array(pattern_key)? {
+    if md.array_len(pattern_key).is_some() {
+        let pattern = md.opt_bool_array(pattern_key)?.unwrap_or_default();
         if pattern.len() != n_layers {
             return Err(CandleError::UnsupportedConfig {
                 what: format!("GGUF metadata `{pattern_key}` has {} entries for {n_layers} layers", pattern.len()),
@@ -257,14 +357,18 @@ fn sliding_layers(
         }
         return Ok(pattern);
     }
-    Ok((0..n_layers)
-        .map(|i| match arch {
-            Architecture::Gemma3 => (i + 1) % 6 != 0,
-            Architecture::Gemma2 => i % 2 == 0,
-            Architecture::Mistral | Architecture::Phi3 => true,
-            _ => false,
-        })
-        .collect())
+    // llama.cpp's `set_swa_pattern(n)`: n - 1 sliding layers, then a global one (0: all slide).
+    let every = |n: usize| -> Vec<bool> { (0..n_layers).map(|i| n == 0 || i % n < n - 1).collect() };
+    if let Some(n) = md.opt_usize(pattern_key)? {
+        return Ok(every(n));
+    }
+    Ok(match arch {
+        Architecture::Gemma3 => every(6),
+        Architecture::Olmo2 => every(4),
+        Architecture::Gemma2 | Architecture::GptOss => every(2),
+        Architecture::Mistral | Architecture::Phi3 => vec![true; n_layers],
+        _ => vec![false; n_layers],
+    })
 }
 
 #[cfg(test)]
@@ -373,6 +477,79 @@ mod tests {
         missing.pop();
         let err = parse(&metadata("granite", missing), &[]).unwrap_err().to_string();
         assert!(err.contains("granite.logit_scale"), "{err}");
+    }
+
+    #[test]
+    fn gpt_oss_reads_sinks_biases_windows_yarn_and_its_clamp() {
+        let yarn = |extra: Vec<(&'static str, Value)>| {
+            let mut md = vec![
+                ("expert_count", Value::U32(4)),
+                ("expert_used_count", Value::U32(2)),
+                ("expert_feed_forward_length", Value::U32(48)),
+                ("attention.sliding_window", Value::U32(6)),
+                ("rope.scaling.type", Value::String("yarn".into())),
+                ("rope.scaling.factor", Value::F32(4.0)),
+                ("rope.scaling.original_context_length", Value::U32(64)),
+            ];
+            md.extend(extra);
+            metadata("gpt-oss", md)
+        };
+        let tensors = ["blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.bias", "blk.0.ffn_gate_exps.bias"];
+        let clamp = Value::Array(vec![Value::F32(1.0); 4]);
+        let cfg = parse(&yarn(vec![("swiglu_clamp_exp", clamp)]), &tensors).unwrap();
+        assert_eq!(cfg.architecture, Architecture::GptOss);
+        let windows: Vec<_> = cfg.layers.iter().map(|l| l.sliding_window).collect();
+        assert_eq!(windows, [Some(6), None, Some(6), None], "llama.cpp's pattern 2");
+        assert!(cfg.attn_sinks && !cfg.rope_interleaved);
+        let moe = cfg.moe.as_ref().unwrap();
+        assert_eq!(
+            (moe.routing, moe.glu),
+            (Routing::TopKSoftmax, ExpertGlu::ClampedSwiGlu { alpha: 1.702, limit: 1.0 })
+        );
+        assert!(moe.router_bias && moe.expert_bias && moe.expert_intermediate_size == 48);
+        match cfg.layers[1].rope.unwrap().scaling {
+            RopeScaling::Yarn { factor, original_max_position_embeddings, truncate, attention_factor, .. } => {
+                assert_eq!((factor, original_max_position_embeddings, truncate), (4.0, 64.0, false));
+                assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+            }
+            other => panic!("{other:?}"),
+        }
+        // No key: llama.cpp's constant; clamps that differ by layer are refused by name.
+        let cfg = parse(&yarn(vec![]), &tensors).unwrap();
+        assert_eq!(cfg.moe.unwrap().glu, ExpertGlu::ClampedSwiGlu { alpha: 1.702, limit: 7.0 });
+        let uneven = Value::Array(vec![Value::F32(1.0), Value::F32(2.0)]);
+        let err = parse(&yarn(vec![("swiglu_clamp_exp", uneven)]), &tensors).unwrap_err().to_string();
+        assert!(err.contains("gpt-oss.swiglu_clamp_exp"), "{err}");
+        let err = parse(&metadata("gpt-oss", vec![]), &[]).unwrap_err().to_string();
+        assert!(err.contains("gpt-oss.expert_count"), "{err}");
+    }
+
+    #[test]
+    fn olmoe_and_granitemoe_route_as_llama_cpp_does() {
+        let experts = || vec![("expert_count", Value::U32(8)), ("expert_used_count", Value::U32(2))];
+        let cfg = parse(&metadata("olmoe", experts()), &["blk.0.attn_q_norm.weight"]).unwrap();
+        assert_eq!((cfg.qk_norm, cfg.rope_interleaved), (QkNorm::Whole, false));
+        assert_eq!(cfg.moe.unwrap().routing, Routing::SoftmaxTopK { renormalize: false });
+        let mut md = experts();
+        md.push(("logit_scale", Value::F32(2.0)));
+        md.push(("residual_scale", Value::F32(0.25)));
+        let cfg = parse(&metadata("granitemoe", md.clone()), &[]).unwrap();
+        assert!(cfg.rope_interleaved);
+        assert_eq!((cfg.logits_divisor, cfg.residual_multiplier, cfg.embed_multiplier), (Some(2.0), Some(0.25), None));
+        assert_eq!(cfg.moe.unwrap().routing, Routing::TopKSoftmax);
+        md.push(("expert_shared_feed_forward_length", Value::U32(32)));
+        let err = parse(&metadata("granitemoe", md), &[]).unwrap_err().to_string();
+        assert!(err.contains("granitemoe.expert_shared_feed_forward_length"), "{err}");
+    }
+
+    #[test]
+    fn an_integer_window_pattern_is_a_period() {
+        let md = metadata(
+            "gemma3",
+            vec![("attention.sliding_window", Value::U32(6)), ("attention.sliding_window_pattern", Value::U32(2))],
+        );
+        let windows: Vec<_> = parse(&md, &[]).unwrap().layers.iter().map(|l| l.sliding_window).collect();
+        assert_eq!(windows, [Some(6), None, Some(6), None]);
     }
 
     #[test]

@@ -99,7 +99,9 @@ impl Architecture {
             Self::Qwen3Moe => Some("qwen3moe"),
             // llama.cpp's converter writes Mixtral as `llama` with `llama.expert_count`.
             Self::Mixtral => Some("llama"),
-            Self::Olmoe | Self::GraniteMoe | Self::GptOss => None,
+            Self::Olmoe => Some("olmoe"),
+            Self::GraniteMoe => Some("granitemoe"),
+            Self::GptOss => Some("gpt-oss"),
         }
     }
 

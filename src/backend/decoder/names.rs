@@ -142,6 +142,9 @@ impl Naming {
                     Slot::QNorm => "attn_q_norm",
                     Slot::KNorm => "attn_k_norm",
                     Slot::AttnOutNorm => "post_attention_norm",
+                    // gpt-oss's converter maps `post_attention_layernorm`, its MLP's input norm, to
+                    // the name other architectures give the attention-output norm.
+                    Slot::MlpInNorm if arch == Architecture::GptOss => "post_attention_norm",
                     Slot::MlpInNorm => "ffn_norm",
                     Slot::MlpOutNorm => "post_ffw_norm",
                     Slot::Gate => "ffn_gate",

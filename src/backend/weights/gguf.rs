@@ -118,6 +118,17 @@ pub struct ExtraTensor {
     pub offset: u64,
 }
 
+/// One expert's rows of a 3-D GGUF tensor, a 2-D tensor of their own.
+struct ExpertSlice {
+    ty: StoredType,
+    rows: usize,
+    cols: usize,
+    /// Where its blocks start, relative to the data section.
+    offset: u64,
+    /// `name[expert]`, for errors.
+    what: String,
+}
+
 /// A tensor's stored type: one candle holds, or one `extra_types` decodes.
 #[derive(Debug, Clone, Copy)]
 enum StoredType {
@@ -638,6 +649,40 @@ impl GgufWeights {
         Ok(Some(q))
     }
 
+    /// Where expert `expert` of the 3-D tensor `name` lies: an expert's rows are contiguous, so it
+    /// is a 2-D tensor of its own, `[rows, cols]` from `offset` in the data section.
+    fn expert_slice(&self, name: &str, expert: usize) -> Result<ExpertSlice> {
+        let (ty, dims, offset) = match (self.extra.get(name), self.content.tensor_infos.get(name)) {
+            (Some(t), _) => (StoredType::Extra(t.ty), t.shape.clone(), t.offset),
+            (None, Some(info)) => (StoredType::Candle(info.ggml_dtype), info.shape.dims().to_vec(), info.offset),
+            (None, None) => return Err(CandleError::MissingTensor { name: name.to_owned() }),
+        };
+        let [experts, rows, cols] = dims[..] else {
+            return Err(self.malformed(name, format!("expected 3 dimensions, found {dims:?}")));
+        };
+        if expert >= experts {
+            return Err(self.malformed(name, format!("no expert {expert} among {experts}")));
+        }
+        // The layout check found whole blocks in every row, and the sizes fit the file.
+        let (values, bytes) = ty.block();
+        let size = (rows * cols) as u64 / values * bytes;
+        Ok(ExpertSlice { ty, rows, cols, offset: offset + expert as u64 * size, what: format!("{name}[{expert}]") })
+    }
+
+    /// The blocks of a slice of a type candle holds, read straight into a tensor of their own.
+    fn slice_blocks(&self, s: &ExpertSlice, qtype: GgmlDType) -> Result<QTensor> {
+        let file = File::open(&self.path)
+            .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
+        let fill = |buf: &mut [u8]| {
+            read_at(&file, self.content.tensor_data_offset + s.offset, buf)?;
+            if self.check_tensors {
+                finite::check(qtype, buf, 0).map_err(skip_hint)?;
+            }
+            Ok(())
+        };
+        read_blocks(fill, qtype, &[s.rows, s.cols]).map_err(|e| self.malformed(&s.what, e))
+    }
+
     /// `name`'s description, its file, and where its data starts in the file.
     fn open_tensor(&self, name: &str) -> Result<(&gguf_file::TensorInfo, File, u64)> {
         let Some(info) = self.content.tensor_infos.get(name) else {
@@ -820,38 +865,56 @@ impl WeightSource for GgufWeights {
     }
 
     fn expert_matmul(&self, name: &str, expert: usize, dtype: DType, device: &Device) -> Result<Weight> {
-        let (info, file, at) = self.open_tensor(name)?;
-        let (experts, rows, cols) = match *info.shape.dims() {
-            [e, r, c] => (e, r, c),
-            ref other => return Err(self.malformed(name, format!("expected 3 dimensions, found {other:?}"))),
-        };
-        if expert >= experts {
-            return Err(self.malformed(name, format!("no expert {expert} among {experts}")));
-        }
-        let qtype = info.ggml_dtype;
-        if !device.is_cpu() || !cols.is_multiple_of(qtype.block_size()) {
-            // candle's reader reads whole tensors onto other devices: de-quantize this one's slice.
-            let t = self.qtensor(name, device)?.dequantize(device).ctx(|| format!("de-quantizing `{name}`"))?;
-            let one = t.get(expert).and_then(|t| t.contiguous()).ctx(|| format!("expert {expert} of `{name}`"))?;
-            return Ok(Weight::Candle(QMatMul::Tensor(convert(one, name, dtype)?)));
-        }
-        // An expert's rows are contiguous in the file: read only its blocks.
-        let bytes = rows * (cols / qtype.block_size()) * qtype.type_size();
-        let fill = |buf: &mut [u8]| {
-            read_at(&file, at + (expert * bytes) as u64, buf)?;
-            if self.check_tensors {
-                finite::check(qtype, buf, 0).map_err(skip_hint)?;
+        let slice = self.expert_slice(name, expert)?;
+        let what = &slice.what;
+        let qtype = match slice.ty {
+            // A type candle lacks (gpt-oss's MXFP4 experts): as `matmul` prepares a whole one.
+            StoredType::Extra(ty) => {
+                let one = ExtraTensor { ty, shape: vec![slice.rows, slice.cols], offset: slice.offset };
+                let q = if self.dequantize { None } else { self.extra_q8_0(what, &one, device)? };
+                return match q {
+                    Some(q) => Weight::prepare(q, device).ctx(|| format!("preparing matmul weight `{what}`")),
+                    None => Ok(Weight::Candle(QMatMul::Tensor(convert(
+                        self.extra_dense(what, &one, device)?,
+                        what,
+                        dtype,
+                    )?))),
+                };
             }
-            Ok(())
+            StoredType::Candle(qtype) => qtype,
         };
-        let what = format!("{name}[{expert}]");
-        let q = read_blocks(fill, qtype, &[rows, cols]).map_err(|e| self.malformed(&what, e))?;
+        if !device.is_cpu() {
+            return Ok(Weight::Candle(QMatMul::Tensor(self.expert_dense(name, expert, dtype, device)?)));
+        }
+        let q = self.slice_blocks(&slice, qtype)?;
         if self.dequantize || qtype == GgmlDType::F32 {
             let t = q.dequantize(device).ctx(|| format!("de-quantizing `{what}`"))?;
-            return Ok(Weight::Candle(QMatMul::Tensor(convert(t, &what, dtype)?)));
+            return Ok(Weight::Candle(QMatMul::Tensor(convert(t, what, dtype)?)));
         }
         let q = super::requant::fast_encoding(q, device).ctx(|| format!("re-encoding `{what}`"))?;
         Weight::prepare(q, device).ctx(|| format!("preparing matmul weight `{what}`"))
+    }
+
+    fn expert_dense(&self, name: &str, expert: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        if !device.is_cpu() {
+            // candle's reader reads whole tensors onto other devices: de-quantize this one's slice.
+            let t = self.dense(name, dtype, device)?;
+            return t.get(expert).and_then(|t| t.contiguous()).ctx(|| format!("expert {expert} of `{name}`"));
+        }
+        // Only the expert's own blocks: de-quantizing the whole tensor once per expert would read
+        // every expert `experts` times over (minutes for a 1 B mixture quantized at load).
+        let slice = self.expert_slice(name, expert)?;
+        let t = match slice.ty {
+            StoredType::Extra(ty) => {
+                let one = ExtraTensor { ty, shape: vec![slice.rows, slice.cols], offset: slice.offset };
+                self.extra_dense(&slice.what, &one, device)?
+            }
+            StoredType::Candle(qtype) => self
+                .slice_blocks(&slice, qtype)?
+                .dequantize(device)
+                .ctx(|| format!("de-quantizing `{}`", slice.what))?,
+        };
+        convert(t, &slice.what, dtype)
     }
 
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
@@ -982,6 +1045,17 @@ impl<'a> Metadata<'a> {
             None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
             Some(other) => Err(self.wrong(key, other)),
+        }
+    }
+
+    /// An optional array of floats (a per-layer value such as `swiglu_clamp_exp`); a single float
+    /// is an array of one.
+    pub fn opt_f64_array(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        let float = |v: &Value| v.to_f32().map(f64::from).or_else(|_| v.to_f64()).map_err(|_| self.wrong(key, v));
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items.iter().map(float).collect::<Result<Vec<f64>>>().map(Some),
+            Some(v) => float(v).map(|x| Some(vec![x])),
         }
     }
 

@@ -43,6 +43,14 @@ pub trait WeightSource: Send + Sync {
             .ctx(|| format!("expert {expert} of `{name}`"))?;
         Ok(Weight::Candle(QMatMul::Tensor(one)))
     }
+    /// Expert `expert` of a 3-D tensor as a dense `[out, in]` tensor of `dtype` (what quantization
+    /// at load starts from); formats that can read one expert's slice read only that.
+    fn expert_dense(&self, name: &str, expert: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        self.dense(name, dtype, device)?
+            .get(expert)
+            .and_then(|t| t.contiguous())
+            .ctx(|| format!("expert {expert} of `{name}`"))
+    }
     /// Loads `name` as an embedding table; formats that store quantized blocks keep them quantized.
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
         Ok(Embedding::Dense(self.dense(name, dtype, device)?))
@@ -185,11 +193,7 @@ impl<'a> WeightLoader<'a> {
     ) -> Result<Weight> {
         self.check(name, &[experts, out_dim, in_dim])?;
         if self.quantize.is_some() {
-            let one = self
-                .source
-                .dense(name, DType::F32, self.device)?
-                .get(expert)
-                .ctx(|| format!("expert {expert} of `{name}`"))?;
+            let one = self.source.expert_dense(name, expert, DType::F32, self.device)?;
             return self.matmul_from(&format!("{name}[{expert}]"), one);
         }
         self.source.expert_matmul(name, expert, self.dtype, self.device)
