@@ -48,8 +48,9 @@ def host_limits(threads: int) -> dict:
 
 def gguf_bytes(model: str) -> dict:
     """What one decoded token reads of a GGUF's weights, and the multiply-accumulates one prompt
-    token costs in its matrix products (attention over the context aside). The token embedding
-    is read one row a token, unless the output projection shares it."""
+    token costs in its matrix products (attention over the context aside; the output projection
+    left out, since a prompt computes logits for its last token only). The token embedding is
+    read one row a token, unless the output projection shares it."""
     import numpy as np
     from gguf import GGUFReader
 
@@ -64,13 +65,10 @@ def gguf_bytes(model: str) -> dict:
             embed = n
         elif t.name == "output.weight":
             output = n
-        if len(t.shape) >= 2 and t.name != "token_embd.weight":
+        if len(t.shape) >= 2 and t.name not in ("token_embd.weight", "output.weight"):
             macs += int(np.prod([int(x) for x in t.shape]))
+    # A tied output projection is the embedding, read whole by every decoded token.
     tied = output == 0
-    if tied:
-        # The output projection is the embedding: read whole, and its products count too.
-        emb = next(t for t in r.tensors if t.name == "token_embd.weight")
-        macs += int(np.prod([int(x) for x in emb.shape]))
     per_token = total if tied else total - embed
     return {"weight_bytes_per_token": per_token, "matmul_macs_per_token": macs, "tied_embeddings": tied}
 
