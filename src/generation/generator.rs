@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::constraint::{Constraint, ConstraintSpec};
-use super::sampling::{argmax, softmax_prob, Sampler, SamplingParams};
+use super::sampling::{argmax, draw, softmax_prob, Sampler, SamplingParams};
 use super::speculative::{accept_or_resample, Proposal, DEFAULT_DRAFT_TOKENS, DRAFT_P_MIN, MAX_DRAFT};
 use super::stopping::{StopScan, StopStrings};
 use crate::core::{BackendProvider, BackendSession, ModelRuntime, RuntimeError};
@@ -567,13 +567,7 @@ impl Generation {
                 if q.first().is_none_or(|e| e.1 < DRAFT_P_MIN) {
                     break;
                 }
-                let mut u = self.sampler.uniform();
-                let pick = q.iter().find(|e| {
-                    let hit = u < e.1;
-                    u -= e.1;
-                    hit
-                });
-                let Some(&(token, _)) = pick.or(q.last()) else { break };
+                let Some(token) = draw(&q, self.sampler.uniform()) else { break };
                 (token, Some(q))
             } else {
                 let token = argmax(&logits);

@@ -198,15 +198,26 @@ impl Sampler {
         if dist.is_empty() {
             return argmax(logits);
         }
-        let mut u: f32 = self.rng.random();
-        for &(t, p) in &dist {
-            if u < p {
-                return t;
-            }
-            u -= p;
-        }
-        dist[dist.len() - 1].0
+        let u: f32 = self.rng.random();
+        draw(&dist, u).unwrap_or_else(|| argmax(logits))
     }
+}
+
+/// The token at cumulative mass `u` of `dist` (`(token, probability)` pairs), skipping tokens
+/// without mass: the last one with mass when rounding runs past the end, `None` when none has.
+pub fn draw(dist: &[(u32, f32)], mut u: f32) -> Option<u32> {
+    let mut last = None;
+    for &(t, p) in dist {
+        if p <= 0.0 {
+            continue;
+        }
+        if u < p {
+            return Some(t);
+        }
+        u -= p;
+        last = Some(t);
+    }
+    last
 }
 
 /// The softmax probability (temperature 1) of `token` under raw `logits`.

@@ -14,6 +14,8 @@
 //!   `min(1, p(x)/q(x))` and otherwise replaced by a draw from `max(0, p - q)` normalised
 //!   (Leviathan et al. 2023, Chen et al. 2023), which accepts more of a sampled draft.
 
+use super::sampling::draw;
+
 /// The longest n-gram looked up; shorter ones are tried when it has no earlier occurrence.
 pub const MAX_NGRAM: usize = 3;
 
@@ -61,22 +63,6 @@ pub fn accept_or_resample(p: &[(u32, f32)], q: &[(u32, f32)], x: u32, u: f32, v:
         return draw(p, v);
     }
     draw(&residual, v * total)
-}
-
-/// The token at cumulative mass `v` of `d` (the last one with mass when rounding runs past it).
-fn draw(d: &[(u32, f32)], mut v: f32) -> Option<u32> {
-    let mut last = None;
-    for &(t, pt) in d {
-        if pt <= 0.0 {
-            continue;
-        }
-        if v < pt {
-            return Some(t);
-        }
-        v -= pt;
-        last = Some(t);
-    }
-    last
 }
 
 /// The at most `k` tokens that followed the latest earlier occurrence of `context`'s last
