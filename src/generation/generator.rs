@@ -508,9 +508,8 @@ impl Generation {
             Advance::Feed(token) => {
                 // The context now ends with `token`; room is left for it and every draft token,
                 // and no more is drafted than is left to generate.
-                let room = max_context
-                    .saturating_sub(position + 1)
-                    .min(self.max_tokens.saturating_sub(self.generated.len()));
+                let room =
+                    max_context.saturating_sub(position + 1).min(self.max_tokens.saturating_sub(self.generated.len()));
                 let mut proposals: Vec<Proposal> =
                     super::speculative::prompt_lookup(&self.context, self.prompt_lookup.min(room))
                         .iter()

@@ -174,7 +174,8 @@ impl Model {
         let draft = match &options.draft_model {
             Some(draft_path) => {
                 let draft = Self::load(draft_path, &ModelOptions { draft_model: None, ..options.clone() })?;
-                let mismatch = |reason: String| ModelError::DraftModel { path: draft_path.display().to_string(), reason };
+                let mismatch =
+                    |reason: String| ModelError::DraftModel { path: draft_path.display().to_string(), reason };
                 match (&tokenizer, draft.tokenizer()) {
                     (Ok(ours), Ok(theirs)) => ours.draft_mismatch(theirs).map_or(Ok(()), |r| Err(mismatch(r)))?,
                     _ => return Err(mismatch("both models need a tokenizer".into())),

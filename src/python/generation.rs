@@ -493,9 +493,8 @@ impl PyGenerationStream {
                 self.finish(py, &mut state)?;
                 return Err(PyStopIteration::new_err(()));
             }
-            let piece = py.detach(|| {
-                catch_panic(|| rt.lock_detached()?.step_generation(generation).map_err(generation_err))
-            })?;
+            let piece =
+                py.detach(|| catch_panic(|| rt.lock_detached()?.step_generation(generation).map_err(generation_err)))?;
             if !piece.is_empty() {
                 self.keep_logprobs(py, generation)?;
                 return Ok(piece);

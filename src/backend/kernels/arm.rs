@@ -114,7 +114,8 @@ mod probe {
         let dev = Device::Cpu;
         match f[0] {
             "int8" => {
-                let path = *int8_gemm::Path::runnable().iter().find(|p| p.name() == f[1]).expect("a path this CPU runs");
+                let path =
+                    *int8_gemm::Path::runnable().iter().find(|p| p.name() == f[1]).expect("a path this CPU runs");
                 let format = int8_gemm::BlockFormat::of(dtype(f[2])).expect("a 32-value format");
                 let (m, k, n, reps) = (num(3), num(4), num(5), num(6));
                 let w = Tensor::from_vec(values(n * k, 1), (n, k), &dev).unwrap();

@@ -508,7 +508,10 @@ mod arm {
     pub(super) unsafe fn bf16_neon(x: &[bf16], w: &[bf16], k: usize, out: &mut [f32]) {
         let widen = |p: *const bf16| {
             let h = vld1q_u16(p as *const u16);
-            [vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(h))), vreinterpretq_f32_u32(vshll_high_n_u16::<16>(h))]
+            [
+                vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(h))),
+                vreinterpretq_f32_u32(vshll_high_n_u16::<16>(h)),
+            ]
         };
         let xf: Vec<f32> = x[x.len() / 8 * 8..].iter().map(|v| v.to_f32()).collect();
         rows(
@@ -523,7 +526,12 @@ mod arm {
         rows(
             k,
             out,
-            |j, i| ([vld1q_f32(x.as_ptr().add(i)), vld1q_f32(x.as_ptr().add(i + 4))], widen_f16x8(w.as_ptr().add(j * k + i))),
+            |j, i| {
+                (
+                    [vld1q_f32(x.as_ptr().add(i)), vld1q_f32(x.as_ptr().add(i + 4))],
+                    widen_f16x8(w.as_ptr().add(j * k + i)),
+                )
+            },
             |j, i| dot_portable(&x[i..], &w[j * k + i..(j + 1) * k], f16::to_f32),
         )
     }

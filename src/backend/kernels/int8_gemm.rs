@@ -631,7 +631,15 @@ fn portable_columns(
 }
 
 /// `matmul` on a given path (at most what this CPU runs: the tests and probes force each one).
-pub(super) fn matmul_with(format: BlockFormat, x: &[f32], m: usize, k: usize, w: &[u8], n: usize, path: Path) -> Vec<f32> {
+pub(super) fn matmul_with(
+    format: BlockFormat,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[u8],
+    n: usize,
+    path: Path,
+) -> Vec<f32> {
     assert_eq!(k % QK, 0);
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * (k / QK) * format.block_bytes());

@@ -244,7 +244,8 @@ pub(crate) mod reference {
         } else {
             // What candle's kernel computes (x quantized as its kernel quantizes it, times the
             // de-quantized weight), where that kernel would SIGILL.
-            let blocks = if matches!(q.dtype(), GgmlDType::Q4_0 | GgmlDType::Q8_0) { GgmlDType::Q8_0 } else { GgmlDType::Q8K };
+            let blocks =
+                if matches!(q.dtype(), GgmlDType::Q4_0 | GgmlDType::Q8_0) { GgmlDType::Q8_0 } else { GgmlDType::Q8K };
             let xq = QTensor::quantize(x, blocks).unwrap().dequantize(dev).unwrap();
             xq.matmul(&q.dequantize(dev).unwrap().t().unwrap()).unwrap()
         };
