@@ -176,10 +176,13 @@ def test_q8_0_teacher_forced(gguf_file, case, ref):
 
 # Measured when the MoE decoder and this converter first met (not a loosened bound): in the
 # Q8_0 file of the tiny Qwen3-MoE, layer 2's mlp.output has a median row error of 0.070 (layer 0:
-# 0.025, logits 0.043). Its layer-1 routers flip an expert on some rows (row error up to 1.09),
-# which a mixture of 2 of 8 random experts in a 64-wide model does not average out. The HF
-# directory quantized at load stays within 0.05 (tests/test_reference_moe.py); why the GGUF file
-# does not was not found this session.
+# 0.025, logits 0.043), and its attention.output 0.064 from an input 0.022 off. The cause is the
+# file's rounded weights, not our kernels: the same file de-quantized at load (`dtype="f32"`: the
+# Q8_0 weights in float32, no int8 products) misses transformers by as much (mlp.output 0.064,
+# attention.output 0.063), and so does the HF directory quantized at load (0.068; that test
+# bounds only the logits). Our quantized run stays within 0.021 of the de-quantized one at every
+# point (`test_q8_0_known_miss_is_the_files_own_rounding`). Layer 2's attention in this 64-wide
+# random model (initializer range 0.1) turns a 2% input error into 6%.
 Q8_0_KNOWN_MISSES = {"qwen3_moe"}
 
 
@@ -311,3 +314,20 @@ def test_moe_file_quantized_at_load_equals_the_directory_quantized_at_load(gguf_
     errs = [rel_l2(x, y) for x, y in zip(a, b)]
     print(f"\n[{moe}] GGUF vs directory, both quantized at load: rel L2 max {max(errs):.2e}")
     assert max(errs) <= 1e-4
+
+
+@pytest.mark.parametrize("case", sorted(Q8_0_KNOWN_MISSES))
+def test_q8_0_known_miss_is_the_files_own_rounding(gguf_file, case):
+    """A known miss is the Q8_0 weights' own: the file de-quantized to float32 misses the
+    reference too, and the quantized run is within the quantized bound of that float32 run."""
+    ref = reference(case)
+    path = gguf_file(case, "q8_0")
+    quantized = observe_all(cw.ModelRuntime.load(path, device=DEVICE), ref)
+    rounded = observe_all(cw.ModelRuntime.load(path, device=DEVICE, dtype="f32"), ref)
+    to_rounded = {p: float(np.median(row_errors(quantized[p], rounded[p], p))) for p in points(ref)}
+    rounded_to_ref = {p: float(np.median(row_errors(rounded[p], ref[p], p))) for p in points(ref)}
+    worst = max(to_rounded, key=to_rounded.get)
+    print(f"\n[gguf q8_0] {case}: quantized vs de-quantized worst median {to_rounded[worst]:.4f} ({worst}); "
+          f"de-quantized vs transformers worst {max(rounded_to_ref.values()):.4f}")
+    assert max(rounded_to_ref.values()) > Q_MEDIAN_TOL, "the de-quantized file meets the bound: the miss is ours"
+    assert to_rounded[worst] <= Q_MEDIAN_TOL, worst
