@@ -155,7 +155,7 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
 const KEY_BLOCK: usize = 64;
 /// Query rows per task of the prompt kernel: with a group of query heads per kv head, the
 /// running sums of a task are `QUERY_TILE × group × head_dim` float32.
-const QUERY_TILE: usize = 16;
+const QUERY_TILE: usize = 32;
 
 /// Where a prompt step's queries sit among the keys it attends.
 #[derive(Debug, Clone, Copy)]
@@ -175,6 +175,17 @@ pub struct PromptSpan {
 /// over blocks of keys, so no `t × keys` score matrix, mask or widened copy of the cache is ever
 /// made. Returns each row's heads, `[t, heads, d]`.
 pub fn prompt(q: &Tensor, kv: &KvView<'_>, span: PromptSpan, p: Params) -> candle_core::Result<Tensor> {
+    prompt_with(q, kv, span, p, TilePath::best())
+}
+
+/// `prompt` on the code `path` (which the CPU must run: `TilePath::best` or below).
+fn prompt_with(
+    q: &Tensor,
+    kv: &KvView<'_>,
+    span: PromptSpan,
+    p: Params,
+    path: TilePath,
+) -> candle_core::Result<Tensor> {
     let d = p.head_dim;
     let t = q.dim(2)?;
     let keys = kv.len;
@@ -205,7 +216,7 @@ pub fn prompt(q: &Tensor, kv: &KvView<'_>, span: PromptSpan, p: Params) -> candl
         |h: usize, rows: std::ops::Range<usize>, kh: &dyn Fn(usize, &mut [f32]), vh: &dyn Fn(usize, &mut [f32])| {
             #[allow(clippy::redundant_locals)]
             let ptr = ptr;
-            let tile = PromptTile { q: &q, t, d, group, h, rows, span, p };
+            let tile = PromptTile { q: &q, t, d, group, h, rows, span, p, path };
             tile.run(kh, vh, |row, head, values| {
                 // SAFETY: each (row, head) is written by the one task that owns its row tile and kv head.
                 let o = unsafe { std::slice::from_raw_parts_mut(ptr.0.add((row * p.heads + head) * d), d) };
@@ -277,6 +288,7 @@ struct PromptTile<'a> {
     rows: std::ops::Range<usize>,
     span: PromptSpan,
     p: Params,
+    path: TilePath,
 }
 
 impl PromptTile<'_> {
@@ -288,23 +300,93 @@ impl PromptTile<'_> {
     }
 
     /// Runs the tile: `key(j, dst)` / `value(j, dst)` write `dst.len() / d` float32 rows from
-    /// key `j` on; `emit(row, head, out)` receives each finished output.
+    /// key `j` on; `emit(row, head, out)` receives each finished output. On x86 CPUs with AVX2
+    /// and FMA the micro-kernels are compiled for them (detected at run time, so the portable
+    /// wheel takes them too); elsewhere the same code is built for the target's baseline.
     fn run(
         &self,
         key: &dyn Fn(usize, &mut [f32]),
         value: &dyn Fn(usize, &mut [f32]),
         emit: impl Fn(usize, usize, &[f32]),
     ) {
+        match self.path {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `TilePath::best` chose it where AVX-512F, AVX2 and FMA were detected.
+            TilePath::Avx512 => unsafe { self.run_avx512(key, value, &emit) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `TilePath::best` chose it (or a test forced it) where AVX2 and FMA were detected.
+            TilePath::Avx2 => unsafe { self.run_avx2(key, value, &emit) },
+            _ => self.run_with::<false, false>(key, value, &emit),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn run_avx512(
+        &self,
+        key: &dyn Fn(usize, &mut [f32]),
+        value: &dyn Fn(usize, &mut [f32]),
+        emit: &dyn Fn(usize, usize, &[f32]),
+    ) {
+        self.run_with::<true, true>(key, value, emit)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2(
+        &self,
+        key: &dyn Fn(usize, &mut [f32]),
+        value: &dyn Fn(usize, &mut [f32]),
+        emit: &dyn Fn(usize, usize, &[f32]),
+    ) {
+        self.run_with::<true, false>(key, value, emit)
+    }
+
+    /// The tile as small matrix products: for each block of keys (widened once, keys transposed),
+    /// `QUERY_BLOCK` query vectors at a time are scored against every key of the block at once,
+    /// masked and exponentiated a row of the block at a time (online softmax), and their weights
+    /// times the block's values added to their sums, each product in register-sized tiles.
+    /// `AVX2`: the products run on `tile_x86`'s AVX2/FMA code (only ever set on x86 CPUs that
+    /// have both), or with `AVX512` on `tile_avx512`'s; else on the portable code.
+    #[inline(always)]
+    fn run_with<const AVX2: bool, const AVX512: bool>(
+        &self,
+        key: &dyn Fn(usize, &mut [f32]),
+        value: &dyn Fn(usize, &mut [f32]),
+        emit: &dyn Fn(usize, usize, &[f32]),
+    ) {
         let (d, group, n_rows) = (self.d, self.group, self.rows.len());
         let vectors = n_rows * group;
+        let padded = vectors.next_multiple_of(QUERY_BLOCK);
+        // Vector `v` is row `v / group`'s query head `v % group`; the padding repeats the last
+        // vector (its results are dropped), so every block of vectors is whole.
+        let row_of = |v: usize| self.rows.start + v.min(vectors - 1) / group;
+        // Queries times the scale: as rows `[padded][d]` for the portable products, each block of
+        // QUERY_BLOCK vectors transposed (`[d][QUERY_BLOCK]`) for the SIMD ones.
+        let simd = AVX2 || AVX512;
+        let mut qr = vec![0f32; padded * d];
+        let mut qt = vec![0f32; if simd { padded * d } else { 0 }];
+        for v in 0..padded {
+            let u = v.min(vectors - 1);
+            let head = self.h * group + u % group;
+            let qv = &self.q[(head * self.t + row_of(v)) * d..][..d];
+            let (block, lane) = (v / QUERY_BLOCK, v % QUERY_BLOCK);
+            for (i, &x) in qv.iter().enumerate() {
+                qr[v * d + i] = x * self.p.scale;
+                if simd {
+                    qt[(block * d + i) * QUERY_BLOCK + lane] = x * self.p.scale;
+                }
+            }
+        }
         let lo = self.visible(self.rows.start).start;
         let hi = self.visible(self.rows.end - 1).end;
-        let mut max = vec![f32::NEG_INFINITY; vectors];
-        let mut sum = vec![0f32; vectors];
-        let mut acc = vec![0f32; vectors * d];
+        let mut max = vec![f32::NEG_INFINITY; padded];
+        let mut sum = vec![0f32; padded];
+        let mut acc = vec![0f32; padded * d];
         let mut kb = vec![0f32; KEY_BLOCK * d];
+        let mut kt = vec![0f32; if simd { d * KEY_BLOCK } else { 0 }];
         let mut vb = vec![0f32; KEY_BLOCK * d];
-        let mut scores = vec![0f32; KEY_BLOCK];
+        let mut s = [[0f32; KEY_BLOCK]; QUERY_BLOCK];
         // Blocks start at absolute multiples of KEY_BLOCK, whatever the views' first key.
         let first = self.span.first_key;
         let mut start = lo;
@@ -313,53 +395,402 @@ impl PromptTile<'_> {
             let n = end - start;
             key(start, &mut kb[..n * d]);
             value(start, &mut vb[..n * d]);
-            for (r, row) in self.rows.clone().enumerate() {
-                let seen = self.visible(row);
-                let (a, b) = (seen.start.max(start), seen.end.min(end));
-                if a >= b {
+            // Columns past `n` keep an earlier block's keys: their scores are masked below.
+            for (j, krow) in kb.chunks_exact(d).take(if simd { n } else { 0 }).enumerate() {
+                for (i, &x) in krow.iter().enumerate() {
+                    kt[i * KEY_BLOCK + j] = x;
+                }
+            }
+            let scored = n.next_multiple_of(KEY_LANES);
+            for v0 in (0..padded).step_by(QUERY_BLOCK) {
+                // Each vector's visible keys in this block, as offsets from `start`.
+                let mut seen = [(0usize, 0usize); QUERY_BLOCK];
+                for (lane, seen) in seen.iter_mut().enumerate() {
+                    let keys = self.visible(row_of(v0 + lane));
+                    let (a, b) = (keys.start.max(start), keys.end.min(end));
+                    if a < b {
+                        *seen = (a - start, b - start);
+                    }
+                }
+                if seen.iter().all(|&(a, b)| a == b) {
                     continue;
                 }
-                for g in 0..group {
-                    let head = self.h * group + g;
-                    let qv = &self.q[(head * self.t + row) * d..][..d];
-                    let slot = r * group + g;
-                    let s = &mut scores[..b - a];
-                    let mut block_max = f32::NEG_INFINITY;
-                    for (j, sj) in (a..b).zip(s.iter_mut()) {
-                        let mut x = dot(qv, &kb[(j - start) * d..][..d]) * self.p.scale;
-                        if let Some(cap) = self.p.softcap {
-                            x = cap * (x / cap).tanh();
-                        }
-                        *sj = x;
-                        block_max = block_max.max(x);
+                let q = if simd { &qt[v0 * d..(v0 + QUERY_BLOCK) * d] } else { &qr[v0 * d..(v0 + QUERY_BLOCK) * d] };
+                if AVX512 {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as below, and AVX-512F was detected.
+                    unsafe {
+                        tile_avx512::scores(q, &kt, scored, &mut s)
                     }
-                    let new_max = max[slot].max(block_max);
-                    let correction = (max[slot] - new_max).exp();
-                    max[slot] = new_max;
-                    let out = &mut acc[slot * d..][..d];
+                } else if AVX2 {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: AVX2 and FMA were detected (`run`); `q` holds QUERY_BLOCK vectors of
+                    // `d` and `kt` d rows of KEY_BLOCK keys, `scored` of them whole blocks of 16.
+                    unsafe {
+                        tile_x86::scores(q, &kt, scored, &mut s)
+                    }
+                } else {
+                    scores_portable(q, &kb, d, n, &mut s);
+                }
+                for (lane, &(a, b)) in seen.iter().enumerate() {
+                    let v = v0 + lane;
+                    let row = &mut s[lane][..scored];
+                    if a == b {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    if let Some(cap) = self.p.softcap {
+                        row[a..b].iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+                    }
+                    row[..a].fill(f32::NEG_INFINITY);
+                    row[b..].fill(f32::NEG_INFINITY);
+                    let block_max = row_max(row);
+                    let new_max = max[v].max(block_max);
+                    let correction = (max[v] - new_max).exp();
+                    max[v] = new_max;
                     if correction != 1.0 {
-                        sum[slot] *= correction;
-                        out.iter_mut().for_each(|o| *o *= correction);
+                        sum[v] *= correction;
+                        acc[v * d..][..d].iter_mut().for_each(|o| *o *= correction);
                     }
-                    for (j, &sj) in (a..b).zip(s.iter()) {
-                        let w = (sj - new_max).exp();
-                        sum[slot] += w;
-                        axpy(out, w, &vb[(j - start) * d..][..d]);
+                    sum[v] += if AVX512 {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: AVX-512F was detected (`run`); the row is whole blocks of 16.
+                        unsafe {
+                            tile_avx512::exp_shifted(row, new_max)
+                        }
+                        #[cfg(not(target_arch = "x86_64"))]
+                        unreachable!()
+                    } else {
+                        exp_shifted(row, new_max)
+                    };
+                }
+                let out = &mut acc[v0 * d..(v0 + QUERY_BLOCK) * d];
+                if AVX512 {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as below, and AVX-512F was detected.
+                    unsafe {
+                        tile_avx512::weighted_values(&s, &vb[..n * d], d, out)
                     }
+                } else if AVX2 {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: AVX2 and FMA were detected (`run`); `vb` holds `n` rows of `d`
+                    // (a multiple of 8) and `out` QUERY_BLOCK of them.
+                    unsafe {
+                        tile_x86::weighted_values(&s, &vb[..n * d], d, out)
+                    }
+                } else {
+                    weighted_values_portable(&s, &vb[..n * d], d, out);
                 }
             }
             start = end;
         }
-        for (r, row) in self.rows.clone().enumerate() {
-            for g in 0..group {
-                let slot = r * group + g;
-                let inv = 1.0 / sum[slot];
-                let out = &mut acc[slot * d..][..d];
-                out.iter_mut().for_each(|o| *o *= inv);
-                emit(row, self.h * group + g, out);
+        for v in 0..vectors {
+            let inv = 1.0 / sum[v];
+            let out = &mut acc[v * d..][..d];
+            out.iter_mut().for_each(|o| *o *= inv);
+            emit(self.rows.start + v / group, self.h * group + v % group, out);
+        }
+    }
+}
+
+/// The code the prompt kernel's products run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TilePath {
+    /// Plain Rust, any CPU.
+    Portable,
+    /// AVX2 and FMA registers (x86).
+    Avx2,
+    /// AVX-512F registers (x86).
+    Avx512,
+}
+
+impl TilePath {
+    /// The fastest this CPU runs.
+    pub(super) fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return if is_x86_feature_detected!("avx512f") { Self::Avx512 } else { Self::Avx2 };
+        }
+        Self::Portable
+    }
+
+    /// Every path this CPU can run (for the tests that compare them).
+    #[cfg(test)]
+    fn all() -> Vec<Self> {
+        let best = Self::best();
+        [Self::Portable, Self::Avx2, Self::Avx512].into_iter().filter(|&p| p as u8 <= best as u8).collect()
+    }
+}
+
+/// Query vectors the prompt kernel scores together (each key's row is loaded once for all).
+const QUERY_BLOCK: usize = 4;
+/// Keys in one row of score accumulators (two AVX2 registers, one AVX-512 or four NEON).
+const KEY_LANES: usize = 16;
+
+/// The portable `scores`: each of the `QUERY_BLOCK` query rows `q` (`[QUERY_BLOCK][d]`) dotted
+/// with the first `keys` key rows of `kb` (`[keys][d]`), as the compiler vectorizes `dot`.
+#[inline(always)]
+fn scores_portable(q: &[f32], kb: &[f32], d: usize, keys: usize, s: &mut [[f32; KEY_BLOCK]; QUERY_BLOCK]) {
+    for (s, qv) in s.iter_mut().zip(q.chunks_exact(d)) {
+        for (s, kj) in s.iter_mut().zip(kb.chunks_exact(d).take(keys)) {
+            *s = dot(qv, kj);
+        }
+    }
+}
+
+/// The portable `weighted_values`: `out[r] += Σ_j p[r][j] · v[j]` over the block's value rows
+/// `v` (`[keys][d]`) for the `QUERY_BLOCK` vectors' sums `out` (`[QUERY_BLOCK][d]`).
+#[inline(always)]
+fn weighted_values_portable(p: &[[f32; KEY_BLOCK]; QUERY_BLOCK], v: &[f32], d: usize, out: &mut [f32]) {
+    for (p, o) in p.iter().zip(out.chunks_exact_mut(d)) {
+        for (&w, vj) in p.iter().zip(v.chunks_exact(d)) {
+            axpy(o, w, vj);
+        }
+    }
+}
+
+/// The prompt kernel's two products in AVX2/FMA registers: what `scores` and `weighted_values`
+/// compute, written out because the compiler leaves their fixed-size loops scalar.
+#[cfg(target_arch = "x86_64")]
+mod tile_x86 {
+    use super::{KEY_BLOCK, QUERY_BLOCK};
+    use std::arch::x86_64::*;
+
+    /// `scores`: `q` `[d][QUERY_BLOCK]`, `kt` `[d][KEY_BLOCK]`, `keys` a multiple of 16.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn scores(q: &[f32], kt: &[f32], keys: usize, s: &mut [[f32; KEY_BLOCK]; QUERY_BLOCK]) {
+        let d = q.len() / QUERY_BLOCK;
+        debug_assert!(kt.len() >= d * KEY_BLOCK && keys % 16 == 0 && keys <= KEY_BLOCK);
+        for c in (0..keys).step_by(16) {
+            let mut acc = [_mm256_setzero_ps(); 2 * QUERY_BLOCK];
+            for i in 0..d {
+                let k = kt.as_ptr().add(i * KEY_BLOCK + c);
+                let (k0, k1) = (_mm256_loadu_ps(k), _mm256_loadu_ps(k.add(8)));
+                let x = q.as_ptr().add(i * QUERY_BLOCK);
+                for r in 0..QUERY_BLOCK {
+                    let xr = _mm256_broadcast_ss(&*x.add(r));
+                    acc[2 * r] = _mm256_fmadd_ps(xr, k0, acc[2 * r]);
+                    acc[2 * r + 1] = _mm256_fmadd_ps(xr, k1, acc[2 * r + 1]);
+                }
+            }
+            for (r, s) in s.iter_mut().enumerate() {
+                _mm256_storeu_ps(s.as_mut_ptr().add(c), acc[2 * r]);
+                _mm256_storeu_ps(s.as_mut_ptr().add(c + 8), acc[2 * r + 1]);
             }
         }
     }
+
+    /// `weighted_values`: `v` `[keys][d]`, `out` `[QUERY_BLOCK][d]`, `d` a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn weighted_values(p: &[[f32; KEY_BLOCK]; QUERY_BLOCK], v: &[f32], d: usize, out: &mut [f32]) {
+        let keys = v.len() / d;
+        debug_assert!(d % 8 == 0 && keys <= KEY_BLOCK && out.len() == QUERY_BLOCK * d);
+        let o = out.as_mut_ptr();
+        let mut c = 0;
+        while c + 16 <= d {
+            let mut acc = [_mm256_setzero_ps(); 2 * QUERY_BLOCK];
+            for r in 0..QUERY_BLOCK {
+                acc[2 * r] = _mm256_loadu_ps(o.add(r * d + c));
+                acc[2 * r + 1] = _mm256_loadu_ps(o.add(r * d + c + 8));
+            }
+            for j in 0..keys {
+                let x = v.as_ptr().add(j * d + c);
+                let (v0, v1) = (_mm256_loadu_ps(x), _mm256_loadu_ps(x.add(8)));
+                for r in 0..QUERY_BLOCK {
+                    let w = _mm256_broadcast_ss(p.get_unchecked(r).get_unchecked(j));
+                    acc[2 * r] = _mm256_fmadd_ps(w, v0, acc[2 * r]);
+                    acc[2 * r + 1] = _mm256_fmadd_ps(w, v1, acc[2 * r + 1]);
+                }
+            }
+            for r in 0..QUERY_BLOCK {
+                _mm256_storeu_ps(o.add(r * d + c), acc[2 * r]);
+                _mm256_storeu_ps(o.add(r * d + c + 8), acc[2 * r + 1]);
+            }
+            c += 16;
+        }
+        if c < d {
+            let mut acc = [_mm256_setzero_ps(); QUERY_BLOCK];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_loadu_ps(o.add(r * d + c));
+            }
+            for j in 0..keys {
+                let v0 = _mm256_loadu_ps(v.as_ptr().add(j * d + c));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p.get_unchecked(r).get_unchecked(j)), v0, *acc);
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.add(r * d + c), *acc);
+            }
+        }
+    }
+}
+
+/// The same products in AVX-512 registers (16 floats), where the CPU has AVX-512F: twice the
+/// multiply-adds of an AVX2 instruction for the same loads.
+#[cfg(target_arch = "x86_64")]
+mod tile_avx512 {
+    use super::{EXP_POLY, KEY_BLOCK, LN2_HI, LN2_LO, QUERY_BLOCK};
+    use std::arch::x86_64::*;
+
+    /// `scores`: `q` `[d][QUERY_BLOCK]`, `kt` `[d][KEY_BLOCK]`, `keys` a multiple of 16.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn scores(q: &[f32], kt: &[f32], keys: usize, s: &mut [[f32; KEY_BLOCK]; QUERY_BLOCK]) {
+        let d = q.len() / QUERY_BLOCK;
+        debug_assert!(kt.len() >= d * KEY_BLOCK && keys % 16 == 0 && keys <= KEY_BLOCK);
+        let mut c = 0;
+        while c < keys {
+            // 32 keys at a time, the last 16 alone.
+            let two = c + 32 <= keys;
+            let mut acc = [_mm512_setzero_ps(); 2 * QUERY_BLOCK];
+            for i in 0..d {
+                let k = kt.as_ptr().add(i * KEY_BLOCK + c);
+                let k0 = _mm512_loadu_ps(k);
+                let k1 = if two { _mm512_loadu_ps(k.add(16)) } else { _mm512_setzero_ps() };
+                let x = q.as_ptr().add(i * QUERY_BLOCK);
+                for r in 0..QUERY_BLOCK {
+                    let xr = _mm512_set1_ps(*x.add(r));
+                    acc[2 * r] = _mm512_fmadd_ps(xr, k0, acc[2 * r]);
+                    if two {
+                        acc[2 * r + 1] = _mm512_fmadd_ps(xr, k1, acc[2 * r + 1]);
+                    }
+                }
+            }
+            for (r, s) in s.iter_mut().enumerate() {
+                _mm512_storeu_ps(s.as_mut_ptr().add(c), acc[2 * r]);
+                if two {
+                    _mm512_storeu_ps(s.as_mut_ptr().add(c + 16), acc[2 * r + 1]);
+                }
+            }
+            c += if two { 32 } else { 16 };
+        }
+    }
+
+    /// `exp_shifted` (the same reduction and polynomial), 16 scores at a time, the power of two
+    /// applied by `vscalefps`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
+        debug_assert!(row.len() % 16 == 0);
+        let (shift, floor) = (_mm512_set1_ps(shift), _mm512_set1_ps(-87.0));
+        let c = |x: f32| _mm512_set1_ps(x);
+        let mut total = _mm512_setzero_ps();
+        for chunk in row.chunks_exact_mut(16) {
+            let y = _mm512_sub_ps(_mm512_loadu_ps(chunk.as_ptr()), shift);
+            let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(y, floor);
+            let z = _mm512_max_ps(y, floor);
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+                z,
+                c(std::f32::consts::LOG2_E),
+            ));
+            let r = _mm512_fnmadd_ps(n, c(LN2_LO), _mm512_fnmadd_ps(n, c(LN2_HI), z));
+            let mut p = c(EXP_POLY[0]);
+            for &k in &EXP_POLY[1..] {
+                p = _mm512_fmadd_ps(p, r, c(k));
+            }
+            let e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), c(1.0));
+            let e = _mm512_maskz_scalef_ps(keep, e, n);
+            _mm512_storeu_ps(chunk.as_mut_ptr(), e);
+            total = _mm512_add_ps(total, e);
+        }
+        _mm512_reduce_add_ps(total)
+    }
+
+    /// `weighted_values`: `v` `[keys][d]`, `out` `[QUERY_BLOCK][d]`, `d` a multiple of 8.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn weighted_values(p: &[[f32; KEY_BLOCK]; QUERY_BLOCK], v: &[f32], d: usize, out: &mut [f32]) {
+        let keys = v.len() / d;
+        debug_assert!(d % 8 == 0 && keys <= KEY_BLOCK && out.len() == QUERY_BLOCK * d);
+        let o = out.as_mut_ptr();
+        let mut c = 0;
+        while c + 32 <= d {
+            let mut acc = [_mm512_setzero_ps(); 2 * QUERY_BLOCK];
+            for r in 0..QUERY_BLOCK {
+                acc[2 * r] = _mm512_loadu_ps(o.add(r * d + c));
+                acc[2 * r + 1] = _mm512_loadu_ps(o.add(r * d + c + 16));
+            }
+            for j in 0..keys {
+                let x = v.as_ptr().add(j * d + c);
+                let (v0, v1) = (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16)));
+                for r in 0..QUERY_BLOCK {
+                    let w = _mm512_set1_ps(*p.get_unchecked(r).get_unchecked(j));
+                    acc[2 * r] = _mm512_fmadd_ps(w, v0, acc[2 * r]);
+                    acc[2 * r + 1] = _mm512_fmadd_ps(w, v1, acc[2 * r + 1]);
+                }
+            }
+            for r in 0..QUERY_BLOCK {
+                _mm512_storeu_ps(o.add(r * d + c), acc[2 * r]);
+                _mm512_storeu_ps(o.add(r * d + c + 16), acc[2 * r + 1]);
+            }
+            c += 32;
+        }
+        // What is left: 16 values, or 8 (a masked half register), at a time.
+        while c < d {
+            let m: __mmask16 = if c + 16 <= d { 0xFFFF } else { 0x00FF };
+            let mut acc = [_mm512_setzero_ps(); QUERY_BLOCK];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_maskz_loadu_ps(m, o.add(r * d + c));
+            }
+            for j in 0..keys {
+                let v0 = _mm512_maskz_loadu_ps(m, v.as_ptr().add(j * d + c));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(_mm512_set1_ps(*p.get_unchecked(r).get_unchecked(j)), v0, *acc);
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                _mm512_mask_storeu_ps(o.add(r * d + c), m, *acc);
+            }
+            c += if m == 0xFFFF { 16 } else { 8 };
+        }
+    }
+}
+
+/// ln 2 in two parts (Cephes), so that `x − n·ln 2` loses nothing for the `n` an `f32` score gives.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Cephes' `expf` polynomial for `(exp(r) − 1 − r) / r²` on |r| ≤ ln 2 / 2, highest degree first.
+const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+
+/// `x ← exp(x − shift)` over a row of scores (`−∞` gives 0; the length a multiple of
+/// `KEY_LANES`), returning the row's sum: Cephes' `expf` (range reduction by ln 2 in two parts,
+/// a degree-6 polynomial, the power of two set in the exponent bits; relative error ~1e-7),
+/// written so the compiler vectorizes it, where `f32::exp` is a library call per score.
+#[inline(always)]
+fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
+    // Adding and subtracting 1.5·2^23 rounds to the nearest integer (|x·log2 e| < 2^22 here).
+    const ROUND: f32 = 12_582_912.0;
+    for x in row.iter_mut() {
+        let y = *x - shift;
+        let z = if y < -87.0 { -87.0 } else { y };
+        let n = (z * std::f32::consts::LOG2_E + ROUND) - ROUND;
+        // Separate multiplies and adds: `mul_add` is a library call where the build lacks FMA.
+        let r = z - n * LN2_HI - n * LN2_LO;
+        let p = EXP_POLY[1..].iter().fold(EXP_POLY[0], |p, &k| p * r + k);
+        let e = p * (r * r) + r + 1.0;
+        let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+        *x = if y < -87.0 { 0.0 } else { e * two_n };
+    }
+    // In KEY_LANES running sums: one sum in order would keep the loop scalar.
+    let mut lanes = [0f32; KEY_LANES];
+    for chunk in row.chunks_exact(KEY_LANES) {
+        lanes.iter_mut().zip(chunk).for_each(|(l, &x)| *l += x);
+    }
+    lanes.iter().sum()
+}
+
+/// The largest of a row of scores (the length a multiple of `KEY_LANES`), in `KEY_LANES`
+/// running maxima so that it vectorizes.
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; KEY_LANES];
+    for chunk in row.chunks_exact(KEY_LANES) {
+        lanes.iter_mut().zip(chunk).for_each(|(l, &x)| *l = if x > *l { x } else { *l });
+    }
+    lanes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
 }
 
 /// A cache element the portable code widens one at a time.
@@ -659,10 +1090,11 @@ mod tests {
     #[test]
     fn tiled_prompt_attention_equals_masked_softmax() {
         let dev = Device::Cpu;
-        let (heads, kv_heads, d) = (4, 2, 32);
+        let (heads, kv_heads) = (4, 2);
         let (f32_, f16_, q8) = (KvType::Dense(DType::F32), KvType::Dense(DType::F16), KvType::Q8_0);
-        // (type, window, first key's position, keys held before the rows, rows, buffer rows)
-        for (ty, window, first_key, held, t, cap) in [
+        // (type, window, first key's position, keys held before the rows, rows, buffer rows),
+        // for a head width of 32 and one of 40 (the products' tails).
+        let cases = [
             (f32_, None, 0, 0, 37, 45),
             (f16_, None, 0, 150, 40, 195),
             (f32_, Some(50), 101, 90, 33, 130),
@@ -673,15 +1105,22 @@ mod tests {
             (f16_, Some(30), 1000, 29, 64, 93),
             (q8, Some(12), 77, 11, 40, 51),
             (q8, None, 0, 20, 50, 80),
-        ] {
+        ];
+        for (d, (ty, window, first_key, held, t, cap)) in [32, 40].into_iter().flat_map(|d| cases.map(move |c| (d, c)))
+        {
+            if d % 32 != 0 && ty == q8 {
+                continue; // a q8_0 row is whole blocks of 32
+            }
             let keys = held + t;
             let (k_buf, v_buf) = buffers(ty, kv_heads, cap, d);
             let view = KvView { k: &k_buf, v: &v_buf, first: first_key, len: keys };
             let q = Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev).unwrap();
-            for softcap in [None, Some(3.0f32)] {
+            for (softcap, path) in
+                [None, Some(3.0f32)].into_iter().flat_map(|c| TilePath::all().into_iter().map(move |p| (c, p)))
+            {
                 let p = Params { heads, kv_heads, head_dim: d, scale: 0.3, softcap };
                 let span = PromptSpan { offset: held, first_key, window };
-                let got = prompt(&q, &view, span, p).unwrap(); // [t, heads, d]
+                let got = prompt_with(&q, &view, span, p, path).unwrap(); // [t, heads, d]
                 let (kf, vf) = view.dense(DType::F32).unwrap();
                 let qg = q.reshape((1, kv_heads, heads / kv_heads * t, d)).unwrap();
                 let mut s = (qg.matmul(&kf.t().unwrap()).unwrap() * 0.3).unwrap();
@@ -708,7 +1147,7 @@ mod tests {
                 let err = rel_l2(&got, &want);
                 assert!(
                     err < 1e-5,
-                    "{ty:?} window {window:?} first {first_key} held {held} t {t} softcap {softcap:?}: rel L2 {err}"
+                    "{ty:?} {path:?} window {window:?} first {first_key} held {held} t {t} softcap {softcap:?}: rel L2 {err}"
                 );
             }
         }
@@ -786,14 +1225,24 @@ mod tests {
                 println!("decode over {keys} keys, {}: {:.1} us ({:.1} GB/s)", ty.name(), t * 1e6, bytes / t / 1e9);
             }
         }
-        for (t, keys) in [(512usize, 2048usize)] {
+        // Gemma 3 270M's shape, then Qwen2.5-Coder 0.5B's (14 query heads over 2 kv heads of 64).
+        for (heads, kv_heads, d, t, keys) in
+            [(4, 1, 256, 512usize, 2048usize), (14, 2, 64, 512, 2048), (14, 2, 64, 512, 8192)]
+        {
+            let p = Params { heads, kv_heads, head_dim: d, scale: 0.125, softcap: None };
             for ty in [KvType::Dense(DType::F16), KvType::Q8_0] {
                 let (k, v) = buffers(ty, kv_heads, keys, d);
                 let view = KvView { k: &k, v: &v, first: 0, len: keys };
                 let q = Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev).unwrap();
                 let span = PromptSpan { offset: keys - t, first_key: 0, window: None };
-                let s = best(&|| drop(prompt(&q, &view, span, p).unwrap()), 2);
-                println!("prompt of {t} rows over {keys} keys, {}: {:.2} ms", ty.name(), s * 1e3);
+                for path in TilePath::all() {
+                    let s = best(&|| drop(prompt_with(&q, &view, span, p, path).unwrap()), 2);
+                    println!(
+                        "prompt of {t} rows over {keys} keys, {heads}/{kv_heads} heads of {d}, {}, {path:?}: {:.2} ms",
+                        ty.name(),
+                        s * 1e3
+                    );
+                }
             }
         }
     }
