@@ -1092,7 +1092,7 @@ mod tests {
         let (heads, kv_heads) = (4, 2);
         let (f32_, f16_, q8) = (KvType::Dense(DType::F32), KvType::Dense(DType::F16), KvType::Q8_0);
         // (type, window, first key's position, keys held before the rows, rows, buffer rows),
-        // for a head width of 32 and one of 40 (the products' tails).
+        // for head widths of 32, 40 (the products' tails) and 256 (Gemma 3's).
         let cases = [
             (f32_, None, 0, 0, 37, 45),
             (f16_, None, 0, 150, 40, 195),
@@ -1105,7 +1105,8 @@ mod tests {
             (q8, Some(12), 77, 11, 40, 51),
             (q8, None, 0, 20, 50, 80),
         ];
-        for (d, (ty, window, first_key, held, t, cap)) in [32, 40].into_iter().flat_map(|d| cases.map(move |c| (d, c)))
+        for (d, (ty, window, first_key, held, t, cap)) in
+            [32, 40, 256].into_iter().flat_map(|d| cases.map(move |c| (d, c)))
         {
             if d % 32 != 0 && ty == q8 {
                 continue; // a q8_0 row is whole blocks of 32
