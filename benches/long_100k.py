@@ -3,7 +3,10 @@ to completion in a fresh process and checks peak resident memory against the wei
 file's bytes) plus the KV cache the session holds, plus 10%.
 
     python benches/long_100k.py [--tokens 100000] [--max-context 131072] [--threads 2] [--model PATH]
+        [--generate]
 
+The prompt runs through `prefill` and then `decode` steps (the step API), or with `--generate`
+through `generate` (which sizes the cache for the prompt and the tokens asked for at once).
 Prints one JSON line; the exit status is 1 when the memory goal is missed.
 """
 
@@ -29,7 +32,7 @@ def rss_mb():
     return float("nan")
 
 
-def measure(model, tokens, max_context, threads, n_decode, kv_type):
+def measure(model, tokens, max_context, threads, n_decode, kv_type, through_generate):
     import numpy as np
 
     import candlewick as cw
@@ -40,20 +43,25 @@ def measure(model, tokens, max_context, threads, n_decode, kv_type):
     load_s = time.perf_counter() - t
     after_load = rss_mb()
     ids = prompt_ids(tokens, rt.model_info["vocab_size"])
-    t = time.perf_counter()
-    tok = int(np.argmax(rt.prefill(ids).wait().logits[-1]))
-    prefill_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(n_decode):
-        tok = int(np.argmax(rt.decode([tok]).wait().logits[-1]))
-    decode_s = time.perf_counter() - t
+    if through_generate:
+        r = rt.generate(ids, max_tokens=n_decode + 1, temperature=0.0, ignore_eos=True)
+        prefill_s, decode_s = r.usage["time_to_first_token"], r.usage["decode_seconds"]
+    else:
+        t = time.perf_counter()
+        tok = int(np.argmax(rt.prefill(ids).wait().logits[-1]))
+        prefill_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(n_decode):
+            tok = int(np.argmax(rt.decode([tok]).wait().logits[-1]))
+        decode_s = time.perf_counter() - t
     weights_mb = os.path.getsize(model) / 2**20
     cache_mb = rt.session.cache_bytes / 2**20
     peak = peak_rss_mb()
     bound = (weights_mb + cache_mb) * 1.10
     return {
         "model": Path(model).name, "tokens": tokens, "max_context": max_context, "threads": threads,
-        "kv_cache_type": rt.model_info["kv_cache_type"], "load_s": load_s, "prefill_s": prefill_s,
+        "kv_cache_type": rt.model_info["kv_cache_type"], "through": "generate" if through_generate else "prefill+decode",
+        "load_s": load_s, "prefill_s": prefill_s,
         "prefill_tps": tokens / prefill_s, "decode_tps": n_decode / decode_s if n_decode else None,
         "rss_after_load_mb": after_load, "weights_mb": weights_mb, "cache_mb": cache_mb, "peak_rss_mb": peak,
         "bound_mb": bound, "met": peak <= bound, "cpu": cpu_name(),
@@ -68,19 +76,22 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--kv-cache-type", default=None)
+    ap.add_argument("--generate", action="store_true", help="run the prompt through generate")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     model = args.model or default_model()
     if args.child:
         print(json.dumps(measure(model, args.tokens, args.max_context, args.threads, args.decode_tokens,
-                                 args.kv_cache_type)))
+                                 args.kv_cache_type, args.generate)))
         return 0
     # A fresh process, so that the peak is this prompt's alone.
     cmd = [sys.executable, __file__, "--child", "--model", model, "--tokens", str(args.tokens), "--max-context",
            str(args.max_context), "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens)]
     if args.kv_cache_type:
         cmd += ["--kv-cache-type", args.kv_cache_type]
+    if args.generate:
+        cmd += ["--generate"]
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
