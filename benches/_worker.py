@@ -10,12 +10,17 @@ import sys
 import time
 
 
-def peak_rss_mb():
+def status_mb(field):
+    """A size field of /proc/self/status (VmHWM: peak resident, VmRSS: resident now) in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def peak_rss_mb():
+    return status_mb("VmHWM")
 
 
 def prompt_ids(n, vocab):

@@ -3,11 +3,12 @@ to completion in a fresh process and checks peak resident memory against the wei
 file's bytes) plus the KV cache the session holds, plus 10%.
 
     python benches/long_100k.py [--tokens 100000] [--max-context 131072] [--threads 2] [--model PATH]
-        [--generate]
+        [--generate] [--prefill-chunk N]
 
 The prompt runs through `prefill` and then `decode` steps (the step API), or with `--generate`
 through `generate` (which sizes the cache for the prompt and the tokens asked for at once).
-Prints one JSON line; the exit status is 1 when the memory goal is missed.
+Prints one JSON line: the peak as the process saw it, and above what the interpreter held before
+loading the model (`peak_over_interpreter_mb`); the exit status is 1 when the first misses the goal.
 """
 
 import argparse
@@ -20,28 +21,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _worker import peak_rss_mb, prompt_ids  # noqa: E402
+from _worker import peak_rss_mb, prompt_ids, status_mb  # noqa: E402
 from compare import cpu_name, default_model  # noqa: E402
 
 
-def rss_mb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def measure(model, tokens, max_context, threads, n_decode, kv_type, through_generate):
+def measure(model, tokens, max_context, threads, n_decode, kv_type, through_generate, prefill_chunk):
     import numpy as np
 
     import candlewick as cw
 
     kv = {"kv_cache_type": kv_type} if kv_type else {}
+    before_load = status_mb("VmRSS")
     t = time.perf_counter()
-    rt = cw.ModelRuntime.load(model, threads=threads, max_context=max_context, **kv)
+    rt = cw.ModelRuntime.load(model, threads=threads, max_context=max_context, prefill_chunk=prefill_chunk, **kv)
     load_s = time.perf_counter() - t
-    after_load = rss_mb()
+    after_load = status_mb("VmRSS")
     ids = prompt_ids(tokens, rt.model_info["vocab_size"])
     if through_generate:
         r = rt.generate(ids, max_tokens=n_decode + 1, temperature=0.0, ignore_eos=True)
@@ -58,13 +52,18 @@ def measure(model, tokens, max_context, threads, n_decode, kv_type, through_gene
     cache_mb = rt.session.cache_bytes / 2**20
     peak = peak_rss_mb()
     bound = (weights_mb + cache_mb) * 1.10
+    # The interpreter (and numpy) was resident before the model: the part of the peak the model
+    # and its prompt account for is above it.
+    peak_over = peak - before_load
     return {
         "model": Path(model).name, "tokens": tokens, "max_context": max_context, "threads": threads,
         "kv_cache_type": rt.model_info["kv_cache_type"], "through": "generate" if through_generate else "prefill+decode",
+        "prefill_chunk": rt.session.prefill_chunk,
         "load_s": load_s, "prefill_s": prefill_s,
         "prefill_tps": tokens / prefill_s, "decode_tps": n_decode / decode_s if n_decode else None,
-        "rss_after_load_mb": after_load, "weights_mb": weights_mb, "cache_mb": cache_mb, "peak_rss_mb": peak,
-        "bound_mb": bound, "met": peak <= bound, "cpu": cpu_name(),
+        "rss_before_load_mb": before_load, "rss_after_load_mb": after_load, "weights_mb": weights_mb,
+        "cache_mb": cache_mb, "peak_rss_mb": peak, "peak_over_interpreter_mb": peak_over,
+        "bound_mb": bound, "met": peak <= bound, "met_over_interpreter": peak_over <= bound, "cpu": cpu_name(),
     }
 
 
@@ -76,6 +75,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--kv-cache-type", default=None)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the runtime's prefill_chunk (default 512)")
     ap.add_argument("--generate", action="store_true", help="run the prompt through generate")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -83,7 +83,7 @@ def main():
     model = args.model or default_model()
     if args.child:
         print(json.dumps(measure(model, args.tokens, args.max_context, args.threads, args.decode_tokens,
-                                 args.kv_cache_type, args.generate)))
+                                 args.kv_cache_type, args.generate, args.prefill_chunk)))
         return 0
     # A fresh process, so that the peak is this prompt's alone.
     cmd = [sys.executable, __file__, "--child", "--model", model, "--tokens", str(args.tokens), "--max-context",
@@ -92,6 +92,8 @@ def main():
         cmd += ["--kv-cache-type", args.kv_cache_type]
     if args.generate:
         cmd += ["--generate"]
+    if args.prefill_chunk:
+        cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:

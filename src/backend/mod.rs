@@ -27,7 +27,7 @@ use decoder::Decoder;
 pub use error::CandleError;
 use error::Result;
 pub use kv_cache::KvType;
-pub use session::{CandleSession, StepOutput};
+pub use session::{CandleSession, StepOutput, PREFILL_CHUNK};
 pub use weights::gguf::GgufWeights;
 use weights::gguf::Metadata;
 use weights::relayout;
@@ -67,6 +67,9 @@ pub struct LoadOptions {
     /// How the KV cache holds keys and values (llama.cpp's `-ctk`/`-ctv`); `None`: float16 for a
     /// quantized model on the CPU, the activations' dtype otherwise.
     pub kv_cache_type: Option<KvType>,
+    /// The most tokens one step of a longer prompt runs (its activations and attention scores
+    /// are one chunk's); `None`: `PREFILL_CHUNK`.
+    pub prefill_chunk: Option<usize>,
 }
 
 /// Parses a KV cache type: `f32`, `f16`, `bf16` or `q8_0`.
@@ -142,6 +145,8 @@ pub struct CandleModelConfig {
     pub quantize: Option<GgmlDType>,
     /// How the KV cache holds keys and values; `None`: the decoder's default.
     pub kv_cache_type: Option<KvType>,
+    /// The most tokens one step of its sessions runs.
+    pub prefill_chunk: usize,
 }
 
 /// A decoder ready to run, with the context its session will get; sessions share its weights.
@@ -149,6 +154,7 @@ pub struct CandleModelConfig {
 pub struct CandleModel {
     decoder: Arc<Decoder>,
     max_context: usize,
+    prefill_chunk: usize,
 }
 
 impl BackendProvider for CandleBackend {
@@ -173,14 +179,18 @@ impl BackendProvider for CandleBackend {
         }
         // Every capability below is implemented by CandleSession for every decoder.
         Ok(PreparedModel::new(
-            CandleModel { decoder: Arc::new(decoder), max_context: config.max_context },
+            CandleModel {
+                decoder: Arc::new(decoder),
+                max_context: config.max_context,
+                prefill_chunk: config.prefill_chunk,
+            },
             SessionCapabilities::ALL,
         ))
     }
 
     fn create_session(&self, model: PreparedModel<CandleModel>) -> Result<CandleSession> {
         let (model, caps) = model.into_parts();
-        Ok(CandleSession::new(model.decoder, model.max_context, caps))
+        Ok(CandleSession::new(model.decoder, model.max_context, model.prefill_chunk, caps))
     }
 }
 
@@ -226,6 +236,7 @@ impl CandleBackend {
             format: ArtifactFormat::HuggingFace,
             quantize: options.quantize,
             kv_cache_type: options.kv_cache_type,
+            prefill_chunk: prefill_chunk(options)?,
         })
     }
 
@@ -269,6 +280,7 @@ impl CandleBackend {
             format: ArtifactFormat::Gguf,
             quantize: options.quantize,
             kv_cache_type: options.kv_cache_type,
+            prefill_chunk: prefill_chunk(options)?,
         })
     }
 
@@ -285,6 +297,19 @@ impl CandleBackend {
 /// The largest context a session takes: llama.cpp counts positions in 32 bits too, and no
 /// machine holds the cache of more.
 pub const MAX_CONTEXT_LIMIT: usize = u32::MAX as usize;
+
+/// The chunk `options` asks for: at least one token.
+fn prefill_chunk(options: &LoadOptions) -> Result<usize> {
+    match options.prefill_chunk {
+        None => Ok(PREFILL_CHUNK),
+        Some(0) => Err(CandleError::InvalidOption {
+            argument: "prefill_chunk",
+            value: "0".into(),
+            accepted: "a number of tokens from 1".into(),
+        }),
+        Some(n) => Ok(n),
+    }
+}
 
 fn validate_context(max_context: usize) -> Result<()> {
     if max_context == 0 || max_context > MAX_CONTEXT_LIMIT {

@@ -114,9 +114,10 @@ fn a_long_prompt_in_plain_chunks_equals_the_full_cache() {
         let err = rel_l2(&decode(&mut ring, &[t]), &decode(&mut full, &[t]));
         assert!(err <= 1e-5, "rel L2 {err:.3e}");
     }
-    // Gemma 3's tiny config: 3 of 4 layers slide (window 6), so about a quarter of the bytes.
+    // Gemma 3's tiny config: 3 of 4 layers slide (window 6) and hold 517 positions (window - 1 +
+    // the 512-token slack) where a full layer holds the 1,120 tokens (its buffer a little more).
     let (r, f) = (ring.session().cache_bytes(), full.session().cache_bytes());
-    assert!(r * 2 < f, "ring {r} bytes, full {f}");
+    assert!(r * 5 < f * 3, "ring {r} bytes, full {f}");
 }
 
 #[test]

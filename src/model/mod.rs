@@ -83,6 +83,9 @@ pub struct ModelOptions {
     /// How the KV cache holds keys and values: `f16`, `q8_0`, `f32`, `bf16` (llama.cpp's
     /// `-ctk`/`-ctv`); `None`: float16 for a quantized model on the CPU, else the compute dtype.
     pub kv_cache_type: Option<String>,
+    /// The most tokens one step of a longer prompt runs (`None`: 512); a smaller chunk lowers
+    /// the peak memory of a long prompt, a larger one may prefill faster.
+    pub prefill_chunk: Option<usize>,
     /// A smaller model sharing the tokenizer that proposes tokens for speculative decoding
     /// (loaded with the same device, dtype, context, threads, quantization and checks).
     pub draft_model: Option<PathBuf>,
@@ -98,6 +101,7 @@ impl Default for ModelOptions {
             quantize: None,
             check_tensors: true,
             kv_cache_type: None,
+            prefill_chunk: None,
             draft_model: None,
         }
     }
@@ -130,6 +134,7 @@ impl Model {
         let format = ArtifactFormat::detect(path)?;
         // Before anything computes: the pools are sized at their first use.
         let threads = crate::backend::threads::configure(options.threads)?;
+        crate::memory::return_large_buffers();
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
         let quantize = options.quantize.as_deref().map(parse_quantize).transpose()?;
         let kv_cache_type = options.kv_cache_type.as_deref().map(parse_kv_cache_type).transpose()?;
@@ -140,6 +145,7 @@ impl Model {
             quantize,
             skip_tensor_check: !options.check_tensors,
             kv_cache_type,
+            prefill_chunk: options.prefill_chunk,
         };
         let (tokenizer, runtime) = match format {
             // The tokenizer first: its conversion's temporaries are freed (and handed back to the

@@ -250,6 +250,10 @@ impl PyModelRuntime {
     ///         ``"q8_0"`` (about half of float16's memory; the CPU only, docs/cpu.md), ``"f32"`` or
     ///         ``"bf16"`` (llama.cpp's ``-ctk``/``-ctv``); None: float16 for a quantized model on
     ///         the CPU, the compute dtype otherwise. Another name raises ``ValueError``.
+    ///     prefill_chunk (int | None): the most tokens one step runs; a longer prompt runs in
+    ///         chunks of this many, so its activations and attention scores are one chunk's
+    ///         (observations and interventions span the chunks). None: 512. Below 1 raises
+    ///         ``ValueError``.
     ///     draft_model (str | os.PathLike | None): a smaller model sharing the tokenizer (same
     ///         vocabulary, BOS and EOS) that proposes tokens for speculative decoding in
     ///         ``generate``, ``stream`` and ``chat``; loaded with the same options. Output and
@@ -261,7 +265,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None, prefill_chunk=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -274,6 +278,7 @@ impl PyModelRuntime {
         check_tensors: bool,
         draft_model: Option<PathBuf>,
         kv_cache_type: Option<String>,
+        prefill_chunk: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let options = ModelOptions {
             device: device.to_owned(),
@@ -284,6 +289,7 @@ impl PyModelRuntime {
             check_tensors,
             draft_model,
             kv_cache_type,
+            prefill_chunk: count_option(py, "prefill_chunk", prefill_chunk.as_ref())?,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
         if let Some(report) = &model.info().quantized_at_load {
@@ -1209,6 +1215,12 @@ impl PySession {
     #[getter]
     fn max_context(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.runtime.get().lock(py)?.runtime().session().max_context())
+    }
+
+    /// The most tokens one step runs: a longer prompt runs in chunks of this many.
+    #[getter]
+    fn prefill_chunk(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.runtime.get().lock(py)?.runtime().session().prefill_chunk())
     }
 
     /// Bytes held by the KV cache.

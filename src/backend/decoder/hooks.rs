@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::host::to_host_f32;
-use crate::core::{EditOp, InterventionSet, ObservationRequest, ObservationSet, ObservationValue, Point};
+use crate::core::{EditOp, InterventionSet, LayerPoint, ObservationRequest, ObservationSet, ObservationValue, Point};
 
 /// Where the decoder reports its named points. The plain path uses `NoHooks`, whose methods
 /// are empty and inline away: ordinary inference formats no name, keeps no tensor and edits nothing.
@@ -115,28 +115,86 @@ impl ReadyEdits {
     }
 }
 
-/// Records what a request selects and applies edits, for one step at positions `pos..pos + t`.
+/// Records what a request selects and applies edits, for a call at positions
+/// `start..start + tokens` run in one step or in several chunks.
 pub struct StepHooks<'a> {
     request: Option<&'a ObservationRequest>,
     edits: &'a ReadyEdits,
     /// Which points any edit touches, so untouched points cost one hash lookup.
     edited: HashSet<Point>,
+    /// What the step in flight recorded, still on the device.
     kept: Vec<(Point, Tensor)>,
+    /// The call's observations on the host, at full size, filled in chunk by chunk.
+    assembled: Vec<(Point, Vec<usize>, Vec<f32>)>,
+    /// The first position of the step in flight.
     pos: usize,
+    /// The call's first position and its number of tokens.
+    start: usize,
+    tokens: usize,
 }
 
 impl<'a> StepHooks<'a> {
-    /// Hooks for one step starting at `pos`; `request` is `None` when nothing is observed.
-    pub fn new(request: Option<&'a ObservationRequest>, edits: &'a ReadyEdits, pos: usize) -> Self {
+    /// Hooks for a call of `tokens` tokens starting at `pos`; `request` is `None` when nothing is
+    /// observed.
+    pub fn new(request: Option<&'a ObservationRequest>, edits: &'a ReadyEdits, pos: usize, tokens: usize) -> Self {
         let edited = edits.edits.iter().map(|(p, _, _)| *p).collect();
-        Self { request, edits, edited, kept: Vec::new(), pos }
+        Self { request, edits, edited, kept: Vec::new(), assembled: Vec::new(), pos, start: pos, tokens }
     }
 
-    /// Copies the recorded tensors to the host as float32.
-    pub fn finish(self) -> Result<ObservationSet> {
+    /// Ends the step of `t` positions just run: what it recorded goes to the host, into the
+    /// call's observations at its rows, and the next step starts after it. A chunked call's
+    /// observations are thus what one step over all its tokens would have recorded, held once.
+    pub fn end_step(&mut self, t: usize) -> Result<()> {
+        let offset = self.pos - self.start;
+        for (point, tensor) in std::mem::take(&mut self.kept) {
+            let (shape, data) = to_host_f32(&tensor).ctx(|| format!("copying observation `{point}` to the host"))?;
+            let pattern = matches!(point, Point::Layer(_, LayerPoint::AttentionPattern));
+            // [T, ...] points stack their chunks' rows; a pattern `[heads, t, keys]` spans the
+            // keys up to the chunk's last position, and the later keys of the call are masked (0).
+            let rows_axis = usize::from(pattern);
+            if shape.get(rows_axis) != Some(&t) {
+                // The decoder computes every row of an observed point; anything else is a bug.
+                return Err(crate::backend::error::CandleError::Candle {
+                    context: format!("assembling observation `{point}` from a step of {t} tokens"),
+                    source: candle_core::Error::Msg(format!("the step recorded shape {shape:?}")),
+                });
+            }
+            let i = match self.assembled.iter().position(|(p, _, _)| *p == point) {
+                Some(i) => i,
+                None => {
+                    let mut full = shape.clone();
+                    full[rows_axis] = self.tokens;
+                    if pattern {
+                        full[2] = self.start + self.tokens;
+                    }
+                    let n = full.iter().product();
+                    self.assembled.push((point, full, vec![0f32; n]));
+                    self.assembled.len() - 1
+                }
+            };
+            let (_, full, out) = &mut self.assembled[i];
+            if pattern {
+                let (heads, keys, full_keys) = (shape[0], shape[2], full[2]);
+                for h in 0..heads {
+                    for r in 0..t {
+                        let dst = (h * self.tokens + offset + r) * full_keys;
+                        out[dst..dst + keys].copy_from_slice(&data[(h * t + r) * keys..(h * t + r + 1) * keys]);
+                    }
+                }
+            } else {
+                let row = data.len() / t.max(1);
+                out[offset * row..(offset + t) * row].copy_from_slice(&data);
+            }
+        }
+        self.pos += t;
+        Ok(())
+    }
+
+    /// The call's observations (`end_step` ran after its every step).
+    pub fn finish(mut self) -> Result<ObservationSet> {
+        debug_assert!(self.kept.is_empty(), "a step's observations were not ended");
         let mut set = ObservationSet::new();
-        for (point, t) in self.kept {
-            let (shape, data) = to_host_f32(&t).ctx(|| format!("copying observation `{point}` to the host"))?;
+        for (point, shape, data) in self.assembled.drain(..) {
             set.insert(point.to_string(), ObservationValue::Tensor { shape, data })?;
         }
         Ok(set)

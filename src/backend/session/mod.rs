@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
-use crate::backend::decoder::hooks::{Hooks, NoHooks, ReadyEdits, StepHooks};
+use crate::backend::decoder::hooks::{NoHooks, ReadyEdits, StepHooks};
 use crate::backend::decoder::{BatchItem, Decoder, LogitsRows, StepKind};
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::host::to_host_f32;
@@ -85,14 +85,23 @@ pub struct CandleSession {
     reusable: usize,
     /// Positions a ring keeps beyond its window, when not `RING_SLACK` (tests).
     ring_slack: Option<usize>,
+    /// The most tokens one step of a longer call runs (`PREFILL_CHUNK` unless the model was
+    /// loaded with `prefill_chunk`).
+    prefill_chunk: usize,
 }
 
-/// The most prompt tokens one step of a plain prefill runs: a longer prompt runs in chunks.
+/// The most prompt tokens one step runs by default: a longer prompt runs in chunks.
 pub const PREFILL_CHUNK: usize = 512;
 
 impl CandleSession {
     /// A session over a shared `decoder` with a cache of `max_context` positions.
-    pub(crate) fn new(decoder: Arc<Decoder>, max_context: usize, capabilities: SessionCapabilities) -> Self {
+    /// A call longer than `prefill_chunk` tokens runs in steps of that many.
+    pub(crate) fn new(
+        decoder: Arc<Decoder>,
+        max_context: usize,
+        prefill_chunk: usize,
+        capabilities: SessionCapabilities,
+    ) -> Self {
         Self {
             cache: decoder.new_cache(max_context),
             decoder,
@@ -101,12 +110,18 @@ impl CandleSession {
             edits: KeptEdits::default(),
             reusable: 0,
             ring_slack: None,
+            prefill_chunk: prefill_chunk.max(1),
         }
     }
 
     /// The decoder this session runs (shared with every session of the same model).
     pub fn decoder(&self) -> &Arc<Decoder> {
         &self.decoder
+    }
+
+    /// The most tokens one step runs: a longer call runs in steps of this many.
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
     }
 
     /// Bytes held by the KV cache.
@@ -179,15 +194,15 @@ impl CandleSession {
         Ok(self.edits.ready.then(&self.ready(call)?.ready))
     }
 
-    /// Refuses a step of `t` tokens that would need more memory than the machine has free.
-    /// `kept` counts what the step's observations will hold besides.
-    fn check_memory(&self, operation: &'static str, t: usize, rows: LogitsRows, kept: u64) -> Result<()> {
+    /// Refuses a call of `tokens` tokens run in steps of `t` that would need more memory than the
+    /// machine has free. `kept` counts what the call holds besides (observations, every row's logits).
+    fn check_memory(&self, operation: &'static str, tokens: usize, t: usize, rows: LogitsRows, kept: u64) -> Result<()> {
         let position = self.cache.len();
         let needed = self.decoder.step_bytes(position, t, rows).saturating_add(kept);
         match crate::memory::available_bytes() {
             Some(available) if needed > available => Err(CandleError::OutOfMemory {
                 operation,
-                tokens: t,
+                tokens,
                 position,
                 needed_mib: needed >> 20,
                 available_mib: available >> 20,
@@ -219,35 +234,61 @@ impl CandleSession {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// A plain prompt (no hook to serve) in chunks of at most `PREFILL_CHUNK` tokens, so that
-    /// its attention scores and activations are one chunk's, however long the prompt; on
-    /// failure the session is as it was.
-    fn step_chunked(&mut self, operation: &'static str, tokens: &[u32], rows: LogitsRows) -> Result<StepOutput> {
-        if tokens.len() <= PREFILL_CHUNK {
-            return self.step(operation, tokens, rows, &mut NoHooks);
-        }
+    /// One call's tokens, in steps of at most `prefill_chunk` tokens so that its attention scores
+    /// and activations are one chunk's however long the prompt. Edits apply at their absolute
+    /// positions in whichever chunk holds them, and observations are assembled from the chunks
+    /// into what one step would have recorded. On failure the session is as it was.
+    fn run_steps(
+        &mut self,
+        operation: &'static str,
+        tokens: &[u32],
+        rows: LogitsRows,
+        request: Option<&ObservationRequest>,
+        edits: &ReadyEdits,
+    ) -> Result<InspectedOutput<StepOutput>> {
         self.check_append(self.cache.len(), tokens).map_err(|e| match e {
             CandleError::InvalidInput { reason, .. } => CandleError::InvalidInput { operation, reason },
             other => other,
         })?;
-        if rows == LogitsRows::All {
+        let chunk = self.prefill_chunk.max(1);
+        let chunked = tokens.len() > chunk;
+        let mut kept = request.map_or(0, |r| self.observation_bytes(r, tokens.len()));
+        if chunked && rows == LogitsRows::All {
             // Every chunk's logits are kept, then joined: twice the whole prompt's.
             let vocab = self.decoder.config().vocab_size as u64;
-            let kept = (tokens.len() as u64).saturating_mul(vocab).saturating_mul(8);
-            self.check_memory(operation, PREFILL_CHUNK, rows, kept)?;
+            kept = kept.saturating_add((tokens.len() as u64).saturating_mul(vocab).saturating_mul(8));
         }
+        self.check_memory(operation, tokens.len(), tokens.len().min(chunk), rows, kept)?;
         let start = self.cache.len();
-        self.cache.reserve(start + tokens.len());
+        if chunked {
+            self.cache.reserve(start + tokens.len());
+        }
+        let kind = if matches!(operation, "decode" | "inspect_decode") { StepKind::Decode } else { StepKind::Prompt };
+        let plain = request.is_none() && edits.is_empty();
+        let mut hooks = StepHooks::new(request, edits, start, tokens.len());
         let mut logits = Vec::new();
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
-            match self.step(operation, chunk, rows, &mut NoHooks) {
+        for part in tokens.chunks(chunk) {
+            // The plain forward pass: no hook is even consulted.
+            let step = if plain {
+                self.decoder.forward(part, &mut self.cache, rows, kind, &mut NoHooks)
+            } else {
+                self.decoder.forward(part, &mut self.cache, rows, kind, &mut hooks)
+            };
+            let step = step
+                .map_err(|source| CandleError::Candle {
+                    context: format!("running {operation} at position {}", self.cache.len()),
+                    source: crate::backend::error::without_backtrace(source),
+                })
+                .and_then(|out| if plain { Ok(out) } else { hooks.end_step(part.len()).map(|()| out) });
+            match step {
                 Ok(out) => {
                     // Only the last chunk's row is the prompt's: an earlier one kept until the end
                     // cost a vocabulary row per chunk (Gemma 3: 1 MiB, 195 MiB over 100,000 tokens).
                     if rows == LogitsRows::Last {
                         logits.clear();
                     }
-                    logits.push(out.logits)
+                    logits.push(out);
+                    self.tokens.extend_from_slice(part);
                 }
                 Err(e) => {
                     self.cache.truncate(start);
@@ -256,45 +297,15 @@ impl CandleSession {
                 }
             }
         }
-        let logits = match rows {
-            // The last chunk's last row is the prompt's.
-            LogitsRows::Last => logits.pop().expect("a prompt longer than a chunk has chunks"),
-            LogitsRows::All => Tensor::cat(&logits, 0).ctx(|| format!("joining the logits of {operation}'s chunks"))?,
+        let logits = match logits.len() {
+            1 => logits.pop().expect("one step's logits"),
+            _ => Tensor::cat(&logits, 0).ctx(|| format!("joining the logits of {operation}'s chunks"))?,
         };
-        Ok(StepOutput { logits, start_position: start, num_tokens: tokens.len() })
+        let observations = if plain { ObservationSet::new() } else { hooks.finish()? };
+        Ok(InspectedOutput { output: StepOutput { logits, start_position: start, num_tokens: tokens.len() }, observations })
     }
 
-    /// Validates, runs and, on failure, rewinds the cache so the session is as it was.
-    fn step(
-        &mut self,
-        operation: &'static str,
-        tokens: &[u32],
-        rows: LogitsRows,
-        hooks: &mut impl Hooks,
-    ) -> Result<StepOutput> {
-        self.check_append(self.cache.len(), tokens).map_err(|e| match e {
-            CandleError::InvalidInput { reason, .. } => CandleError::InvalidInput { operation, reason },
-            other => other,
-        })?;
-        self.check_memory(operation, tokens.len(), rows, 0)?;
-        let start = self.cache.len();
-        let kind = if matches!(operation, "decode" | "inspect_decode") { StepKind::Decode } else { StepKind::Prompt };
-        match self.decoder.forward(tokens, &mut self.cache, rows, kind, hooks) {
-            Ok(logits) => {
-                self.tokens.extend_from_slice(tokens);
-                Ok(StepOutput { logits, start_position: start, num_tokens: tokens.len() })
-            }
-            Err(source) => {
-                self.cache.truncate(start);
-                Err(CandleError::Candle {
-                    context: format!("running {operation} at position {start}"),
-                    source: crate::backend::error::without_backtrace(source),
-                })
-            }
-        }
-    }
-
-    /// One step with the kept and the call's edits, recording what `request` selects.
+    /// One call with the kept and the call's edits, recording what `request` selects.
     fn run(
         &mut self,
         operation: &'static str,
@@ -306,21 +317,10 @@ impl CandleSession {
         if let Some(r) = request {
             r.validate(self.decoder.observation_points().iter().map(String::as_str))?;
         }
-        if let Some(r) = request {
-            self.check_memory(operation, tokens.len(), rows, self.observation_bytes(r, tokens.len()))?;
-        }
         let clean = call_edits.is_empty();
         let edits = self.edits_for_call(call_edits)?;
         let start = self.cache.len();
-        let result = if request.is_none() && edits.is_empty() {
-            // The plain forward pass: no hook is even consulted.
-            let output = self.step_chunked(operation, tokens, rows)?;
-            InspectedOutput { output, observations: ObservationSet::new() }
-        } else {
-            let mut hooks = StepHooks::new(request, &edits, start);
-            let output = self.step(operation, tokens, rows, &mut hooks)?;
-            InspectedOutput { output, observations: hooks.finish()? }
-        };
+        let result = self.run_steps(operation, tokens, rows, request, &edits)?;
         self.appended(start, clean);
         Ok(result)
     }
@@ -533,7 +533,7 @@ impl BatchSession<CandleBackend> for CandleSession {
                 .map(|(((s, i), e), &pos)| BatchItem {
                     ids: &i.tokens,
                     cache: &mut s.cache,
-                    hooks: StepHooks::new(None, e, pos),
+                    hooks: StepHooks::new(None, e, pos, i.tokens.len()),
                 })
                 .collect();
             decoder.forward_batch(&mut items, LogitsRows::All, StepKind::Decode)
@@ -576,6 +576,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             edits: self.edits.clone(),
             reusable: self.reusable,
             ring_slack: self.ring_slack,
+            prefill_chunk: self.prefill_chunk,
         })
     }
 
@@ -590,6 +591,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             edits: self.edits.clone(),
             reusable: 0,
             ring_slack: self.ring_slack,
+            prefill_chunk: self.prefill_chunk,
         })
     }
 
