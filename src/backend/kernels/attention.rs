@@ -82,72 +82,150 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
     // start offsets: `takes`).
     let (k0, v0) = (kl.start_offset(), vl.start_offset());
     let runs: Vec<(usize, usize)> = kv.runs().collect();
-    let ptr = super::OutPtr(out.as_mut_ptr());
-    // Runs `f(queries, key runs, value runs, out)` for each kv head's group of query heads, in parallel.
-    fn each_head<T: Sync>(
-        kd: &[T],
-        vd: &[T],
-        q: &[f32],
-        runs: &[(usize, usize)],
-        head: usize,
-        row: usize,
-        group: usize,
-        d: usize,
-        kv_heads: usize,
-        ptr: super::OutPtr,
-        f: &(dyn Fn(&[f32], [&[T]; 2], [&[T]; 2], &mut [f32]) + Sync),
-    ) {
-        super::parallel_for(kv_heads, |h| {
-            // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
-            #[allow(clippy::redundant_locals)]
-            let ptr = ptr;
-            // SAFETY: kv head h alone writes its group's query heads' outputs.
-            let oh = unsafe { std::slice::from_raw_parts_mut(ptr.0.add(h * group * d), group * d) };
-            fn seg<'a, T>(data: &'a [T], run: Option<&(usize, usize)>, base: usize, row: usize) -> &'a [T] {
-                run.map_or(&data[..0], |&(slot, n)| &data[base + slot * row..][..n * row])
-            }
-            let (base, r0, r1) = (h * head, runs.first(), runs.get(1));
-            let (ks, vs) =
-                ([seg(kd, r0, base, row), seg(kd, r1, base, row)], [seg(vd, r0, base, row), seg(vd, r1, base, row)]);
-            f(&q[h * group * d..(h + 1) * group * d], ks, vs, oh);
-        })
-    }
-    let (kvh, s, cap) = (p.kv_heads, p.scale, p.softcap);
+    let keys: usize = runs.iter().map(|r| r.1).sum();
+    let split = Split { group, d, row, head, keys, segments: keys.div_ceil(DECODE_SEGMENT).max(1) };
+    let tasks = p.kv_heads * split.segments;
+    // One segment writes its group's outputs in place; several write partial sums beside them.
+    let mut partial = if split.segments > 1 { vec![0f32; tasks * group * d] } else { Vec::new() };
+    let mut stats = vec![(0f32, 0f32); tasks * group];
+    let dst = super::OutPtr(if split.segments > 1 { partial.as_mut_ptr() } else { out.as_mut_ptr() });
+    let sums = StatsPtr(stats.as_mut_ptr());
+    let (s, cap) = (p.scale, p.softcap);
     match (&*ks, &*vs) {
         (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
-            each_head(&kd[k0..], &vd[v0..], &q, &runs, head, row, group, d, kvh, ptr, &|qh, kh, vh, oh| {
-                head_group(qh, kh, vh, oh, d, row, s, cap, dot, axpy)
+            split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
+                head_group(qh, kh, vh, oh, st, d, row, s, cap, dot, axpy)
             })
         }
         (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
-            each_head(&kd[k0..], &vd[v0..], &q, &runs, head, row, group, d, kvh, ptr, &|qh, kh, vh, oh| {
+            split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
                 #[cfg(target_arch = "x86_64")]
                 if simd && x86::available() {
                     // SAFETY: AVX2, FMA and F16C were detected.
-                    return unsafe { x86::head_group_f16c(qh, kh, vh, oh, d, s, cap) };
+                    return unsafe { x86::head_group_f16c(qh, kh, vh, oh, st, d, s, cap) };
                 }
                 #[cfg(target_arch = "aarch64")]
                 if simd {
                     // SAFETY: NEON and its half-precision conversions are part of every aarch64 CPU.
-                    return unsafe { arm::head_group_f16(qh, kh, vh, oh, d, s, cap) };
+                    return unsafe { arm::head_group_f16(qh, kh, vh, oh, st, d, s, cap) };
                 }
-                head_group(qh, kh, vh, oh, d, row, s, cap, dot, axpy)
+                head_group(qh, kh, vh, oh, st, d, row, s, cap, dot, axpy)
             })
         }
         (Storage::Cpu(CpuStorage::U8(kd)), Storage::Cpu(CpuStorage::U8(vd))) => {
-            each_head(&kd[k0..], &vd[v0..], &q, &runs, head, row, group, d, kvh, ptr, &|qh, kh, vh, oh| {
+            split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
                 #[cfg(target_arch = "x86_64")]
                 if simd && x86::available() {
                     // SAFETY: AVX2, FMA and F16C were detected.
-                    return unsafe { x86::head_group_q8(qh, kh, vh, oh, d, row, s, cap) };
+                    return unsafe { x86::head_group_q8(qh, kh, vh, oh, st, d, row, s, cap) };
                 }
-                head_group(qh, kh, vh, oh, d, row, s, cap, dot_q8, axpy_q8)
+                head_group(qh, kh, vh, oh, st, d, row, s, cap, dot_q8, axpy_q8)
             })
         }
         _ => candle_core::bail!("decode attention expects a float32, float16 or q8_0 CPU cache"),
     }
+    split.combine(&partial, &stats, &mut out, p.kv_heads);
     drop((ks, vs));
     Tensor::from_vec(out, (1, p.heads, d), kv.k.device())
+}
+
+/// Keys per task of a decode step: a kv head's keys beyond this are split into segments that run
+/// in parallel (Gemma 3 has one kv head, so a long context's attention ran on one thread), and
+/// their partial softmax sums are combined. The split depends on the number of keys only, so
+/// the result does not depend on the thread count.
+const DECODE_SEGMENT: usize = 512;
+
+/// Where decode tasks write their softmax statistics: for each query head of a group, the
+/// largest score and the sum of `exp(score - largest)`.
+#[derive(Clone, Copy)]
+struct StatsPtr(*mut (f32, f32));
+// SAFETY: each task writes its own disjoint part of the statistics, which outlive the tasks.
+unsafe impl Send for StatsPtr {}
+unsafe impl Sync for StatsPtr {}
+
+/// How a decode step's keys are cut into tasks: (kv head, segment of `DECODE_SEGMENT` keys).
+#[derive(Clone, Copy)]
+struct Split {
+    group: usize,
+    d: usize,
+    row: usize,
+    /// Elements of one kv head's rows in the buffers.
+    head: usize,
+    keys: usize,
+    segments: usize,
+}
+
+impl Split {
+    /// Runs `f(queries, key runs, value runs, out, stats)` for every task, in parallel; task `i`
+    /// writes `group · d` outputs at `dst + i · group · d` and `group` statistics at `sums + i · group`.
+    #[allow(clippy::too_many_arguments)]
+    fn run<T: Sync>(
+        &self,
+        kd: &[T],
+        vd: &[T],
+        q: &[f32],
+        runs: &[(usize, usize)],
+        tasks: usize,
+        dst: super::OutPtr,
+        sums: StatsPtr,
+        f: &(dyn Fn(&[f32], [&[T]; 2], [&[T]; 2], &mut [f32], &mut [(f32, f32)]) + Sync),
+    ) {
+        let Split { group, d, row, head, keys, segments } = *self;
+        super::parallel_for(tasks, |i| {
+            // The closure must capture the whole `Send` wrappers, not their raw-pointer fields.
+            #[allow(clippy::redundant_locals)]
+            let (dst, sums) = (dst, sums);
+            let (h, segment) = (i / segments, i % segments);
+            // SAFETY: task i alone writes these parts of the buffers.
+            let (oh, st) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(dst.0.add(i * group * d), group * d),
+                    std::slice::from_raw_parts_mut(sums.0.add(i * group), group),
+                )
+            };
+            // Keys `a..b` of the head, in position order across the (at most two) runs of slots.
+            let (a, b) = (segment * DECODE_SEGMENT, ((segment + 1) * DECODE_SEGMENT).min(keys));
+            let mut before = 0;
+            let mut parts = [(0usize, 0usize); 2];
+            for (part, &(slot, n)) in parts.iter_mut().zip(runs) {
+                let (from, to) = (a.clamp(before, before + n) - before, b.clamp(before, before + n) - before);
+                *part = (h * head + (slot + from) * row, (to - from) * row);
+                before += n;
+            }
+            let (k, v) = (parts.map(|(at, len)| &kd[at..at + len]), parts.map(|(at, len)| &vd[at..at + len]));
+            f(&q[h * group * d..(h + 1) * group * d], k, v, oh, st);
+        })
+    }
+
+    /// The step's outputs from the tasks' unnormalised sums: in place for one segment; for
+    /// several, each segment's weighted by `exp(its largest score - the largest)`, as
+    /// flash-decoding combines them.
+    fn combine(&self, partial: &[f32], stats: &[(f32, f32)], out: &mut [f32], kv_heads: usize) {
+        let Split { group, d, segments, .. } = *self;
+        for h in 0..kv_heads {
+            for g in 0..group {
+                let o = &mut out[(h * group + g) * d..][..d];
+                let stat = |s: usize| stats[(h * segments + s) * group + g];
+                if segments == 1 {
+                    let inv = 1.0 / stat(0).1;
+                    o.iter_mut().for_each(|x| *x *= inv);
+                    continue;
+                }
+                let largest = (0..segments).map(|s| stat(s).0).fold(f32::NEG_INFINITY, f32::max);
+                let mut total = 0f32;
+                o.fill(0.0);
+                for s in 0..segments {
+                    let (max, sum) = stat(s);
+                    let w = (max - largest).exp();
+                    total += w * sum;
+                    let part = &partial[((h * segments + s) * group + g) * d..][..d];
+                    o.iter_mut().zip(part).for_each(|(x, &y)| *x += w * y);
+                }
+                let inv = 1.0 / total;
+                o.iter_mut().for_each(|x| *x *= inv);
+            }
+        }
+    }
 }
 
 /// Keys per block of the prompt kernel: the block's keys and values are widened to float32 once
@@ -819,7 +897,9 @@ impl Element for f16 {
 
 /// The `group` query heads `q` `[group · d]` sharing keys `k` and values `v` (each one or two
 /// runs of rows of `row` elements, in position order), with `dot(query, key row)` and
-/// `axpy(out, weight, value row)` for the cache's element type.
+/// `axpy(out, weight, value row)` for the cache's element type. `out` gets each head's values
+/// weighted by `exp(score - largest)`, unnormalised, and `stats` each head's (largest score, sum
+/// of those weights): `Split::combine` normalises.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn head_group<T>(
@@ -827,6 +907,7 @@ fn head_group<T>(
     k: [&[T]; 2],
     v: [&[T]; 2],
     out: &mut [f32],
+    stats: &mut [(f32, f32)],
     d: usize,
     row: usize,
     scale: f32,
@@ -846,11 +927,10 @@ fn head_group<T>(
             scores[g * keys + i] = s;
         }
     }
-    for row in scores.chunks_exact_mut(keys) {
+    // Unnormalised: `Split::combine` divides by the sums (of several segments' at once).
+    for (row, stat) in scores.chunks_exact_mut(keys).zip(stats.iter_mut()) {
         let max = row_max(row);
-        let sum = exp_shifted(row, max);
-        let inv = 1.0 / sum;
-        row.iter_mut().for_each(|s| *s *= inv);
+        *stat = (max, exp_shifted(row, max));
     }
     out.fill(0.0);
     for (i, value) in v[0].chunks_exact(row).chain(v[1].chunks_exact(row)).enumerate() {
@@ -927,11 +1007,12 @@ mod x86 {
         k: [&[f16]; 2],
         v: [&[f16]; 2],
         out: &mut [f32],
+        stats: &mut [(f32, f32)],
         d: usize,
         scale: f32,
         softcap: Option<f32>,
     ) {
-        head_group(q, k, v, out, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
+        head_group(q, k, v, out, stats, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
     }
 
     /// `head_group` over a q8_0 cache: each block's signed bytes widened 8 at a time and
@@ -943,12 +1024,13 @@ mod x86 {
         k: [&[u8]; 2],
         v: [&[u8]; 2],
         out: &mut [f32],
+        stats: &mut [(f32, f32)],
         d: usize,
         row: usize,
         scale: f32,
         softcap: Option<f32>,
     ) {
-        head_group(q, k, v, out, d, row, scale, softcap, |a, b| dot_q8_avx(a, b), |o, w, x| axpy_q8_avx(o, w, x))
+        head_group(q, k, v, out, stats, d, row, scale, softcap, |a, b| dot_q8_avx(a, b), |o, w, x| axpy_q8_avx(o, w, x))
     }
 
     /// Eight signed bytes widened to float32.
@@ -1031,11 +1113,12 @@ mod arm {
         k: [&[f16]; 2],
         v: [&[f16]; 2],
         out: &mut [f32],
+        stats: &mut [(f32, f32)],
         d: usize,
         scale: f32,
         softcap: Option<f32>,
     ) {
-        head_group(q, k, v, out, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
+        head_group(q, k, v, out, stats, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
     }
 
     /// Eight float16 values from `p[i]` widened.
@@ -1158,32 +1241,40 @@ mod tests {
     /// Equals candle's grouped matmul / softmax / matmul on a cache view inside a larger buffer
     /// (as the session's cache is) and on a ring's view that wraps, with and without a softcap,
     /// for a float32, float16 and q8_0 cache (candle's products on the values widened), on the
-    /// SIMD code and on the portable code forced.
+    /// SIMD code and on the portable code forced. 1,200 keys make three segments of keys run
+    /// apart and combined, with a ring wrapping inside a segment and at a segment's boundary.
     #[test]
     fn equals_candles_attention_on_a_cache_view() {
         let dev = Device::Cpu;
-        let (heads, kv_heads, d, cap, keys) = (6, 2, 32, 40, 29);
+        let (heads, kv_heads, d) = (6, 2, 32);
         let (f32_, f16_, q8) = (KvType::Dense(DType::F32), KvType::Dense(DType::F16), KvType::Q8_0);
+        // At slots 3.. (a full layer's positions 3..), and wrapping from slot 31 (a ring); 1,200
+        // keys from slot 3, and wrapping after 700 and after exactly 512 keys.
+        let views: [(usize, usize, &[usize]); 2] = [(40, 29, &[3, 71]), (1300, 1200, &[3, 1900, 2088])];
         for (ty, simd) in [(f32_, true), (f16_, true), (f16_, false), (q8, true), (q8, false)] {
-            let (k_buf, v_buf) = buffers(ty, kv_heads, cap, d);
-            // At slots 3.. (a full layer's positions 3..), and wrapping from slot 31 (a ring).
-            for first in [3, 71] {
-                let view = KvView { k: &k_buf, v: &v_buf, first, len: keys };
-                let q = Tensor::randn(0f32, 1.0, (1, heads, 1, d), &dev).unwrap();
-                for softcap in [None, Some(5.0f32)] {
-                    let p = Params { heads, kv_heads, head_dim: d, scale: 0.25, softcap };
-                    assert!(takes(&q, &view));
-                    let got = decode_with(&q, &view, p, simd).unwrap();
-                    let (k, v) = view.dense(DType::F32).unwrap();
-                    let qg = q.reshape((1, kv_heads, heads / kv_heads, d)).unwrap();
-                    let mut s = (qg.matmul(&k.t().unwrap()).unwrap() * 0.25).unwrap();
-                    if let Some(c) = softcap {
-                        s = ((s / c as f64).unwrap().tanh().unwrap() * c as f64).unwrap();
+            for &(cap, keys, firsts) in &views {
+                let (k_buf, v_buf) = buffers(ty, kv_heads, cap, d);
+                for &first in firsts {
+                    let view = KvView { k: &k_buf, v: &v_buf, first, len: keys };
+                    let q = Tensor::randn(0f32, 1.0, (1, heads, 1, d), &dev).unwrap();
+                    for softcap in [None, Some(5.0f32)] {
+                        let p = Params { heads, kv_heads, head_dim: d, scale: 0.25, softcap };
+                        assert!(takes(&q, &view));
+                        let got = decode_with(&q, &view, p, simd).unwrap();
+                        let (k, v) = view.dense(DType::F32).unwrap();
+                        let qg = q.reshape((1, kv_heads, heads / kv_heads, d)).unwrap();
+                        let mut s = (qg.matmul(&k.t().unwrap()).unwrap() * 0.25).unwrap();
+                        if let Some(c) = softcap {
+                            s = ((s / c as f64).unwrap().tanh().unwrap() * c as f64).unwrap();
+                        }
+                        let probs = candle_nn::ops::softmax(&s, D::Minus1).unwrap();
+                        let want = probs.matmul(&v.contiguous().unwrap()).unwrap().reshape((1, heads, d)).unwrap();
+                        let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                        assert!(
+                            diff < 1e-5,
+                            "{ty:?} simd {simd} keys {keys} first {first} softcap {softcap:?}: max difference {diff}"
+                        );
                     }
-                    let probs = candle_nn::ops::softmax(&s, D::Minus1).unwrap();
-                    let want = probs.matmul(&v.contiguous().unwrap()).unwrap().reshape((1, heads, d)).unwrap();
-                    let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-                    assert!(diff < 1e-5, "{ty:?} simd {simd} first {first} softcap {softcap:?}: max difference {diff}");
                 }
             }
         }
