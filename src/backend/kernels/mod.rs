@@ -76,6 +76,16 @@ pub fn compiled_cpu_features() -> Vec<&'static str> {
     out
 }
 
+/// Seconds of CPU time on `clock` (`libc::CLOCK_THREAD_CPUTIME_ID` or `CLOCK_PROCESS_CPUTIME_ID`)
+/// for the timing tests: on a shared machine, less moved by the neighbours than the wall clock.
+#[cfg(test)]
+pub(crate) fn cpu_seconds(clock: libc::clockid_t) -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid clock id and a timespec to write.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 /// An output buffer the tasks of `parallel_for` write into, each its own disjoint part.
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr(pub(crate) *mut f32);

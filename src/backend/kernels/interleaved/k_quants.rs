@@ -396,21 +396,29 @@ pub(super) mod x86 {
         })
     }
 
-    /// The 16 rows' signed scales of sub-block `s` of a Q6_K or Q3_K record, as 32-bit lanes.
+    /// The signed scales `sc − 32` of a Q3_K record's 16 sub-blocks into `out`, one byte per
+    /// sub-block and row as Q6_K's: decoded once per record and row tile (as `q3k_scale`, 64
+    /// bytes at a time), not once per sub-block and 32-bit lane.
     #[inline(always)]
-    unsafe fn sub_block_scales<const F: u8>(rec: *const u8, s: usize) -> __m512i {
-        if F == Q6K {
-            return _mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(Q6K_SC + s * LANES) as *const __m128i));
+    unsafe fn q3k_scales(rec: *const u8, out: &mut [i8; 16 * LANES]) {
+        let nibble = _mm512_set1_epi8(0x0F);
+        let three = _mm512_set1_epi8(3);
+        let offset = _mm512_set1_epi8(32);
+        // Bytes 0-3 (scales 0-3 low, 8-11 high nibbles), 4-7 (4-7, 12-15), 8-11 (top bit pairs).
+        let first = _mm512_loadu_si512(rec.add(Q3K_SC) as *const _);
+        let second = _mm512_loadu_si512(rec.add(Q3K_SC + 4 * LANES) as *const _);
+        let top = _mm512_loadu_si512(rec.add(Q3K_SC + 8 * LANES) as *const _);
+        let lows = [
+            _mm512_and_si512(first, nibble),
+            _mm512_and_si512(second, nibble),
+            _mm512_and_si512(_mm512_srli_epi16(first, 4), nibble),
+            _mm512_and_si512(_mm512_srli_epi16(second, 4), nibble),
+        ];
+        let tops = [top, _mm512_srli_epi16(top, 2), _mm512_srli_epi16(top, 4), _mm512_srli_epi16(top, 6)];
+        for (q, (low, top)) in lows.into_iter().zip(tops).enumerate() {
+            let sc = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(top, three), 4));
+            _mm512_storeu_si512(out.as_mut_ptr().add(q * 4 * LANES) as *mut _, _mm512_sub_epi8(sc, offset));
         }
-        // As `q3k_scale`, 16 lanes at once.
-        let bytes = |at: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(rec.add(at) as *const __m128i));
-        let low = _mm512_srlv_epi32(bytes(Q3K_SC + (s % 8) * LANES), _mm512_set1_epi32(4 * (s / 8) as i32));
-        let top = _mm512_srlv_epi32(bytes(Q3K_SC + (8 + s % 4) * LANES), _mm512_set1_epi32(2 * (s / 4) as i32));
-        let sc = _mm512_or_si512(
-            _mm512_and_si512(low, _mm512_set1_epi32(0xF)),
-            _mm512_slli_epi32(_mm512_and_si512(top, _mm512_set1_epi32(3)), 4),
-        );
-        _mm512_sub_epi32(sc, _mm512_set1_epi32(32))
     }
 
     /// Activation rows `row0..row0 + R` times the 16 rows of Q6_K (Q3_K) tile `t`.
@@ -428,9 +436,17 @@ pub(super) mod x86 {
         let nb = w.blocks();
         let units = nb * 8;
         let mut acc = [_mm512_setzero_ps(); R];
+        let mut decoded = [0i8; 16 * LANES];
         for b in 0..nb {
             let rec = w.record(t, b).as_ptr();
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(rec as *const __m256i));
+            // One signed byte per sub-block and row: Q6_K's as they are, Q3_K's decoded.
+            let scales = if F == Q6K {
+                rec.add(Q6K_SC) as *const i8
+            } else {
+                q3k_scales(rec, &mut decoded);
+                decoded.as_ptr()
+            };
             for n in 0..2 {
                 // Units 4n..4n + 4, one integer sum each per row, over its two sub-blocks.
                 let mut sums = [[_mm512_setzero_si512(); 4]; R];
@@ -452,7 +468,8 @@ pub(super) mod x86 {
                         }
                     }
                     for u in 0..4 {
-                        let sc = sub_block_scales::<F>(rec, 8 * n + 2 * u + h);
+                        let at = scales.add((8 * n + 2 * u + h) * LANES);
+                        let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(at as *const __m128i));
                         for r in 0..R {
                             sums[r][u] = _mm512_add_epi32(sums[r][u], _mm512_mullo_epi32(dot[r][u], sc));
                         }

@@ -843,6 +843,49 @@ mod tests {
         assert!(Interleaved::repack(Format::Q3K, &vec![0; 110], 1, 128).is_err());
     }
 
+    /// `CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS=1 cargo test --release --lib interleaved_timing --
+    /// --ignored --nocapture`: the tiles against candle's QMatMul on the same blocks (what Q3_K
+    /// and Q5_K ran on before they had tiles) for the k-quants, on a decode row and a 128-row
+    /// prompt chunk through a 1024 → 4096 projection. Process CPU time per product (candle's
+    /// kernels run on rayon's thread, not the caller's), median of 7: the machine may be shared.
+    #[test]
+    #[ignore]
+    fn interleaved_timing() {
+        let cpu = || crate::backend::kernels::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
+        let median = |f: &dyn Fn(), reps: usize| {
+            f();
+            let mut times: Vec<f64> = (0..7)
+                .map(|_| {
+                    let t = cpu();
+                    for _ in 0..reps {
+                        f();
+                    }
+                    (cpu() - t) / reps as f64
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            times[times.len() / 2]
+        };
+        let (n, k) = (4096, 1024);
+        for format in [Format::Q3K, Format::Q4K, Format::Q5K, Format::Q6K] {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+            let (q, p) = repacked(&w, format);
+            let candle = candle_core::quantized::QMatMul::from_qtensor(q).unwrap();
+            for (m, reps) in [(1, 40), (128, 2)] {
+                let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+                let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let before = median(&|| drop(candle_core::Module::forward(&candle, &x).unwrap()), reps);
+                let after = median(&|| drop(p.matmul(&xs, m)), reps);
+                println!(
+                    "{format:?} [{m}, {k}] x [{k} -> {n}]: candle {:.3} ms, tiles {:.3} ms ({:.2}x)",
+                    before * 1e3,
+                    after * 1e3,
+                    before / after
+                );
+            }
+        }
+    }
+
     /// A tile record is the same size as its 16 source blocks (the repack permutes in place).
     #[test]
     fn records_are_their_blocks_size() {
