@@ -400,11 +400,8 @@ impl Interleaved {
         // Q6_K's and Q3_K's scales change every 16 values: their offsets need the activations'
         // sums per 16.
         #[cfg(target_arch = "x86_64")]
-        let half_sums = if matches!(self.format, Format::Q6K | Format::Q3K) {
-            k_quants::half_sums(&xq.values)
-        } else {
-            Vec::new()
-        };
+        let half_sums =
+            if matches!(self.format, Format::Q6K | Format::Q3K) { k_quants::half_sums(&xq.values) } else { Vec::new() };
         let mut out = vec![0f32; m * self.n];
         let ptr = super::OutPtr(out.as_mut_ptr());
         // Work items are pairs of tiles (32 output columns) over every activation row.
