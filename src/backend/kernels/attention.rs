@@ -1288,12 +1288,7 @@ mod tests {
         let dev = Device::Cpu;
         // This thread's CPU time (run with CANDLE_NUM_THREADS=1 so the kernels run on it): on a
         // shared machine, less moved by the neighbours than the wall clock.
-        let cpu = || {
-            let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-            // SAFETY: a valid clock id and a timespec to write.
-            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-            ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-        };
+        let cpu = || crate::backend::kernels::cpu_seconds(libc::CLOCK_THREAD_CPUTIME_ID);
         let best = |f: &dyn Fn(), reps: usize| {
             f();
             (0..5)

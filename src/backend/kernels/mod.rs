@@ -2,7 +2,7 @@
 //!
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q4_K, Q6_K on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
+//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
 //! (`int8_gemm`: the 32-value formats on CPUs without VNNI, x86 or Arm), our half-precision GEMV
 //! (`dense`), our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over de-quantized slabs. Our
 //! kernels run on the CPU only: on CUDA and Metal every product is candle's.
@@ -74,6 +74,16 @@ pub fn compiled_cpu_features() -> Vec<&'static str> {
     }
     feature!("sse4.1", "sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "neon");
     out
+}
+
+/// Seconds of CPU time on `clock` (`libc::CLOCK_THREAD_CPUTIME_ID` or `CLOCK_PROCESS_CPUTIME_ID`)
+/// for the timing tests: on a shared machine, less moved by the neighbours than the wall clock.
+#[cfg(test)]
+pub(crate) fn cpu_seconds(clock: libc::clockid_t) -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid clock id and a timespec to write.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 /// An output buffer the tasks of `parallel_for` write into, each its own disjoint part.

@@ -18,7 +18,7 @@ const F32_EXP: u32 = 0x7f80_0000;
 
 /// Where the float scales sit in one ggml block of `dtype`: (block bytes, offsets of float16
 /// scales, offset of a float32 scale). Layouts as ggml's `block_*` structs.
-fn scales(dtype: GgmlDType) -> Option<(usize, &'static [usize], Option<usize>)> {
+pub(crate) fn scales(dtype: GgmlDType) -> Option<(usize, &'static [usize], Option<usize>)> {
     Some(match dtype {
         GgmlDType::Q4_0 => (18, &[0], None),
         GgmlDType::Q4_1 => (20, &[0, 2], None),
