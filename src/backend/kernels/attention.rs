@@ -440,20 +440,18 @@ impl PromptTile<'_> {
         // vector (its results are dropped), so every block of vectors is whole.
         let row_of = |v: usize| self.rows.start + v.min(vectors - 1) / group;
         // Queries times the scale: as rows `[padded][d]` for the portable products, each block of
-        // QUERY_BLOCK vectors transposed (`[d][QUERY_BLOCK]`) for the SIMD ones.
+        // QUERY_BLOCK vectors transposed (`[d][QUERY_BLOCK]`) for the SIMD ones. Either way a
+        // block's QUERY_BLOCK vectors are the buffer's `[v0 · d, (v0 + QUERY_BLOCK) · d)`.
         let simd = AVX2 || AVX512;
-        let mut qr = vec![0f32; padded * d];
-        let mut qt = vec![0f32; if simd { padded * d } else { 0 }];
+        let mut qs = vec![0f32; padded * d];
         for v in 0..padded {
             let u = v.min(vectors - 1);
             let head = self.h * group + u % group;
             let qv = &self.q[(head * self.t + row_of(v)) * d..][..d];
             let (block, lane) = (v / QUERY_BLOCK, v % QUERY_BLOCK);
             for (i, &x) in qv.iter().enumerate() {
-                qr[v * d + i] = x * self.p.scale;
-                if simd {
-                    qt[(block * d + i) * QUERY_BLOCK + lane] = x * self.p.scale;
-                }
+                let at = if simd { (block * d + i) * QUERY_BLOCK + lane } else { v * d + i };
+                qs[at] = x * self.p.scale;
             }
         }
         let lo = self.visible(self.rows.start).start;
@@ -493,7 +491,7 @@ impl PromptTile<'_> {
                 if seen.iter().all(|&(a, b)| a == b) {
                     continue;
                 }
-                let q = if simd { &qt[v0 * d..(v0 + QUERY_BLOCK) * d] } else { &qr[v0 * d..(v0 + QUERY_BLOCK) * d] };
+                let q = &qs[v0 * d..(v0 + QUERY_BLOCK) * d];
                 if AVX512 {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as below, and AVX-512F was detected.
