@@ -394,7 +394,9 @@ impl PromptTile<'_> {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `TilePath::best` chose it (or a test forced it) where AVX2 and FMA were detected.
             TilePath::Avx2 => unsafe { self.run_avx2(key, value, &emit) },
-            _ => self.run_with::<false, false>(key, value, &emit),
+            #[cfg(target_arch = "aarch64")]
+            TilePath::Neon => self.run_with::<false, false, true>(key, value, &emit),
+            TilePath::Portable => self.run_with::<false, false, false>(key, value, &emit),
         }
     }
 
@@ -406,7 +408,7 @@ impl PromptTile<'_> {
         value: &dyn Fn(usize, &mut [f32]),
         emit: &dyn Fn(usize, usize, &[f32]),
     ) {
-        self.run_with::<true, true>(key, value, emit)
+        self.run_with::<true, true, false>(key, value, emit)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -417,7 +419,7 @@ impl PromptTile<'_> {
         value: &dyn Fn(usize, &mut [f32]),
         emit: &dyn Fn(usize, usize, &[f32]),
     ) {
-        self.run_with::<true, false>(key, value, emit)
+        self.run_with::<true, false, false>(key, value, emit)
     }
 
     /// The tile as small matrix products: for each block of keys (widened once, keys transposed),
@@ -425,9 +427,10 @@ impl PromptTile<'_> {
     /// masked and exponentiated a row of the block at a time (online softmax), and their weights
     /// times the block's values added to their sums, each product in register-sized tiles.
     /// `AVX2`: the products run on `tile_x86`'s AVX2/FMA code (only ever set on x86 CPUs that
-    /// have both), or with `AVX512` on `tile_avx512`'s; else on the portable code.
+    /// have both), or with `AVX512` on `tile_avx512`'s; `NEON` on `tile_neon`'s (aarch64); else
+    /// on the portable code.
     #[inline(always)]
-    fn run_with<const AVX2: bool, const AVX512: bool>(
+    fn run_with<const AVX2: bool, const AVX512: bool, const NEON: bool>(
         &self,
         key: &dyn Fn(usize, &mut [f32]),
         value: &dyn Fn(usize, &mut [f32]),
@@ -442,7 +445,7 @@ impl PromptTile<'_> {
         // Queries times the scale: as rows `[padded][d]` for the portable products, each block of
         // QUERY_BLOCK vectors transposed (`[d][QUERY_BLOCK]`) for the SIMD ones. Either way a
         // block's QUERY_BLOCK vectors are the buffer's `[v0 · d, (v0 + QUERY_BLOCK) · d)`.
-        let simd = AVX2 || AVX512;
+        let simd = AVX2 || AVX512 || NEON;
         let mut qs = vec![0f32; padded * d];
         for v in 0..padded {
             let u = v.min(vectors - 1);
@@ -505,6 +508,13 @@ impl PromptTile<'_> {
                     unsafe {
                         tile_x86::scores(q, &kt, scored, &mut s)
                     }
+                } else if NEON {
+                    #[cfg(target_arch = "aarch64")]
+                    // SAFETY: `q` holds QUERY_BLOCK transposed vectors of `d`, `kt` `d` rows of
+                    // KEY_BLOCK keys, `scored` is a multiple of 16 up to KEY_BLOCK.
+                    unsafe {
+                        tile_neon::scores(q, &kt, scored, &mut s)
+                    }
                 } else {
                     scores_portable(q, &kb, d, n, &mut s);
                 }
@@ -554,6 +564,12 @@ impl PromptTile<'_> {
                     unsafe {
                         tile_x86::weighted_values(&s, &vb[..n * d], d, out)
                     }
+                } else if NEON {
+                    #[cfg(target_arch = "aarch64")]
+                    // SAFETY: `vb` holds `n` rows of `d` (a multiple of 8) and `out` QUERY_BLOCK of them.
+                    unsafe {
+                        tile_neon::weighted_values(&s, &vb[..n * d], d, out)
+                    }
                 } else {
                     weighted_values_portable(&s, &vb[..n * d], d, out);
                 }
@@ -569,17 +585,20 @@ impl PromptTile<'_> {
     }
 }
 
-/// The code the prompt kernel's products run on.
+/// The code the prompt kernel's products run on: each architecture has its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-// The x86 paths are chosen only on x86-64 (and listed by the tests everywhere).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) enum TilePath {
     /// Plain Rust, any CPU.
     Portable,
-    /// AVX2 and FMA registers (x86).
+    /// AVX2 and FMA registers.
+    #[cfg(target_arch = "x86_64")]
     Avx2,
-    /// AVX-512F registers (x86).
+    /// AVX-512F registers.
+    #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// NEON registers (every aarch64 CPU has them).
+    #[cfg(target_arch = "aarch64")]
+    Neon,
 }
 
 impl TilePath {
@@ -589,14 +608,25 @@ impl TilePath {
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             return if is_x86_feature_detected!("avx512f") { Self::Avx512 } else { Self::Avx2 };
         }
+        #[cfg(target_arch = "aarch64")]
+        return Self::Neon;
+        #[allow(unreachable_code)]
         Self::Portable
     }
 
     /// Every path this CPU can run (for the tests that compare them).
     #[cfg(test)]
     fn all() -> Vec<Self> {
-        let best = Self::best();
-        [Self::Portable, Self::Avx2, Self::Avx512].into_iter().filter(|&p| p as u8 <= best as u8).collect()
+        let mut all = vec![Self::Portable];
+        #[cfg(target_arch = "x86_64")]
+        match Self::best() {
+            Self::Avx512 => all.extend([Self::Avx2, Self::Avx512]),
+            Self::Avx2 => all.push(Self::Avx2),
+            _ => {}
+        }
+        #[cfg(target_arch = "aarch64")]
+        all.push(Self::Neon);
+        all
     }
 }
 
@@ -823,6 +853,75 @@ mod tile_avx512 {
                 _mm512_mask_storeu_ps(o.add(r * d + c), m, *acc);
             }
             c += if m == 0xFFFF { 16 } else { 8 };
+        }
+    }
+}
+
+/// The same products in NEON registers (4 floats): 16 accumulators of 4 keys (or values) for the
+/// 4 query vectors, each key row loaded once for all of them. Every aarch64 CPU has NEON.
+#[cfg(target_arch = "aarch64")]
+mod tile_neon {
+    use super::{KEY_BLOCK, QUERY_BLOCK};
+    use std::arch::aarch64::*;
+
+    /// `scores`: `q` `[d][QUERY_BLOCK]`, `kt` `[d][KEY_BLOCK]`, `keys` a multiple of 16.
+    #[inline]
+    pub(super) unsafe fn scores(q: &[f32], kt: &[f32], keys: usize, s: &mut [[f32; KEY_BLOCK]; QUERY_BLOCK]) {
+        let d = q.len() / QUERY_BLOCK;
+        debug_assert!(kt.len() >= d * KEY_BLOCK && keys % 16 == 0 && keys <= KEY_BLOCK);
+        for c in (0..keys).step_by(16) {
+            let mut acc = [[vdupq_n_f32(0.0); 4]; QUERY_BLOCK];
+            for i in 0..d {
+                let k = kt.as_ptr().add(i * KEY_BLOCK + c);
+                let ks = [vld1q_f32(k), vld1q_f32(k.add(4)), vld1q_f32(k.add(8)), vld1q_f32(k.add(12))];
+                // The 4 query vectors' values at index i, one lane each.
+                let x = vld1q_f32(q.as_ptr().add(i * QUERY_BLOCK));
+                for (col, &kc) in ks.iter().enumerate() {
+                    acc[0][col] = vfmaq_laneq_f32::<0>(acc[0][col], kc, x);
+                    acc[1][col] = vfmaq_laneq_f32::<1>(acc[1][col], kc, x);
+                    acc[2][col] = vfmaq_laneq_f32::<2>(acc[2][col], kc, x);
+                    acc[3][col] = vfmaq_laneq_f32::<3>(acc[3][col], kc, x);
+                }
+            }
+            for (s, acc) in s.iter_mut().zip(&acc) {
+                for (col, &a) in acc.iter().enumerate() {
+                    vst1q_f32(s.as_mut_ptr().add(c + 4 * col), a);
+                }
+            }
+        }
+    }
+
+    /// `weighted_values`: `v` `[keys][d]`, `out` `[QUERY_BLOCK][d]`, `d` a multiple of 8.
+    #[inline]
+    pub(super) unsafe fn weighted_values(p: &[[f32; KEY_BLOCK]; QUERY_BLOCK], v: &[f32], d: usize, out: &mut [f32]) {
+        let keys = v.len() / d;
+        debug_assert!(d % 8 == 0 && keys <= KEY_BLOCK && out.len() == QUERY_BLOCK * d);
+        let o = out.as_mut_ptr();
+        let mut c = 0;
+        while c < d {
+            // 16 values of each sum at a time, the last 8 alone.
+            let width = if c + 16 <= d { 4 } else { 2 };
+            let mut acc = [[vdupq_n_f32(0.0); 4]; QUERY_BLOCK];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for (col, a) in acc.iter_mut().enumerate().take(width) {
+                    *a = vld1q_f32(o.add(r * d + c + 4 * col));
+                }
+            }
+            for j in 0..keys {
+                let x = v.as_ptr().add(j * d + c);
+                for col in 0..width {
+                    let vc = vld1q_f32(x.add(4 * col));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        acc[col] = vfmaq_n_f32(acc[col], vc, *p.get_unchecked(r).get_unchecked(j));
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (col, &a) in acc.iter().enumerate().take(width) {
+                    vst1q_f32(o.add(r * d + c + 4 * col), a);
+                }
+            }
+            c += 4 * width;
         }
     }
 }
