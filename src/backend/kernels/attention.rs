@@ -4,11 +4,11 @@
 //! row each, and the `gemm` crate packs its operands first: every step copied the layer's whole
 //! cache before reading it (perf on SmolLM2-135M at 512 tokens: `pack_lhs` and the micro-kernels
 //! 15% of decode). Here each key and value row is read once, straight from the cache, for every
-//! query head of its group; kv heads run in parallel. A float16 cache (quantized models) is
+//! query head of its group; kv heads, and segments of a long context's keys, run in parallel. A float16 cache (quantized models) is
 //! widened in registers as it is read (F16C on x86 CPUs that have it, `fcvtl` on every aarch64
-//! one); a q8_0 cache is
-//! de-quantized in registers as it is read (each key row's blocks times the float32 query), so
-//! both kernels read q8_0 blocks directly, never a widened copy of the cache.
+//! one); a q8_0 cache is de-quantized in registers as it is read (each key row's blocks times
+//! the float32 query; AVX2 or NEON), so both kernels read q8_0 blocks directly, never a widened
+//! copy of the cache.
 //!
 //! Keys are read in position order, whatever the slots of a ring (`KvView::runs`), so a ring
 //! and a full cache give the same sums.
@@ -118,6 +118,11 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
                 if simd && x86::available() {
                     // SAFETY: AVX2, FMA and F16C were detected.
                     return unsafe { x86::head_group_q8(qh, kh, vh, oh, st, d, row, s, cap) };
+                }
+                #[cfg(target_arch = "aarch64")]
+                if simd {
+                    // SAFETY: NEON is part of every aarch64 CPU.
+                    return unsafe { arm::head_group_q8(qh, kh, vh, oh, st, d, row, s, cap) };
                 }
                 head_group(qh, kh, vh, oh, st, d, row, s, cap, dot_q8, axpy_q8)
             })
@@ -1216,6 +1221,63 @@ mod arm {
         softcap: Option<f32>,
     ) {
         head_group(q, k, v, out, stats, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
+    }
+
+    /// `head_group` over a q8_0 cache: each block's signed bytes widened 8 at a time and
+    /// multiplied in float32 (`d` is a multiple of 32, `row` its blocks' bytes).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn head_group_q8(
+        q: &[f32],
+        k: [&[u8]; 2],
+        v: [&[u8]; 2],
+        out: &mut [f32],
+        stats: &mut [(f32, f32)],
+        d: usize,
+        row: usize,
+        scale: f32,
+        softcap: Option<f32>,
+    ) {
+        head_group(q, k, v, out, stats, d, row, scale, softcap, |a, b| dot_q8(a, b), |o, w, x| axpy_q8(o, w, x))
+    }
+
+    /// Eight signed bytes from `p` widened to float32.
+    #[inline(always)]
+    unsafe fn load8_i8(p: *const u8) -> [float32x4_t; 2] {
+        let wide = vmovl_s8(vld1_s8(p as *const i8));
+        [vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(wide)))]
+    }
+
+    /// The dot product of a float32 query with a q8_0 key row (each block's sum times its scale).
+    #[inline(always)]
+    unsafe fn dot_q8(a: &[f32], row: &[u8]) -> f32 {
+        let mut total = vdupq_n_f32(0.0);
+        for (x, block) in a.chunks_exact(Q8_BLOCK).zip(row.chunks_exact(Q8_BYTES)) {
+            let qs = block.as_ptr().add(2);
+            let (mut acc0, mut acc1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+            for i in (0..Q8_BLOCK).step_by(8) {
+                let [lo, hi] = load8_i8(qs.add(i));
+                acc0 = vfmaq_f32(acc0, vld1q_f32(x.as_ptr().add(i)), lo);
+                acc1 = vfmaq_f32(acc1, vld1q_f32(x.as_ptr().add(i + 4)), hi);
+            }
+            let scale = f16::from_le_bytes([block[0], block[1]]).to_f32();
+            total = vfmaq_n_f32(total, vaddq_f32(acc0, acc1), scale);
+        }
+        vaddvq_f32(total)
+    }
+
+    /// `out += w · x` for a q8_0 value row.
+    #[inline(always)]
+    unsafe fn axpy_q8(out: &mut [f32], w: f32, row: &[u8]) {
+        for (o, block) in out.chunks_exact_mut(Q8_BLOCK).zip(row.chunks_exact(Q8_BYTES)) {
+            let ws = w * f16::from_le_bytes([block[0], block[1]]).to_f32();
+            let qs = block.as_ptr().add(2);
+            for i in (0..Q8_BLOCK).step_by(8) {
+                let [lo, hi] = load8_i8(qs.add(i));
+                let op = o.as_mut_ptr().add(i);
+                vst1q_f32(op, vfmaq_n_f32(vld1q_f32(op), lo, ws));
+                vst1q_f32(op.add(4), vfmaq_n_f32(vld1q_f32(op.add(4)), hi, ws));
+            }
+        }
     }
 
     /// Eight float16 values from `p[i]` widened.
