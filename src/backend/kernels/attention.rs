@@ -5,10 +5,10 @@
 //! cache before reading it (perf on SmolLM2-135M at 512 tokens: `pack_lhs` and the micro-kernels
 //! 15% of decode). Here each key and value row is read once, straight from the cache, for every
 //! query head of its group; kv heads, and segments of a long context's keys, run in parallel.
-//! A float16 cache (quantized models) is widened in registers as it is read (F16C on x86 CPUs that have it, `fcvtl` on every aarch64
-//! one); a q8_0 cache is de-quantized in registers as it is read (each key row's blocks times
-//! the float32 query; AVX2 or NEON), so both kernels read q8_0 blocks directly, never a widened
-//! copy of the cache.
+//! A float16 cache (quantized models) is widened in registers as it is read (F16C on x86 CPUs
+//! that have it, `fcvtl` on every aarch64 one); a q8_0 cache is de-quantized in registers as it
+//! is read (each key row's blocks times the float32 query; AVX2 or NEON), so both kernels read
+//! q8_0 blocks directly, never a widened copy of the cache.
 //!
 //! Keys are read in position order, whatever the slots of a ring (`KvView::runs`), so a ring
 //! and a full cache give the same sums.
