@@ -233,7 +233,7 @@ pub(super) fn half_sums(values: &[i8]) -> Vec<i32> {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::super::x86::{store, with_high_bits};
+    use super::super::x86::{prefetch_next, store, with_high_bits};
     use super::super::{Format, Interleaved, Q3K, Q4K, Q5K, Q6K, QK};
     use super::*;
     use crate::backend::kernels::int8_gemm::QuantizedRows;
@@ -282,6 +282,7 @@ pub(super) mod x86 {
         out: *mut f32,
     ) {
         debug_assert!(F == Q4K || F == Q5K);
+        let size = if F == Q4K { Format::Q4K.record_bytes() } else { Format::Q5K.record_bytes() };
         let nb = w.blocks();
         let units = nb * 8;
         let nibble = _mm512_set1_epi8(0x0F);
@@ -296,6 +297,10 @@ pub(super) mod x86 {
                 // Units 2c (low nibbles) and 2c + 1 (high nibbles).
                 let mut dot = [[_mm512_setzero_si512(); 2]; R];
                 for g in 0..8 {
+                    // As in `q6k_tile`.
+                    if R == 1 {
+                        prefetch_next(rec, size, c * 8 + g, 32);
+                    }
                     let v = _mm512_loadu_si512(rec.add(Q4K_QS + (c * 8 + g) * VECTOR) as *const _);
                     let mut lo = _mm512_and_si512(v, nibble);
                     let mut hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
@@ -411,6 +416,7 @@ pub(super) mod x86 {
     ) {
         debug_assert!(F == Q6K || F == Q3K);
         let offset = if F == Q6K { Format::Q6K.offset() } else { Format::Q3K.offset() };
+        let size = if F == Q6K { Format::Q6K.record_bytes() } else { Format::Q3K.record_bytes() };
         let nb = w.blocks();
         let units = nb * 8;
         let nibble = _mm512_set1_epi8(0x0F);
@@ -441,6 +447,10 @@ pub(super) mod x86 {
                         }
                     }
                     for g in 4 * h..4 * h + 4 {
+                        // Two rows or more compute long enough per byte for memory to keep up.
+                        if R == 1 {
+                            prefetch_next(rec, size, (2 * n + h) * 4 + g % 4, 16);
+                        }
                         // Q6_K's values stay inline: behind a function, LLVM stopped unrolling
                         // the two-row tile's loop over `h` (128 rows x [1024 -> 4096], one
                         // thread: 7.1 -> 7.9 ms).
