@@ -1,43 +1,21 @@
-//! Process memory hygiene: around loading, and for the buffers steps allocate and free.
+//! Process memory hygiene: after loading, and after the steps that free large buffers.
 
 /// Returns heap memory freed by a large, short-lived build (such as converting a 262k-token
-/// GGUF vocabulary, which allocates ~150 MB of temporaries) to the operating system.
+/// GGUF vocabulary, which allocates ~150 MB of temporaries) or a long step to the operating system.
 ///
 /// glibc keeps freed small allocations in its arenas, so without this the resident size stays
-/// at the conversion's peak for the life of the process. A no-op where glibc is not the allocator.
+/// at the conversion's peak for the life of the process. It also raises its mmap threshold (up
+/// to 32 MiB) to the size of every mapped block freed, so that buffers of a few MiB (a prompt
+/// chunk's, a regrown cache layer's) come from its arenas and stay resident once freed: after a
+/// 32,768-token Gemma 3 270M prompt and one decode step the process held 572 MiB, 474 of them
+/// live. A fixed low threshold returned them at once but cost long prompts 13–20% of their
+/// prefill speed (a page fault per 4 KiB of every fresh buffer); a trim after the few calls that
+/// leave such memory behind costs a few milliseconds. A no-op where glibc is not the allocator.
 pub fn release_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free pages to the kernel; it touches no live allocation.
     unsafe {
         libc::malloc_trim(0);
-    }
-}
-
-/// Allocations from this size on are mapped on their own and unmapped when freed.
-const MMAP_THRESHOLD: usize = 1 << 20;
-
-/// Makes freed large buffers go back to the operating system for the rest of the process (once;
-/// not where `MALLOC_MMAP_THRESHOLD_` already sets the policy, nor where glibc is not the allocator).
-///
-/// glibc maps a large allocation on its own, but raises that threshold (up to 32 MiB) to the size
-/// of every mapped block freed, so that later buffers of that size come from its arenas and stay
-/// resident once freed. A step allocates and frees buffers of MiBs, and a cache layer regrows into
-/// a larger one: after the first decode of a 32,768-token Gemma 3 270M prompt the process held
-/// 572 MiB, 474 of them live; with a fixed threshold, 481. The cost is a page fault per 4 KiB of
-/// a fresh large buffer (about 50 MB per 512-token prefill chunk: within run-to-run noise).
-pub fn return_large_buffers() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        static ONCE: std::sync::Once = std::sync::Once::new();
-        ONCE.call_once(|| {
-            if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
-                // SAFETY: mallopt only sets the allocator's parameters; a fixed threshold also
-                // turns off glibc's adjustment of it.
-                unsafe {
-                    libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int);
-                }
-            }
-        });
     }
 }
 

@@ -23,6 +23,9 @@ pub const RING_SLACK: usize = PREFILL_CHUNK;
 /// The fewest positions a layer's buffers grow by when a step overruns them.
 const GROWTH_MIN: usize = 64;
 
+/// A regrown buffer from this size on is handed back to the operating system once freed.
+const TRIM_BYTES: usize = 4 << 20;
+
 /// Values per q8_0 block (ggml's `QK8_0`).
 pub const Q8_BLOCK: usize = 32;
 /// Bytes per q8_0 block: a float16 scale, then 32 signed bytes (ggml's `block_q8_0`).
@@ -497,8 +500,19 @@ impl LayerKv {
             };
             // Held positions the new buffers keep: those this step does not overwrite.
             let keep_from = self.first.max((pos + t).saturating_sub(new_cap)).min(pos);
+            // A large old buffer, freed, is returned before the next one grows: glibc keeps
+            // buffers under its (adaptive) mmap threshold in its arenas, and the layers' freed
+            // buffers then add up (a 32,768-token Gemma 3 270M cache: 70 MiB more at its first
+            // decode). Small ones are not worth a trim.
+            let large = self.k.as_ref().is_some_and(|t| t.elem_count() * t.dtype().size_in_bytes() >= TRIM_BYTES);
             self.k = Some(regrow(self.k.take(), k, keep_from, pos, new_cap)?);
+            if large {
+                crate::memory::release_freed_memory();
+            }
             self.v = Some(regrow(self.v.take(), v, keep_from, pos, new_cap)?);
+            if large {
+                crate::memory::release_freed_memory();
+            }
             self.first = keep_from;
         }
         let (kc, vc) = (self.k.as_ref().expect("allocated above"), self.v.as_ref().expect("allocated above"));

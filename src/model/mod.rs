@@ -134,7 +134,6 @@ impl Model {
         let format = ArtifactFormat::detect(path)?;
         // Before anything computes: the pools are sized at their first use.
         let threads = crate::backend::threads::configure(options.threads)?;
-        crate::memory::return_large_buffers();
         let dtype = options.dtype.as_deref().map(parse_dtype).transpose()?;
         let quantize = options.quantize.as_deref().map(parse_quantize).transpose()?;
         let kv_cache_type = options.kv_cache_type.as_deref().map(parse_kv_cache_type).transpose()?;

@@ -196,7 +196,14 @@ impl CandleSession {
 
     /// Refuses a call of `tokens` tokens run in steps of `t` that would need more memory than the
     /// machine has free. `kept` counts what the call holds besides (observations, every row's logits).
-    fn check_memory(&self, operation: &'static str, tokens: usize, t: usize, rows: LogitsRows, kept: u64) -> Result<()> {
+    fn check_memory(
+        &self,
+        operation: &'static str,
+        tokens: usize,
+        t: usize,
+        rows: LogitsRows,
+        kept: u64,
+    ) -> Result<()> {
         let position = self.cache.len();
         let needed = self.decoder.step_bytes(position, t, rows).saturating_add(kept);
         match crate::memory::available_bytes() {
@@ -301,8 +308,15 @@ impl CandleSession {
             1 => logits.pop().expect("one step's logits"),
             _ => Tensor::cat(&logits, 0).ctx(|| format!("joining the logits of {operation}'s chunks"))?,
         };
+        if chunked {
+            // A long call's chunk buffers are free now (`memory::release_freed_memory` says why).
+            crate::memory::release_freed_memory();
+        }
         let observations = if plain { ObservationSet::new() } else { hooks.finish()? };
-        Ok(InspectedOutput { output: StepOutput { logits, start_position: start, num_tokens: tokens.len() }, observations })
+        Ok(InspectedOutput {
+            output: StepOutput { logits, start_position: start, num_tokens: tokens.len() },
+            observations,
+        })
     }
 
     /// One call with the kept and the call's edits, recording what `request` selects.
