@@ -505,13 +505,11 @@ impl LayerKv {
             // buffers then add up (a 32,768-token Gemma 3 270M cache: 70 MiB more at its first
             // decode). Small ones are not worth a trim.
             let large = self.k.as_ref().is_some_and(|t| t.elem_count() * t.dtype().size_in_bytes() >= TRIM_BYTES);
-            self.k = Some(regrow(self.k.take(), k, keep_from, pos, new_cap)?);
-            if large {
-                crate::memory::release_freed_memory();
-            }
-            self.v = Some(regrow(self.v.take(), v, keep_from, pos, new_cap)?);
-            if large {
-                crate::memory::release_freed_memory();
+            for (buffer, like) in [(&mut self.k, k), (&mut self.v, v)] {
+                *buffer = Some(regrow(buffer.take(), like, keep_from, pos, new_cap)?);
+                if large {
+                    crate::memory::release_freed_memory();
+                }
             }
             self.first = keep_from;
         }

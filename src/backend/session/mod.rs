@@ -257,7 +257,7 @@ impl CandleSession {
             CandleError::InvalidInput { reason, .. } => CandleError::InvalidInput { operation, reason },
             other => other,
         })?;
-        let chunk = self.prefill_chunk.max(1);
+        let chunk = self.prefill_chunk;
         let chunked = tokens.len() > chunk;
         let mut kept = request.map_or(0, |r| self.observation_bytes(r, tokens.len()));
         if chunked && rows == LogitsRows::All {
