@@ -106,6 +106,8 @@ def test_supported_and_described(runtime, case):
     info, cfg = runtime.model_info, config(case)
     assert info["architecture"] == arch
     assert (info["num_experts"], info["experts_per_token"]) == (experts_of(cfg), cfg["num_experts_per_tok"])
+    width = cfg.get("shared_expert_intermediate_size") or cfg["shared_intermediate_size"]
+    assert info["shared_expert_intermediate_size"] == width
 
 
 def test_every_observation_point_matches(runtime, ref, case):
