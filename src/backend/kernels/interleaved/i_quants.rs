@@ -15,8 +15,9 @@
 //! - IQ4_XS (136 bytes a row, a 256-value block): `d`, the 16-bit `scales_h` (the top two bits of
 //!   the 8 scales), the 4 bytes of `scales_l` (their low nibbles, two to a byte), each of the 16
 //!   rows contiguous (`IQ4XS_FIELDS`), then the values of the 8 units of 32 in turn. Unit `u` is
-//!   `d·(ls_u − 32)·level[q]`: its integer sum is multiplied by `ls_u − 32` before the float
-//!   scales, as Q4_K's sub-block scales are.
+//!   `d·(ls_u − 32)·level[q]`: the kernel multiplies its integer sum (under 2^24, so converted
+//!   exactly) by `d·(ls_u − 32)` (exact in float32) computed once for every row, as the k-quants
+//!   apply their sub-block scales.
 
 use super::{HALVES, LANES};
 

@@ -608,6 +608,28 @@ mod x86 {
                 }
             }};
         }
+        // The table formats decode a weight vector in 5 operations where Q4_0 takes 3: one
+        // tile at a time over 8 rows spreads them over twice the products.
+        if (F == IQ4NL || F == IQ4XS || F == MXFP4) && m >= 8 {
+            for t in t0..t0 + tiles {
+                let mut row0 = 0;
+                while row0 + 8 <= m {
+                    tile::<F, 8, 1>(w, xq, row0, t, out);
+                    row0 += 8;
+                }
+                if row0 + 4 <= m {
+                    tile::<F, 4, 1>(w, xq, row0, t, out);
+                    row0 += 4;
+                }
+                match m - row0 {
+                    1 => tile::<F, 1, 1>(w, xq, row0, t, out),
+                    2 => tile::<F, 2, 1>(w, xq, row0, t, out),
+                    3 => tile::<F, 3, 1>(w, xq, row0, t, out),
+                    _ => {}
+                }
+            }
+            return;
+        }
         if tiles == 2 {
             rows!(2)
         } else {
@@ -716,15 +738,15 @@ mod x86 {
                 if F == MXFP4 {
                     i_quants::x86::e8m0_scales(records[g])
                 } else {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(records[g] as *const __m256i))
-                }
-            });
-            // IQ4_XS's integer scales multiply the integer sums, as Q4_K's do.
-            let sc: [__m512i; G] = std::array::from_fn(|g| {
-                if F == IQ4XS {
-                    i_quants::x86::iq4xs_scales(records[g], part)
-                } else {
-                    _mm512_setzero_si512()
+                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(records[g] as *const __m256i));
+                    // IQ4_XS: d·(ls − 32) once for every row (exact: a half times a 6-bit
+                    // integer), as the k-quants apply their sub-block scales; the integer sums
+                    // (under 2^24) go to float as they are.
+                    if F == IQ4XS {
+                        _mm512_mul_ps(d, _mm512_cvtepi32_ps(i_quants::x86::iq4xs_scales(records[g], part)))
+                    } else {
+                        d
+                    }
                 }
             });
             let wm: [__m512; G] = std::array::from_fn(|g| {
@@ -739,8 +761,7 @@ mod x86 {
                 let xd = _mm512_set1_ps(*xq.scales.get_unchecked(xi));
                 let xs = _mm512_set1_ps(*xq.sums.get_unchecked(xi));
                 for g in 0..G {
-                    let sum = _mm512_add_epi32(even[r][g], odd[r][g]);
-                    let sum = _mm512_cvtepi32_ps(if F == IQ4XS { _mm512_mullo_epi32(sum, sc[g]) } else { sum });
+                    let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r][g], odd[r][g]));
                     acc[r][g] = _mm512_fmadd_ps(sum, _mm512_mul_ps(wd[g], xd), acc[r][g]);
                     if asymmetric {
                         acc[r][g] = _mm512_fmadd_ps(wm[g], xs, acc[r][g]);
