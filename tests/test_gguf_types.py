@@ -118,8 +118,8 @@ def test_every_type_dequantizes_bit_for_bit_as_gguf(tmp_path, qtype):
 @pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.IQ2_XS, T.IQ3_S, T.IQ4_XS, T.IQ1_M, T.MXFP4], ids=lambda t: t.name)
 def test_projections_of_the_new_types_run_quantized(tmp_path, qtype):
     # Every projection of layer 0 in the type, with weights of a trained model's magnitude (~0.02):
-    # the quantized run (Q8_0 tiles) and the de-quantized float32 run agree as a quantized model
-    # does with its float weights.
+    # the quantized run (Q8_0 tiles, or IQ4_XS's and MXFP4's own) and the de-quantized float32 run
+    # agree as a quantized model does with its float weights.
     rng = np.random.default_rng(7)
     small = {"scales": (2e-5, 2e-4), "exponents": (116, 122)}
     names = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
