@@ -44,7 +44,8 @@ pub(super) mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// `format`'s levels plus 128 as unsigned bytes, in each 128-bit lane (for `vpshufb`).
+    /// `format`'s levels plus 128 as unsigned bytes, in each 128-bit lane (for `vpshufb`; for
+    /// `vpermb`, which reads six bits of each index, the same 16 repeated four times).
     #[inline(always)]
     pub(in super::super) unsafe fn levels(format: Format) -> __m512i {
         let levels = format.levels().copied().unwrap_or([0; 16]);

@@ -297,6 +297,20 @@ pub fn available() -> bool {
     }
 }
 
+/// Whether this CPU has AVX-512 VBMI's `vpermb`, which maps the table formats' nibbles to their
+/// levels without masking them first (Ice Lake, Sapphire Rapids, Zen 4; not Cascade Lake, which
+/// has VNNI).
+fn vbmi() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        available() && is_x86_feature_detected!("avx512vbmi")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// ORs row `lane`'s four high bits `nibble` (bit `t`: value `t` of its group of 4) into a
 /// 64-bit mask (8 little-endian bytes) at bits `4·lane..4·lane + 4`.
 fn set_high_bits(mask: &mut [u8], lane: usize, nibble: u8) {
@@ -485,6 +499,12 @@ impl Interleaved {
     }
 
     fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
+        self.matmul_on(x, m, path, path == Path::Avx512Vnni && vbmi())
+    }
+
+    /// `matmul_with`, the table formats' AVX-512 kernel with (`vbmi`) or without `vpermb`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    fn matmul_on(&self, x: &[f32], m: usize, path: Path, vbmi: bool) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k);
         let xq = quantize_rows(x);
         // Q6_K's and Q3_K's scales change every 16 values: their offsets need the activations'
@@ -522,6 +542,10 @@ impl Interleaved {
                             Format::Q3K => {
                                 k_quants::x86::q6k_columns::<Q3K>(self, &xq, &half_sums, m, t0, tiles, ptr.0)
                             }
+                            // SAFETY (as above, and): `vbmi` only where AVX-512 VBMI was detected.
+                            Format::IQ4NL if vbmi => x86::columns_vbmi::<IQ4NL>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::IQ4XS if vbmi => x86::columns_vbmi::<IQ4XS>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::MXFP4 if vbmi => x86::columns_vbmi::<MXFP4>(self, &xq, m, t0, tiles, ptr.0),
                             Format::IQ4NL => x86::columns::<IQ4NL>(self, &xq, m, t0, tiles, ptr.0),
                             Format::IQ4XS => x86::columns::<IQ4XS>(self, &xq, m, t0, tiles, ptr.0),
                             Format::MXFP4 => x86::columns::<MXFP4>(self, &xq, m, t0, tiles, ptr.0),
@@ -593,17 +617,46 @@ mod x86 {
         tiles: usize,
         out: *mut f32,
     ) {
+        columns_with::<F, false>(w, xq, m, t0, tiles, out)
+    }
+
+    /// `columns` for the table formats on a CPU with AVX-512 VBMI: their nibbles go through
+    /// `vpermb`, which reads six index bits, against the 16 levels repeated four times, so the
+    /// masks before the lookup go: a weight vector decodes in 3 operations, as Q4_0's does, not
+    /// 5. One thread, CPU time, [128, 1024] x [1024 -> 4096] against the Q8_0 tiles of the same
+    /// values: 0.83-0.91x without, 0.89-0.97x with.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+    pub(super) unsafe fn columns_vbmi<const F: u8>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
+        columns_with::<F, true>(w, xq, m, t0, tiles, out)
+    }
+
+    #[inline(always)]
+    unsafe fn columns_with<const F: u8, const VBMI: bool>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
         macro_rules! rows {
             ($g:literal) => {{
                 let mut row0 = 0;
                 while row0 + 4 <= m {
-                    tile::<F, 4, $g>(w, xq, row0, t0, out);
+                    tile::<F, VBMI, 4, $g>(w, xq, row0, t0, out);
                     row0 += 4;
                 }
                 match m - row0 {
-                    1 => tile::<F, 1, $g>(w, xq, row0, t0, out),
-                    2 => tile::<F, 2, $g>(w, xq, row0, t0, out),
-                    3 => tile::<F, 3, $g>(w, xq, row0, t0, out),
+                    1 => tile::<F, VBMI, 1, $g>(w, xq, row0, t0, out),
+                    2 => tile::<F, VBMI, 2, $g>(w, xq, row0, t0, out),
+                    3 => tile::<F, VBMI, 3, $g>(w, xq, row0, t0, out),
                     _ => {}
                 }
             }};
@@ -614,17 +667,17 @@ mod x86 {
             for t in t0..t0 + tiles {
                 let mut row0 = 0;
                 while row0 + 8 <= m {
-                    tile::<F, 8, 1>(w, xq, row0, t, out);
+                    tile::<F, VBMI, 8, 1>(w, xq, row0, t, out);
                     row0 += 8;
                 }
                 if row0 + 4 <= m {
-                    tile::<F, 4, 1>(w, xq, row0, t, out);
+                    tile::<F, VBMI, 4, 1>(w, xq, row0, t, out);
                     row0 += 4;
                 }
                 match m - row0 {
-                    1 => tile::<F, 1, 1>(w, xq, row0, t, out),
-                    2 => tile::<F, 2, 1>(w, xq, row0, t, out),
-                    3 => tile::<F, 3, 1>(w, xq, row0, t, out),
+                    1 => tile::<F, VBMI, 1, 1>(w, xq, row0, t, out),
+                    2 => tile::<F, VBMI, 2, 1>(w, xq, row0, t, out),
+                    3 => tile::<F, VBMI, 3, 1>(w, xq, row0, t, out),
                     _ => {}
                 }
             }
@@ -642,7 +695,7 @@ mod x86 {
     /// groups of 4 for Q8_0, low and high nibbles for the 4-bit formats) give a one-row tile
     /// independent `vpdpbusd` chains to overlap.
     #[inline(always)]
-    unsafe fn tile<const F: u8, const R: usize, const G: usize>(
+    unsafe fn tile<const F: u8, const VBMI: bool, const R: usize, const G: usize>(
         w: &Interleaved,
         xq: &QuantizedRows,
         row0: usize,
@@ -710,16 +763,27 @@ mod x86 {
                     }
                     let packed: [__m512i; G] =
                         std::array::from_fn(|g| _mm512_loadu_si512(records[g].add(values + j * 64) as *const _));
-                    let mut lo: [__m512i; G] = std::array::from_fn(|g| _mm512_and_si512(packed[g], nibble));
-                    let mut hi: [__m512i; G] =
-                        std::array::from_fn(|g| _mm512_and_si512(_mm512_srli_epi16(packed[g], 4), nibble));
+                    let (mut lo, mut hi): ([__m512i; G], [__m512i; G]) = if lookup && VBMI {
+                        // `vpermb` reads the low six bits of each index: against the levels
+                        // repeated four times, a byte's other nibble (or the neighbour's bits
+                        // a 16-bit shift brings in) selects the same level.
+                        (
+                            std::array::from_fn(|g| _mm512_permutexvar_epi8(packed[g], levels)),
+                            std::array::from_fn(|g| _mm512_permutexvar_epi8(_mm512_srli_epi16(packed[g], 4), levels)),
+                        )
+                    } else {
+                        (
+                            std::array::from_fn(|g| _mm512_and_si512(packed[g], nibble)),
+                            std::array::from_fn(|g| _mm512_and_si512(_mm512_srli_epi16(packed[g], 4), nibble)),
+                        )
+                    };
                     if five {
                         for g in 0..G {
                             lo[g] = with_high_bits(lo[g], records[g].add(header), j, sixteen);
                             hi[g] = with_high_bits(hi[g], records[g].add(header), j + 4, sixteen);
                         }
                     }
-                    if lookup {
+                    if lookup && !VBMI {
                         for g in 0..G {
                             lo[g] = _mm512_shuffle_epi8(levels, lo[g]);
                             hi[g] = _mm512_shuffle_epi8(levels, hi[g]);
@@ -1018,11 +1082,15 @@ mod tests {
             })
             .collect();
         let candle = q.qtensor().map(|q| super::super::reference::candle_product(q, &x).0);
-        for &path in &paths {
-            let got = p.matmul_with(&xs, m, path);
+        // The AVX-512 path with and without `vpermb` for the table formats.
+        let variants = paths.iter().map(|&p| (p, p == Path::Avx512Vnni && vbmi()));
+        let variants: Vec<_> =
+            variants.chain(paths.contains(&Path::Avx512Vnni).then_some((Path::Avx512Vnni, false))).collect();
+        for &(path, vbmi) in &variants {
+            let got = p.matmul_on(&xs, m, path, vbmi);
             assert_eq!(got.len(), m * n);
             for (i, ((&a, &b), &s)) in got.iter().zip(&want).zip(&magnitude).enumerate() {
-                let at = format!("{format:?} ({m},{k},{n}) {path:?}: {a} vs");
+                let at = format!("{format:?} ({m},{k},{n}) {path:?} vbmi {vbmi}: {a} vs");
                 assert!((a as f64 - b).abs() <= 1e-5 * s + 1e-6, "{at} exact {b}");
                 if let Some(c) = candle.as_ref().map(|c| c[i]) {
                     assert!(((a - c).abs() as f64) <= near_candle * s + 1e-5, "{at} candle {c}");
