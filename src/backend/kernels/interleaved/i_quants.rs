@@ -79,7 +79,7 @@ pub(super) mod x86 {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
     use crate::backend::weights::extra_types::e8m0_half;
@@ -87,7 +87,6 @@ mod tests {
     /// The kernel's MXFP4 scales equal ggml's for every exponent byte, subnormals included
     /// (whose products are too small for the product tests' absolute bound to see).
     #[test]
-    #[cfg(target_arch = "x86_64")]
     fn the_kernel_decodes_every_e8m0_byte_as_ggml() {
         if !super::super::available() {
             return;
