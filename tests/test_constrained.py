@@ -42,7 +42,11 @@ def test_json_schema_output_validates(rt, seed):
 
 
 def test_json_object_output_parses(rt):
-    r = rt.generate("{", max_tokens=60, temperature=0.0,
+    # The grammar lets whitespace runs (up to 24 characters each) separate tokens, and greedy
+    # Gemma 3 270M spends some of its budget on them: at 58d4dcb's rounding it writes two members
+    # with an indented run around each in 61 tokens. The budget leaves room for that; the check
+    # is that the constrained document closes and parses.
+    r = rt.generate("{", max_tokens=200, temperature=0.0,
                     response_format={"type": "json_object", "schema": {"type": "object", "maxProperties": 2,
                                                                        "additionalProperties": {"type": "boolean"}}})
     assert r.finish_reason == "stop", r.text

@@ -5,7 +5,7 @@
 //! `0.5(1 + tanh z) = σ(2z)`), and σ needs one `exp`, written here as a polynomial the compiler
 //! vectorises (relative error ~1e-7, the size of float32 rounding).
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
 use crate::backend::config::Activation;
 
@@ -39,6 +39,43 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
+/// Elements per task when a large activation is split over the worker threads (a prompt's
+/// `[512, 2048]` is 64 tasks; a decode row stays on the calling thread).
+const TASK_ELEMS: usize = 16 << 10;
+
+/// A new `len`-element buffer, `f(range, out)` filling each part: in tasks of `TASK_ELEMS`
+/// over the worker threads (each part a slice loop, which vectorises).
+fn fill(len: usize, f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; len];
+    let tasks = len.div_ceil(TASK_ELEMS);
+    if tasks <= 1 {
+        f(0..len, &mut out);
+        return out;
+    }
+    let ptr = crate::backend::kernels::OutPtr(out.as_mut_ptr());
+    crate::backend::kernels::parallel_for(tasks, |t| {
+        // The closure must capture the whole `Send` wrapper, not its raw-pointer field.
+        #[allow(clippy::redundant_locals)]
+        let ptr = ptr;
+        let range = t * TASK_ELEMS..((t + 1) * TASK_ELEMS).min(len);
+        // SAFETY: tasks write disjoint ranges of `out`, which outlives them.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(ptr.0.add(range.start), range.len()) };
+        f(range, chunk);
+    });
+    out
+}
+
+/// The contiguous float32 data of a CPU tensor's storage.
+fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(data) = storage else {
+        candle_core::bail!("fast activation expects float32");
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("fast activation expects a contiguous tensor");
+    };
+    Ok(&data[start..end])
+}
+
 struct FastActivation(Activation);
 
 impl CustomOp1 for FastActivation {
@@ -47,28 +84,67 @@ impl CustomOp1 for FastActivation {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("fast activation expects float32");
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("fast activation expects a contiguous tensor");
-        };
-        let src = &data[start..end];
+        let src = contiguous_f32(storage, layout)?;
         // One loop per activation, so each inlines and vectorises (a function pointer would not).
         let out: Vec<f32> = match self.0 {
-            Activation::Silu => src.iter().map(|&x| silu(x)).collect(),
-            Activation::GeluTanh => src.iter().map(|&x| gelu_tanh(x)).collect(),
+            Activation::Silu => fill(src.len(), |r, out| out.iter_mut().zip(&src[r]).for_each(|(o, &x)| *o = silu(x))),
+            Activation::GeluTanh => {
+                fill(src.len(), |r, out| out.iter_mut().zip(&src[r]).for_each(|(o, &x)| *o = gelu_tanh(x)))
+            }
             Activation::Gelu | Activation::Relu => candle_core::bail!("no fast path for {:?}", self.0),
         };
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 }
 
+/// `act(gate) · up` in one pass over both: the gated MLP's hidden activation.
+struct FastGated(Activation);
+
+impl CustomOp2 for FastGated {
+    fn name(&self) -> &'static str {
+        "candlewick-gated-activation"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gate: &CpuStorage,
+        gate_layout: &Layout,
+        up: &CpuStorage,
+        up_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (g, u) = (contiguous_f32(gate, gate_layout)?, contiguous_f32(up, up_layout)?);
+        if gate_layout.shape() != up_layout.shape() {
+            candle_core::bail!("gate {:?} and up {:?} differ in shape", gate_layout.shape(), up_layout.shape());
+        }
+        let out: Vec<f32> = match self.0 {
+            Activation::Silu => fill(g.len(), |r, out| {
+                out.iter_mut().zip(&g[r.clone()]).zip(&u[r]).for_each(|((o, &g), &u)| *o = silu(g) * u)
+            }),
+            Activation::GeluTanh => fill(g.len(), |r, out| {
+                out.iter_mut().zip(&g[r.clone()]).zip(&u[r]).for_each(|((o, &g), &u)| *o = gelu_tanh(g) * u)
+            }),
+            Activation::Gelu | Activation::Relu => candle_core::bail!("no fast path for {:?}", self.0),
+        };
+        Ok((CpuStorage::F32(out), gate_layout.shape().clone()))
+    }
+}
+
+/// Whether `x` takes the vectorised path.
+fn fast(activation: Activation, x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32 && matches!(activation, Activation::Silu | Activation::GeluTanh)
+}
+
+/// `activation(gate) · up`, in one vectorised pass where it applies.
+pub fn gated(activation: Activation, gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    if fast(activation, gate) && up.dtype() == DType::F32 && gate.shape() == up.shape() {
+        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &FastGated(activation));
+    }
+    apply(activation, gate)? * up
+}
+
 /// Applies `activation` to `x`, through the vectorised path where it applies.
 pub fn apply(activation: Activation, x: &Tensor) -> candle_core::Result<Tensor> {
-    let fast =
-        x.device().is_cpu() && x.dtype() == DType::F32 && matches!(activation, Activation::Silu | Activation::GeluTanh);
-    if fast {
+    if fast(activation, x) {
         return x.contiguous()?.apply_op1_no_bwd(&FastActivation(activation));
     }
     match activation {
@@ -92,6 +168,21 @@ mod tests {
             worst = worst.max(rel);
         }
         assert!(worst < 5e-7, "worst relative error {worst}");
+    }
+
+    /// The fused `act(gate) · up` equals the two steps bit for bit, split over tasks or not.
+    #[test]
+    fn gated_equals_activation_then_product() {
+        let dev = candle_core::Device::Cpu;
+        for len in [7, TASK_ELEMS * 3 + 5] {
+            let g = Tensor::randn(0f32, 3.0, (1, len), &dev).unwrap();
+            let u = Tensor::randn(0f32, 1.0, (1, len), &dev).unwrap();
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let fused = gated(act, &g, &u).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let steps = (apply(act, &g).unwrap() * &u).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(fused.iter().zip(&steps).all(|(a, b)| a.to_bits() == b.to_bits()), "{act:?}, {len}");
+            }
+        }
     }
 
     #[test]

@@ -207,7 +207,7 @@ impl Mlp {
             }
         };
         let hidden = match self.glu {
-            ExpertGlu::Gated => (super::activation::apply(self.activation, &gate)? * up)?,
+            ExpertGlu::Gated => super::activation::gated(self.activation, &gate, &up)?,
             ExpertGlu::ClampedSwiGlu { alpha, limit } => {
                 let gate = gate.minimum(limit)?;
                 let up = up.clamp(-limit, limit)?;
