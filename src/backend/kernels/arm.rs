@@ -29,6 +29,9 @@ impl Features {
 }
 
 /// `acc + a·b` per 4-byte group: lane `i` adds the dot product of bytes `4i..4i + 4`.
+///
+/// # Safety
+/// The CPU has FEAT_DotProd (`Features::get`).
 #[inline]
 #[target_feature(enable = "dotprod")]
 pub unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
@@ -41,8 +44,28 @@ pub unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
+/// `acc + a·b[L]`: lane `i` adds the dot product of bytes `4i..4i + 4` of `a` with the 4-byte
+/// group `L` of `b` (the by-element form: one activation register serves four groups).
+///
+/// # Safety
+/// The CPU has FEAT_DotProd (`Features::get`).
+#[inline]
+#[target_feature(enable = "dotprod")]
+pub unsafe fn sdot_lane<const L: i32>(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    asm!(
+        "sdot {acc:v}.4s, {a:v}.16b, {b:v}.4b[{l}]",
+        acc = inout(vreg) acc, a = in(vreg) a, b = in(vreg) b, l = const L,
+        options(pure, nomem, nostack, preserves_flags)
+    );
+    acc
+}
+
 /// `acc + a·b` for `a`, `b` as 2×8 matrices of int8 rows, `acc` as a 2×2 int32 one:
 /// lanes `[a0·b0, a0·b1, a1·b0, a1·b1]`, each a dot product of 8 bytes.
+///
+/// # Safety
+/// The CPU has FEAT_I8MM (`Features::get`).
 #[inline]
 #[target_feature(enable = "i8mm")]
 pub unsafe fn smmla(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
@@ -57,6 +80,9 @@ pub unsafe fn smmla(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
 
 /// Eight float16 values at `p` widened to float32 (`fcvtl`/`fcvtl2`: base ARMv8, unlike the
 /// float16 arithmetic of FEAT_FP16; asm because Rust's `float16x4_t` is not stable yet).
+///
+/// # Safety
+/// `p` points to 8 readable float16 values.
 #[inline(always)]
 pub unsafe fn widen_f16x8(p: *const half::f16) -> [float32x4_t; 2] {
     let h = vld1q_u16(p as *const u16);

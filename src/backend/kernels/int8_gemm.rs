@@ -63,8 +63,8 @@ impl BlockFormat {
 /// Activations quantized per row into 32-value blocks: scale, int8 values, `Σq` and `d·Σq`.
 pub(super) struct QuantizedRows {
     pub(super) scales: Vec<f32>,
-    // Only the x86 interleaved tiles start their integer sums from it.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    // Only the interleaved tiles (x86, Arm) start their integer sums from it.
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     pub(super) qsums: Vec<i32>,
     pub(super) sums: Vec<f32>,
     pub(super) values: Vec<i8>,

@@ -2,8 +2,8 @@
 //!
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K on CPUs with AVX-512 VNNI), the tiled int8 GEMM over ggml's own layout
-//! (`int8_gemm`: the 32-value formats on CPUs without VNNI, x86 or Arm), our half-precision GEMV
+//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K on CPUs with AVX-512 VNNI or Arm's dot product), the tiled
+//! int8 GEMM over ggml's own layout (`int8_gemm`: the 32-value formats on CPUs without either), our half-precision GEMV
 //! (`dense`), our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over de-quantized slabs. Our
 //! kernels run on the CPU only: on CUDA and Metal every product is candle's.
 
@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Module, Tensor};
 pub enum Weight {
     /// A dense tensor or quantized blocks in ggml's layout.
     Candle(QMatMul),
-    /// A block format in interleaved tiles (CPU with AVX-512 VNNI).
+    /// A block format in interleaved tiles (CPU with AVX-512 VNNI, or Arm with dotprod).
     Interleaved(Arc<interleaved::Interleaved>),
 }
 
@@ -54,7 +54,7 @@ impl Weight {
 
 /// The tile format `dtype` weights on `device` are repacked into, if they are.
 pub fn repacked_format(dtype: GgmlDType, device: &Device) -> Option<interleaved::Format> {
-    interleaved::Format::of(dtype).filter(|_| device.is_cpu() && interleaved::available())
+    interleaved::Format::of(dtype).filter(|&f| device.is_cpu() && interleaved::fast_path(f).is_some())
 }
 
 /// The SIMD features this build was compiled for: what the compiler may use in every loop it
