@@ -98,7 +98,7 @@ pub unsafe fn widen_f16x8(p: *const half::f16) -> [float32x4_t; 2] {
 
 #[cfg(test)]
 mod probe {
-    use super::super::{attention, dense, int8_gemm};
+    use super::super::{attention, dense, int8_gemm, interleaved};
     use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
     use candle_core::{DType, Device, Module, Tensor};
 
@@ -120,7 +120,9 @@ mod probe {
             "q5_0" => GgmlDType::Q5_0,
             "q5_1" => GgmlDType::Q5_1,
             "q8_0" => GgmlDType::Q8_0,
+            "q3_k" => GgmlDType::Q3K,
             "q4_k" => GgmlDType::Q4K,
+            "q5_k" => GgmlDType::Q5K,
             "q6_k" => GgmlDType::Q6K,
             other => panic!("unknown format {other}"),
         }
@@ -128,7 +130,9 @@ mod probe {
 
     /// One kernel run `reps` times, for `benches/arm/count.sh` to count instructions under qemu
     /// (ignored: it checks nothing). `CANDLEWICK_PROBE` is `int8:PATH:FORMAT:M:K:N:REPS` (our int8
-    /// GEMM on `Path::name` PATH), `candle:FORMAT:M:K:N:REPS` (candle's quantized matmul),
+    /// GEMM on `Path::name` PATH), `tiles:PATH:FORMAT:M:K:N:REPS` (the interleaved tiles, on
+    /// `portable` or `neon-dotprod`; repacking is not counted), `candle:FORMAT:M:K:N:REPS`
+    /// (candle's quantized matmul),
     /// `dense:ISA:DTYPE:N:K:REPS` (`neon` or `portable`; f32, bf16, f16) or
     /// `attn:SIMD:KEYS:REPS` (f16 cache; `neon` or `portable`).
     #[test]
@@ -149,6 +153,19 @@ mod probe {
                 let x = values(m * k, 2);
                 for _ in 0..reps {
                     std::hint::black_box(int8_gemm::matmul_with(format, &x, m, k, &data, n, path));
+                }
+            }
+            "tiles" => {
+                let path =
+                    *int8_gemm::Path::runnable().iter().find(|p| p.name() == f[1]).expect("a path this CPU runs");
+                let format = interleaved::Format::of(dtype(f[2])).expect("a tile format");
+                let (m, k, n, reps) = (num(3), num(4), num(5), num(6));
+                let w = Tensor::from_vec(values(n * k, 1), (n, k), &dev).unwrap();
+                let data = QTensor::quantize(&w, dtype(f[2])).unwrap().data().unwrap().to_vec();
+                let tiles = interleaved::Interleaved::repack(format, &data, n, k).unwrap();
+                let x = values(m * k, 2);
+                for _ in 0..reps {
+                    std::hint::black_box(tiles.matmul_with(&x, m, path));
                 }
             }
             "candle" => {

@@ -555,66 +555,85 @@ pub(super) mod neon {
         v0: usize,
         out: *mut f32,
     ) {
-        debug_assert!(F == Q4K || F == Q5K);
         let nb = w.blocks();
-        let units = nb * 8;
-        let nibble = vdupq_n_u8(0x0F);
-        let (three, sixteen) = (vdupq_n_u8(3), vdupq_n_u8(16));
         let mut acc = [[vdupq_n_f32(0.0); V]; R];
         for b in 0..nb {
             let rec = w.record(t, b).as_ptr();
-            let d = halves::<V>(rec, v0);
-            let dmin = halves::<V>(rec.add(Q4K_DMIN), v0);
+            let at = Q4kRecord { rec, d: halves::<V>(rec, v0), dmin: halves::<V>(rec.add(Q4K_DMIN), v0), v0 };
+            // Activation blocks of row r's unit u: (row0 + r)·units + 8b + u.
+            let xi: [usize; R] = std::array::from_fn(|r| (row0 + r) * nb * 8 + b * 8);
             for c in 0..4 {
-                // Units 2c (low nibbles) and 2c + 1 (high nibbles).
-                for high in [false, true] {
-                    let u = 2 * c + high as usize;
-                    let x = activations::<R>(xq, |r| (row0 + r) * units + b * 8 + u);
-                    let mut dot = [[vdupq_n_s32(0); V]; R];
-                    for (h, x) in x.iter().enumerate() {
-                        each_lane!(l => {
-                            let g = 4 * h + l;
-                            let at = rec.add(Q4K_QS + (c * 8 + g) * VECTOR);
-                            let mut q: [uint8x16_t; V] = std::array::from_fn(|v| {
-                                let packed = vld1q_u8(at.add((v0 + v) * 16));
-                                if high { vshrq_n_u8::<4>(packed) } else { vandq_u8(packed, nibble) }
-                            });
-                            if F == Q5K {
-                                q = with_high_bits(q, rec.add(Q5K_QH), u * 8 + g, v0, sixteen);
-                            }
-                            for r in 0..R {
-                                for v in 0..V {
-                                    dot[r][v] = dot_lane(dot[r][v], q[v], x[r], l);
-                                }
-                            }
-                        });
-                    }
-                    // The 6-bit scale and min of unit u for the 16 rows, as `unpack_q4k` reads them.
-                    let lo = vld1q_u8(rec.add(Q4K_SC_LO + u * LANES));
-                    let hi = vld1q_u8(rec.add(Q4K_SC_HI + (u % 4) * LANES));
-                    let hi = if u >= 4 { vshrq_n_u8::<4>(hi) } else { hi };
-                    let sc = quads_u8::<V>(vsliq_n_u8::<4>(lo, vandq_u8(hi, three)), v0);
-                    let mins = vsliq_n_u8::<4>(vshrq_n_u8::<4>(lo), vandq_u8(vshrq_n_u8::<2>(hi), three));
-                    let mins = quads_u8::<V>(mins, v0);
-                    // -(dmin·m_j), as the portable path and candle's de-quantization compute it.
-                    let neg_min: [float32x4_t; V] =
-                        std::array::from_fn(|v| vnegq_f32(vmulq_f32(dmin[v], vcvtq_f32_s32(mins[v]))));
-                    for r in 0..R {
-                        let xi = (row0 + r) * units + b * 8 + u;
-                        let xd = *xq.scales.get_unchecked(xi);
-                        let xs = *xq.sums.get_unchecked(xi);
-                        for v in 0..V {
-                            let scaled = vcvtq_f32_s32(vmulq_s32(dot[r][v], sc[v]));
-                            acc[r][v] = vfmaq_f32(acc[r][v], scaled, vmulq_n_f32(d[v], xd));
-                            acc[r][v] = vfmaq_n_f32(acc[r][v], neg_min[v], xs);
-                        }
-                    }
-                }
+                // Units 2c (low nibbles) and 2c + 1 (high ones): the nibble a constant.
+                q4k_unit::<F, R, V, false>(&at, xq, xi.map(|i| i + 2 * c), c, &mut acc);
+                q4k_unit::<F, R, V, true>(&at, xq, xi.map(|i| i + 2 * c + 1), c, &mut acc);
             }
         }
         for (r, acc) in acc.iter().enumerate() {
             for (v, &acc) in acc.iter().enumerate() {
                 store(acc, out, row0 + r, w.n, t * LANES + 4 * (v0 + v));
+            }
+        }
+    }
+
+    /// A Q4_K (Q5_K) record and what `q4k_unit` reads of it for quads `v0..v0 + V`.
+    struct Q4kRecord<const V: usize> {
+        rec: *const u8,
+        d: [float32x4_t; V],
+        dmin: [float32x4_t; V],
+        v0: usize,
+    }
+
+    /// Unit `2c + HIGH` of a Q4_K (Q5_K) record (the high nibbles of chunk `c` if `HIGH`) times
+    /// the activation blocks `xi` of `R` rows, added to `acc`.
+    #[inline(always)]
+    unsafe fn q4k_unit<const F: u8, const R: usize, const V: usize, const HIGH: bool>(
+        at: &Q4kRecord<V>,
+        xq: &QuantizedRows,
+        xi: [usize; R],
+        c: usize,
+        acc: &mut [[float32x4_t; V]; R],
+    ) {
+        debug_assert!(F == Q4K || F == Q5K);
+        let (rec, v0) = (at.rec, at.v0);
+        let u = 2 * c + HIGH as usize;
+        let (nibble, three, sixteen) = (vdupq_n_u8(0x0F), vdupq_n_u8(3), vdupq_n_u8(16));
+        let x = activations::<R>(xq, |r| xi[r]);
+        let mut dot = [[vdupq_n_s32(0); V]; R];
+        for (h, x) in x.iter().enumerate() {
+            each_lane!(l => {
+                let g = 4 * h + l;
+                let packed = rec.add(Q4K_QS + (c * 8 + g) * VECTOR);
+                let mut q: [uint8x16_t; V] = std::array::from_fn(|v| {
+                    let packed = vld1q_u8(packed.add((v0 + v) * 16));
+                    if HIGH { vshrq_n_u8::<4>(packed) } else { vandq_u8(packed, nibble) }
+                });
+                if F == Q5K {
+                    q = with_high_bits(q, rec.add(Q5K_QH), u * 8 + g, v0, sixteen);
+                }
+                for r in 0..R {
+                    for v in 0..V {
+                        dot[r][v] = dot_lane(dot[r][v], q[v], x[r], l);
+                    }
+                }
+            });
+        }
+        // The 6-bit scale and min of unit u for the 16 rows, as `unpack_q4k` reads them.
+        let lo = vld1q_u8(rec.add(Q4K_SC_LO + u * LANES));
+        let hi = vld1q_u8(rec.add(Q4K_SC_HI + (u % 4) * LANES));
+        let hi = if u >= 4 { vshrq_n_u8::<4>(hi) } else { hi };
+        let sc = quads_u8::<V>(vsliq_n_u8::<4>(lo, vandq_u8(hi, three)), v0);
+        let mins = vsliq_n_u8::<4>(vshrq_n_u8::<4>(lo), vandq_u8(vshrq_n_u8::<2>(hi), three));
+        let mins = quads_u8::<V>(mins, v0);
+        // -(dmin·m_j), as the portable path and candle's de-quantization compute it.
+        let neg_min: [float32x4_t; V] =
+            std::array::from_fn(|v| vnegq_f32(vmulq_f32(at.dmin[v], vcvtq_f32_s32(mins[v]))));
+        for (r, &xi) in xi.iter().enumerate() {
+            let xd = *xq.scales.get_unchecked(xi);
+            let xs = *xq.sums.get_unchecked(xi);
+            for v in 0..V {
+                let scaled = vcvtq_f32_s32(vmulq_s32(dot[r][v], sc[v]));
+                acc[r][v] = vfmaq_f32(acc[r][v], scaled, vmulq_n_f32(at.d[v], xd));
+                acc[r][v] = vfmaq_n_f32(acc[r][v], neg_min[v], xs);
             }
         }
     }

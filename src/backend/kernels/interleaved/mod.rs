@@ -432,7 +432,9 @@ impl Interleaved {
         self.matmul_with(x, m, fast_path(self.format).unwrap_or(Path::Portable))
     }
 
-    fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
+    /// `matmul` on a given path (at most what this CPU runs for the format: the tests and the
+    /// Arm instruction-count probe force each one).
+    pub(in crate::backend::kernels) fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k);
         let xq = quantize_rows(x);
         // Q6_K's and Q3_K's scales change every 16 values: their offsets need the activations'
