@@ -815,7 +815,13 @@ mod neon {
             while $row0 + 4 <= m {
                 const $r: usize = 4;
                 const $v: usize = 2;
-                for $v0 in [0, 2] {
+                // Each half written out: a loop over them, not unrolled, left `v0` a variable.
+                {
+                    let $v0 = 0;
+                    $call
+                }
+                {
+                    let $v0 = 2;
                     $call
                 }
                 $row0 += 4;
@@ -836,7 +842,12 @@ mod neon {
                 3 => {
                     const $r: usize = 3;
                     const $v: usize = 2;
-                    for $v0 in [0, 2] {
+                    {
+                        let $v0 = 0;
+                        $call
+                    }
+                    {
+                        let $v0 = 2;
                         $call
                     }
                 }
