@@ -510,7 +510,7 @@ pub enum Path {
     Avx512Vnni,
     /// NEON without extensions (`smull`): every aarch64 CPU.
     Neon,
-    /// NEON with the dot-product extension (`sdot`).
+    /// NEON with the dot-product extension (`sdot`; the interleaved tiles' only Arm path).
     NeonDot,
     /// NEON with the int8 matrix-multiply extension (`smmla`; `sdot` for an odd last row).
     NeonI8mm,
