@@ -132,8 +132,8 @@ mod probe {
     /// (ignored: it checks nothing). `CANDLEWICK_PROBE` is `int8:PATH:FORMAT:M:K:N:REPS` (our int8
     /// GEMM on `Path::name` PATH), `tiles:PATH:FORMAT:M:K:N:REPS` (the interleaved tiles, on
     /// `portable` or `neon-dotprod`; repacking is not counted), `candle:FORMAT:M:K:N:REPS`
-    /// (candle's quantized matmul),
-    /// `dense:ISA:DTYPE:N:K:REPS` (`neon` or `portable`; f32, bf16, f16) or
+    /// (candle's quantized matmul), `dense:ISA:DTYPE:N:K:REPS` (`neon` or `portable`; f32, bf16,
+    /// f16) or
     /// `attn:SIMD:KEYS:REPS` (f16 cache; `neon` or `portable`).
     #[test]
     #[ignore]
@@ -142,28 +142,26 @@ mod probe {
         let f: Vec<&str> = spec.split(':').collect();
         let num = |i: usize| f[i].parse::<usize>().expect("a number");
         let dev = Device::Cpu;
+        // Our GEMMs' probes: the path by name, the weight's blocks, the activations.
+        let gemm = || {
+            let path = *int8_gemm::Path::runnable().iter().find(|p| p.name() == f[1]).expect("a path this CPU runs");
+            let (m, k, n, reps) = (num(3), num(4), num(5), num(6));
+            let w = Tensor::from_vec(values(n * k, 1), (n, k), &dev).unwrap();
+            let data = QTensor::quantize(&w, dtype(f[2])).unwrap().data().unwrap().to_vec();
+            (path, data, values(m * k, 2), (m, k, n, reps))
+        };
         match f[0] {
             "int8" => {
-                let path =
-                    *int8_gemm::Path::runnable().iter().find(|p| p.name() == f[1]).expect("a path this CPU runs");
                 let format = int8_gemm::BlockFormat::of(dtype(f[2])).expect("a 32-value format");
-                let (m, k, n, reps) = (num(3), num(4), num(5), num(6));
-                let w = Tensor::from_vec(values(n * k, 1), (n, k), &dev).unwrap();
-                let data = QTensor::quantize(&w, dtype(f[2])).unwrap().data().unwrap().to_vec();
-                let x = values(m * k, 2);
+                let (path, data, x, (m, k, n, reps)) = gemm();
                 for _ in 0..reps {
                     std::hint::black_box(int8_gemm::matmul_with(format, &x, m, k, &data, n, path));
                 }
             }
             "tiles" => {
-                let path =
-                    *int8_gemm::Path::runnable().iter().find(|p| p.name() == f[1]).expect("a path this CPU runs");
                 let format = interleaved::Format::of(dtype(f[2])).expect("a tile format");
-                let (m, k, n, reps) = (num(3), num(4), num(5), num(6));
-                let w = Tensor::from_vec(values(n * k, 1), (n, k), &dev).unwrap();
-                let data = QTensor::quantize(&w, dtype(f[2])).unwrap().data().unwrap().to_vec();
+                let (path, data, x, (m, k, n, reps)) = gemm();
                 let tiles = interleaved::Interleaved::repack(format, &data, n, k).unwrap();
-                let x = values(m * k, 2);
                 for _ in 0..reps {
                     std::hint::black_box(tiles.matmul_with(&x, m, path));
                 }
