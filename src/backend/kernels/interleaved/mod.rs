@@ -1,8 +1,8 @@
 //! Weights of ggml's block formats repacked at load into tiles of 16 interleaved rows, and the
 //! int8 GEMM over them: an AVX-512 VNNI path and a NEON `sdot` one (FEAT_DotProd), chosen at run
-//! time, and a portable one (ggml's `block_q8_0x8` / `block_q4_Kx8` idea, candle's x86 repack). The 32-value formats (Q8_0, Q4_0,
-//! Q4_1, Q5_0, Q5_1) are laid out here; the 256-value k-quants (Q3_K, Q4_K, Q5_K, Q6_K) in
-//! `k_quants.rs`.
+//! time, and a portable one (ggml's `block_q8_0x8` / `block_q4_Kx8` idea, candle's x86 repack).
+//! The 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are laid out here; the 256-value k-quants
+//! (Q3_K, Q4_K, Q5_K, Q6_K) in `k_quants.rs`.
 //!
 //! In ggml's row-major layout every (activation row, weight row) pair needs its own dot product
 //! and a horizontal sum, and the per-block scale arithmetic costs as much as the multiply.
@@ -17,11 +17,12 @@
 //! accumulator holds 4 output columns (`neon`).
 //!
 //! `vpdpbusd` multiplies unsigned by signed bytes. Q8_0 values are stored offset by 128 on x86
-//! (a flip of the sign bit; as they are on Arm, where `sdot` is signed × signed) and Q4_0's (Q5_0's, Q6_K's, Q3_K's) values are unsigned with an offset of 8
-//! (16, 32, 4), so each block's sum starts at `-offset·Σq_x`; Q4_1's and Q5_1's offset `m` is a
-//! float, added as `m·Σx` (Q4_K's and Q5_K's per 32 values, `-dmin·m_j·Σx`). The integer products equal ggml's
-//! exactly; only the order of the float additions differs. Activations are quantized in 32-value
-//! blocks for every format (ggml quantizes them per 256 for the k-quants: ours is finer).
+//! (a flip of the sign bit; unchanged on Arm, whose `sdot` is signed × signed) and Q4_0's
+//! (Q5_0's, Q6_K's, Q3_K's) values are unsigned with an offset of 8 (16, 32, 4), so each block's
+//! sum starts at `-offset·Σq_x`; Q4_1's and Q5_1's offset `m` is a float, added as `m·Σx` (Q4_K's
+//! and Q5_K's per 32 values, `-dmin·m_j·Σx`). The integer products equal ggml's exactly; only the
+//! order of the float additions differs. Activations are quantized in 32-value blocks for every
+//! format (ggml quantizes them per 256 for the k-quants: ours is finer).
 //!
 //! A tile's record holds the same bytes as its 16 source blocks (scales, then offsets for
 //! Q4_1/Q5_1, then the fifth bits of Q5 values, then the values of each group of 4 for each of
@@ -436,6 +437,12 @@ impl Interleaved {
     /// Arm instruction-count probe force each one).
     pub(in crate::backend::kernels) fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k);
+        // What makes the SIMD kernels below safe to enter.
+        assert!(
+            path == Path::Portable || Some(path) == fast_path(self.format),
+            "{path:?} does not run {:?} here",
+            self.format
+        );
         let xq = quantize_rows(x);
         // Q6_K's and Q3_K's scales change every 16 values: their offsets need the activations'
         // sums per 16.
@@ -477,9 +484,8 @@ impl Interleaved {
                 }
                 #[cfg(target_arch = "aarch64")]
                 Path::NeonDot => {
-                    // SAFETY: dotprod was detected (`fast_path`, and the tests force only what
-                    // it offers); indices stay inside the weight, the quantized rows and the
-                    // output by construction.
+                    // SAFETY: dotprod was detected (`fast_path`, asserted above); indices stay
+                    // inside the weight, the quantized rows and the output by construction.
                     unsafe {
                         match self.format {
                             Format::Q8_0 => neon::columns::<Q8_0>(self, &xq, m, t0, tiles, ptr.0),
