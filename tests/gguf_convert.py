@@ -65,11 +65,14 @@ ARCH = {
     "qwen3_moe": "qwen3moe",
     "olmoe": "olmoe",
     "granitemoe": "granitemoe",
+    # Granite MoE Shared is written as Granite MoE with `ffn_*_shexp` tensors.
+    "granitemoeshared": "granitemoe",
     "gpt_oss": "gpt-oss",
+    "qwen2_moe": "qwen2moe",
 }
 
 # The converters that derive from `LlamaModel` and so permute q/k rows (`undo_permute = True`).
-LLAMA_FAMILY = {"llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe"}
+LLAMA_FAMILY = {"llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe", "granitemoeshared"}
 
 
 def _arch_enum(name):
@@ -209,7 +212,7 @@ def _parameters(w, cfg, model_type, n_layers):
         # "use zero value of sliding_window to distinguish Phi-4 from other PHI3 models"
         w.add_sliding_window(cfg.get("sliding_window") or 0)
         return
-    granite = model_type in ("granite", "granitemoe")
+    granite = model_type in ("granite", "granitemoe", "granitemoeshared")
     if granite:
         cfg = {k: v for k, v in cfg.items() if k != "head_dim"}  # "Ignoring head_dim ... for Granite"
     _text_model_parameters(w, cfg, n_layers)
@@ -254,7 +257,9 @@ def _parameters(w, cfg, model_type, n_layers):
         w.add_layer_norm_rms_eps(1e-5)
         if (n := cfg.get("num_experts")) is not None:
             w.add_expert_count(n)
-    if model_type == "qwen3_moe":
+    if model_type == "qwen2_moe" and (n := cfg.get("num_experts")) is not None:
+        w.add_expert_count(n)
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         if (n := cfg.get("moe_intermediate_size")) is not None:
             w.add_expert_feed_forward_length(n)
         if (n := cfg.get("shared_expert_intermediate_size")) is not None:
@@ -305,7 +310,7 @@ def _tensors(cfg, model_type, weights, n_layers, arch):
                     stack = [experts[bid][f"model.layers.{bid}.block_sparse_moe.experts.{x}.{wid}.weight"] for x in range(n)]
                     out.append((f"layers.{bid}.feed_forward.experts.{wid}.weight", np.stack(stack)))
             continue
-        if model_type in ("qwen3_moe", "olmoe") and ".mlp.experts." in name:
+        if model_type in ("qwen3_moe", "qwen2_moe", "olmoe") and ".mlp.experts." in name:
             experts.setdefault(bid, {})[name] = t
             n = cfg.get("num_local_experts") or cfg["num_experts"]
             if len(experts[bid]) == 3 * n:
@@ -313,10 +318,15 @@ def _tensors(cfg, model_type, weights, n_layers, arch):
                     stack = [experts[bid][f"model.layers.{bid}.mlp.experts.{x}.{wn}.weight"] for x in range(n)]
                     out.append((f"model.layers.{bid}.mlp.experts.{wn}.weight", np.stack(stack)))
             continue
-        if model_type == "granitemoe" and name.endswith("block_sparse_moe.input_linear.weight"):
+        if model_type in ("granitemoe", "granitemoeshared") and name.endswith("block_sparse_moe.input_linear.weight"):
             ffn = cfg["intermediate_size"]
             out.append((f"=blk.{bid}.ffn_gate_exps.weight", t[:, :ffn]))
             out.append((f"=blk.{bid}.ffn_up_exps.weight", t[:, ffn:]))
+            continue
+        if model_type == "granitemoeshared" and name.endswith("shared_mlp.input_linear.weight"):
+            ffn = cfg["shared_intermediate_size"]
+            out.append((f"=blk.{bid}.ffn_gate_shexp.weight", t[:ffn]))
+            out.append((f"=blk.{bid}.ffn_up_shexp.weight", t[ffn:]))
             continue
         if model_type == "gpt_oss":
             if "sinks" in name:

@@ -6,8 +6,13 @@ row) from random but valid block bytes (finite float16 scales), loaded through c
 and read back through the `model.embed_tokens` observation point of a prompt of every token
 id. De-quantized runs (`dtype="f32"`) must equal the reference's float32 bit patterns; the
 quantized run re-encodes the types candle lacks as Q8_0 blocks, exact for the types whose
-scale float16 always holds (IQ4_NL, TQ1_0, TQ2_0, MXFP4 in range).
+scale float16 always holds (IQ4_NL, TQ1_0, TQ2_0, MXFP4 in range), except IQ4_NL, IQ4_XS and
+MXFP4 on a CPU with the interleaved tiles, which keep their own blocks (exact, all of them).
 """
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -30,6 +35,10 @@ QUANTIZED = [*HALF_SCALES, T.IQ1_M, T.MXFP4]
 FLOATS = [T.F32, T.F16, T.BF16]
 # The types candle lacks whose Q8_0 re-encoding keeps every value (see `extra_types.rs`).
 EXACT_AS_Q8_0 = [T.IQ4_NL, T.TQ1_0, T.TQ2_0, T.MXFP4]
+# The types candle lacks that run in interleaved tiles of their own blocks where the CPU has them
+# (AVX-512 VNNI), with the bits a value of those blocks.
+OWN_TILES = {T.IQ4_NL: 4.5, T.IQ4_XS: 4.25, T.MXFP4: 4.25}
+TILES = cw.build_info()["interleaved_tiles"]
 
 
 def random_blocks(qtype, rows, rng, extremes=False, scales=(2e-4, 2e-2), exponents=(100, 135)):
@@ -95,8 +104,9 @@ def test_every_type_dequantizes_bit_for_bit_as_gguf(tmp_path, qtype):
     assert np.isfinite(want).all()
     path = write(tmp_path, qtype, raw)
     assert_bits_equal(embedding_table(path, dtype="f32"), want, f"{qtype.name} de-quantized")
-    if qtype in EXACT_AS_Q8_0:
-        # MXFP4's exponent 252 is beyond any Q8_0 scale: that tensor stays float32, still exact.
+    if qtype in EXACT_AS_Q8_0 or (TILES and qtype in OWN_TILES):
+        # MXFP4's exponent 252 is beyond any Q8_0 scale: that tensor stays float32, still exact
+        # (in its own tiles, every exponent is).
         assert_bits_equal(embedding_table(path), want, f"{qtype.name} quantized")
     if qtype == T.MXFP4:
         # Scales float16 holds (2^-24 to 2^15): the Q8_0 re-encoding itself.
@@ -108,8 +118,8 @@ def test_every_type_dequantizes_bit_for_bit_as_gguf(tmp_path, qtype):
 @pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.IQ2_XS, T.IQ3_S, T.IQ4_XS, T.IQ1_M, T.MXFP4], ids=lambda t: t.name)
 def test_projections_of_the_new_types_run_quantized(tmp_path, qtype):
     # Every projection of layer 0 in the type, with weights of a trained model's magnitude (~0.02):
-    # the quantized run (Q8_0 tiles) and the de-quantized float32 run agree as a quantized model
-    # does with its float weights.
+    # the quantized run (Q8_0 tiles, or IQ4_XS's and MXFP4's own) and the de-quantized float32 run
+    # agree as a quantized model does with its float weights.
     rng = np.random.default_rng(7)
     small = {"scales": (2e-5, 2e-4), "exponents": (116, 122)}
     names = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
@@ -143,3 +153,53 @@ def test_a_truncated_tensor_is_a_typed_error(tmp_path):
     path.write_bytes(data[: len(data) - 100])
     with pytest.raises(cw.CandlewickError, match=r"output\.weight.*IQ3_S"):
         cw.ModelRuntime.load(path, device="cpu")
+
+
+# Resident memory a fresh process adds loading `path` (one that allocated nothing before, so the
+# allocator has no freed pages to hand the weights).
+LOAD_RSS = """
+import os, sys, candlewick as cw
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+rt = cw.ModelRuntime.load(sys.argv[1], device="cpu", max_context=64)
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(not TILES, reason="the interleaved tiles need AVX-512 VNNI")
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from /proc")
+@pytest.mark.parametrize("qtype", list(OWN_TILES), ids=lambda t: t.name)
+def test_types_with_own_tiles_load_at_their_own_size(tmp_path, qtype):
+    """IQ4_NL, IQ4_XS and MXFP4 weights (dense projections and the embedding) load into tiles
+    of their own blocks, 4.25–4.5 bits a value, not as Q8_0 (8.5): `model_info` counts them under
+    their type, the resident memory the load adds is that size (plus the model's small float32
+    norms and buffers), and the run agrees with the de-quantized one."""
+    hidden, ff = 1024, 8192
+    rng = np.random.default_rng(11)
+    small = {"scales": (2e-5, 2e-4), "exponents": (116, 122)}
+    kv = hidden // 2  # 4 heads, 2 of them for keys and values
+    rows = {"attn_q": hidden, "attn_k": kv, "attn_v": kv, "attn_output": hidden, "ffn_gate": ff, "ffn_up": ff}
+    raw = {}
+    for name, n in rows.items():
+        raw[f"blk.0.{name}.weight"] = (random_blocks(qtype, n * hidden // HIDDEN, rng, **small).reshape(n, -1), qtype)
+    raw["blk.0.ffn_down.weight"] = (random_blocks(qtype, hidden * ff // HIDDEN, rng, **small).reshape(hidden, -1), qtype)
+    vocab = len(default_vocab()["tokens"])
+    for name in ("token_embd.weight", "output.weight"):
+        raw[name] = (random_blocks(qtype, vocab * hidden // HIDDEN, rng, **small).reshape(vocab, -1), qtype)
+    path = write_tiny_gguf(tmp_path / "big.gguf", hidden=hidden, ff=ff, n_layers=1, raw_tensors=raw)
+    values = sum(a.size // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0] for a, _ in raw.values())
+    added = subprocess.run([sys.executable, "-c", LOAD_RSS, str(path)], capture_output=True, text=True, check=True)
+    bits = 8 * int(added.stdout) / values
+    rt = cw.ModelRuntime.load(path, device="cpu", max_context=64)
+    types = rt.model_info["weight_types"]
+    print(f"\n[{qtype.name}] {values} values in their own tiles: {bits:.2f} bits a value resident; {types}")
+    assert types[qtype.name.lower()] == values and "q8_0" not in types
+    # Above the blocks' own size by what any load adds (the runtime, tokenizer and threads: about
+    # 4 MB, 1.2 bits a value of this model); below the 8.5 bits of Q8_0 blocks.
+    assert OWN_TILES[qtype] <= bits < 6.5
+    tokens = list(range(2, 20))
+    got = rt.prefill(tokens, all_logits=True).wait().logits
+    ref = cw.ModelRuntime.load(path, device="cpu", dtype="f32").prefill(tokens, all_logits=True).wait().logits
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05

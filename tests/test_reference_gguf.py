@@ -248,15 +248,19 @@ LLAMA_CPP_CASES = [c for c in DENSE if c != "phi3"] + ["qwen3_moe", "mixtral", "
 def test_llama_cpp_reads_the_files_as_the_reference(gguf_file, case_):
     """llama.cpp (llama-cpp-python) on the all-F32 file, with a float32 KV cache, teacher-forced:
     the de-quantized bound on the top-20 logits of every row."""
+    llama_cpp_reads_as_the_reference(gguf_file(case_, "f32"), reference(case_), case_)
+
+
+def llama_cpp_reads_as_the_reference(path, ref, name):
+    """llama.cpp's teacher-forced logits of the all-F32 file `path` within the de-quantized bound
+    of `ref`'s (skipped where llama-cpp-python is not installed)."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    ref = reference(case_)
     ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()
     f32 = 0  # GGML_TYPE_F32
-    llm = llama_cpp.Llama(str(gguf_file(case_, "f32")), n_ctx=64, logits_all=True, verbose=False,
-                          n_threads=1, type_k=f32, type_v=f32)
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1, type_k=f32, type_v=f32)
     llm.eval(ids)
     errs = top20_errors(np.array(llm.scores[: len(ids)]), ref["sequence_logits"])
-    print(f"\n[llama.cpp f32] {case_}: top-20 rel L2 max {errs.max():.2e}")
+    print(f"\n[llama.cpp f32] {name}: top-20 rel L2 max {errs.max():.2e}")
     assert errs.max() <= F32_TOL
 
 
@@ -273,7 +277,8 @@ def test_llama_cpp_agrees_on_gpt_oss(tmp_path, experts):
     released gpt-oss files store them) through llama.cpp and candlewick, teacher-forced on the
     fixture's prompt + continuation. All-F32 file: both de-quantized, DESIGN §7's 1e-3 on the
     top-20 logits of every row. MXFP4 experts: both run them quantized (llama.cpp's MXFP4 dot
-    product, candlewick's Q8_0 tiles), the quantized bounds (median ≤ 0.05, top-5 overlap ≥ 3)."""
+    product, candlewick's MXFP4 tiles, or Q8_0 where the CPU has none), the quantized bounds
+    (median ≤ 0.05, top-5 overlap ≥ 3)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ref = reference("gpt_oss")
     ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()

@@ -124,6 +124,7 @@ def test_supported_architectures_and_model_info_name_the_experts(runtime, case):
     cfg = config(case)
     assert info["num_experts"] == experts_of(cfg)
     assert info["experts_per_token"] == cfg["num_experts_per_tok"]
+    assert info["shared_expert_intermediate_size"] is None
 
 
 # Per architecture: (router, per-expert (gate, up, down) as [out, in] float64 arrays, residual

@@ -45,6 +45,9 @@ pub struct ModelInfo {
     pub experts_per_token: Option<usize>,
     /// Width of one expert's hidden activation (`None` for a dense model).
     pub expert_intermediate_size: Option<usize>,
+    /// Width of the shared expert every token runs beside the routed ones (Qwen2-MoE, Granite
+    /// MoE Shared; `None` where there is none).
+    pub shared_expert_intermediate_size: Option<usize>,
     /// Layers that mix experts (0 for a dense model; the others run a dense MLP).
     pub moe_layers: usize,
     /// Parameters by storage type (`q4_k`, `q6_k`, `f32`, ...).
@@ -92,6 +95,7 @@ impl ModelInfo {
             num_experts: c.moe.as_ref().map(|m| m.num_experts),
             experts_per_token: c.moe.as_ref().map(|m| m.experts_per_token),
             expert_intermediate_size: c.moe.as_ref().map(|m| m.expert_intermediate_size),
+            shared_expert_intermediate_size: c.moe.as_ref().and_then(|m| m.shared_expert).map(|s| s.intermediate_size),
             moe_layers: (0..c.num_layers()).filter(|&i| c.is_sparse(i)).count(),
             parameters: weight_types.values().sum(),
             weight_types,

@@ -382,8 +382,9 @@ impl PyModelRuntime {
     }
 
     /// Architecture, sizes, weight types, dtype and context of the loaded model (a dict); for a
-    /// mixture of experts also `num_experts`, `experts_per_token`, `expert_intermediate_size` and
-    /// `moe_layers` (`None` / 0 for a dense model).
+    /// mixture of experts also `num_experts`, `experts_per_token`, `expert_intermediate_size`,
+    /// `shared_expert_intermediate_size` (`None` without a shared expert) and `moe_layers`
+    /// (`None` / 0 for a dense model).
     #[getter]
     fn model_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let info = self.lock(py)?.info().clone();
@@ -405,6 +406,7 @@ impl PyModelRuntime {
         d.set_item("num_experts", info.num_experts)?;
         d.set_item("experts_per_token", info.experts_per_token)?;
         d.set_item("expert_intermediate_size", info.expert_intermediate_size)?;
+        d.set_item("shared_expert_intermediate_size", info.shared_expert_intermediate_size)?;
         d.set_item("moe_layers", info.moe_layers)?;
         d.set_item("weight_types", info.weight_types.clone())?;
         d.set_item("parameters", info.parameters)?;

@@ -2,7 +2,7 @@
 
 use super::{
     check_layer_count, Activation, ArchConfig, Architecture, BlockNorms, ExpertGlu, LayerConfig, MoeConfig, NormKind,
-    QkNorm, RopeConfig, RopeScaling, Routing,
+    QkNorm, RopeConfig, RopeScaling, Routing, SharedExpert,
 };
 use crate::backend::error::{CandleError, Result};
 use crate::backend::weights::gguf::Metadata;
@@ -234,17 +234,26 @@ fn with_experts(
     let arch = config.architecture;
     let experts = md.opt_usize(&key("expert_count"))?.unwrap_or(0);
     // As llama.cpp, which refuses these without experts.
-    if experts == 0 && matches!(arch, Architecture::Olmoe | Architecture::GptOss) {
+    if experts == 0 && matches!(arch, Architecture::Olmoe | Architecture::GptOss | Architecture::Qwen2Moe) {
         return Err(CandleError::MissingMetadata { key: key("expert_count") });
     }
-    // Granite MoE Shared's always-on expert (`ffn_{gate,up,down}_shexp`) is not in the decoder.
-    if md.opt_usize(&key("expert_shared_feed_forward_length"))?.unwrap_or(0) > 0
-        || has_tensor("blk.0.ffn_up_shexp.weight")
-    {
-        return Err(CandleError::UnsupportedConfig {
-            what: format!("shared experts (`{}`, `ffn_*_shexp`)", key("expert_shared_feed_forward_length")),
-        });
-    }
+    // The always-on expert (`ffn_{gate,up,down}_shexp`): Qwen2-MoE's, scaled by the sigmoid of
+    // `ffn_gate_inp_shexp`, and Granite MoE Shared's (written as `granitemoe`), added as it is.
+    let shared_key = key("expert_shared_feed_forward_length");
+    let shared_width = md.opt_usize(&shared_key)?.unwrap_or(0);
+    let shared_expert = if shared_width > 0 || has_tensor("blk.0.ffn_up_shexp.weight") {
+        if !matches!(arch, Architecture::Qwen2Moe | Architecture::GraniteMoe) || experts == 0 {
+            return Err(CandleError::UnsupportedConfig {
+                what: format!("shared experts (`{shared_key}`, `ffn_*_shexp`) in a GGUF `{}` file", arch.name()),
+            });
+        }
+        if shared_width == 0 {
+            return Err(CandleError::MissingMetadata { key: shared_key });
+        }
+        Some(SharedExpert { intermediate_size: shared_width, gated: has_tensor("blk.0.ffn_gate_inp_shexp.weight") })
+    } else {
+        None
+    };
     let mut glu = ExpertGlu::Gated;
     let routing = match arch {
         _ if experts == 0 => return Ok(config),
@@ -252,9 +261,10 @@ fn with_experts(
             config.architecture = Architecture::Mixtral;
             Routing::SoftmaxTopK { renormalize: true }
         }
-        // llama.cpp's Qwen3-MoE graph always renormalises the selected weights; OLMoE's never does.
+        // llama.cpp's Qwen3-MoE graph always renormalises the selected weights; Qwen2-MoE's and
+        // OLMoE's never do.
         Architecture::Qwen3Moe => Routing::SoftmaxTopK { renormalize: true },
-        Architecture::Olmoe => Routing::SoftmaxTopK { renormalize: false },
+        Architecture::Qwen2Moe | Architecture::Olmoe => Routing::SoftmaxTopK { renormalize: false },
         // llama.cpp renormalises Granite MoE's softmax over its top k: the same weights as a softmax
         // over the top-k logits, which is how transformers (and the HF path here) computes them.
         Architecture::GraniteMoe => Routing::TopKSoftmax,
@@ -292,6 +302,7 @@ fn with_experts(
         expert_bias: has_tensor("blk.0.ffn_gate_exps.bias"),
         glu,
         sparse_layers: vec![true; n_layers],
+        shared_expert,
     });
     Ok(config)
 }
@@ -537,9 +548,30 @@ mod tests {
         assert!(cfg.rope_interleaved);
         assert_eq!((cfg.logits_divisor, cfg.residual_multiplier, cfg.embed_multiplier), (Some(2.0), Some(0.25), None));
         assert_eq!(cfg.moe.unwrap().routing, Routing::TopKSoftmax);
+        // Granite MoE Shared: the same architecture with an ungated shared expert.
         md.push(("expert_shared_feed_forward_length", Value::U32(32)));
-        let err = parse(&metadata("granitemoe", md), &[]).unwrap_err().to_string();
-        assert!(err.contains("granitemoe.expert_shared_feed_forward_length"), "{err}");
+        let shared = parse(&metadata("granitemoe", md), &["blk.0.ffn_up_shexp.weight"]).unwrap().moe.unwrap();
+        assert_eq!(shared.shared_expert, Some(SharedExpert { intermediate_size: 32, gated: false }));
+    }
+
+    #[test]
+    fn shared_experts_load_where_llama_cpp_has_them_and_are_refused_elsewhere() {
+        let experts = |shared: u32| {
+            vec![
+                ("expert_count", Value::U32(4)),
+                ("expert_used_count", Value::U32(2)),
+                ("expert_shared_feed_forward_length", Value::U32(shared)),
+            ]
+        };
+        let gated = ["blk.0.ffn_up_shexp.weight", "blk.0.ffn_gate_inp_shexp.weight"];
+        let moe = parse(&metadata("qwen2moe", experts(96)), &gated).unwrap().moe.unwrap();
+        assert_eq!(moe.routing, Routing::SoftmaxTopK { renormalize: false });
+        assert_eq!(moe.shared_expert, Some(SharedExpert { intermediate_size: 96, gated: true }));
+        // Tensors without their width, and a shared expert where the decoder has none.
+        let err = parse(&metadata("qwen2moe", experts(0)), &gated).unwrap_err().to_string();
+        assert!(err.contains("qwen2moe.expert_shared_feed_forward_length"), "{err}");
+        let err = parse(&metadata("qwen3moe", experts(96)), &gated).unwrap_err().to_string();
+        assert!(err.contains("shared experts") && err.contains("qwen3_moe"), "{err}");
     }
 
     #[test]

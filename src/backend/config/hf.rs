@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use super::{
     check_layer_count, invalid, Activation, ArchConfig, Architecture, BlockNorms, ExpertGlu, LayerConfig, MoeConfig,
-    NormKind, QkNorm, RopeConfig, RopeScaling, Routing,
+    NormKind, QkNorm, RopeConfig, RopeScaling, Routing, SharedExpert,
 };
 use crate::backend::error::{CandleError, Result};
 
@@ -95,6 +95,8 @@ struct HfConfig {
     #[serde(alias = "activation_function")]
     hidden_act: Option<String>,
     attention_bias: Option<bool>,
+    /// Qwen2-MoE's switch for the q, k, v biases.
+    qkv_bias: Option<bool>,
     mlp_bias: Option<bool>,
     query_pre_attn_scalar: Option<f64>,
     rms_norm_eps: Option<f64>,
@@ -125,7 +127,10 @@ struct HfConfig {
     norm_topk_prob: Option<bool>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
+    /// Qwen2-MoE's shared expert width.
     shared_expert_intermediate_size: Option<usize>,
+    /// Granite MoE Shared's shared expert width.
+    shared_intermediate_size: Option<usize>,
     swiglu_limit: Option<f64>,
     swiglu_alpha: Option<f64>,
     clip_qkv: Option<f64>,
@@ -285,7 +290,7 @@ fn sliding_layers(cfg: &HfConfig, arch: Architecture, n_layers: usize, source: &
             }
             (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
         }
-        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Qwen2Moe => {
             let on = has_window && cfg.use_sliding_window.unwrap_or(false);
             let from = cfg.max_window_layers.unwrap_or(n_layers);
             (0..n_layers).map(|i| on && i >= from).collect()
@@ -324,8 +329,10 @@ fn architecture(model_type: &str) -> Result<Architecture> {
         "qwen3_moe" => Architecture::Qwen3Moe,
         "mixtral" => Architecture::Mixtral,
         "olmoe" => Architecture::Olmoe,
-        "granitemoe" => Architecture::GraniteMoe,
+        // Granite MoE with a shared expert (`shared_intermediate_size`): the same decoder.
+        "granitemoe" | "granitemoeshared" => Architecture::GraniteMoe,
         "gpt_oss" => Architecture::GptOss,
+        "qwen2_moe" => Architecture::Qwen2Moe,
         other => return Err(CandleError::UnsupportedArchitecture { name: other.to_owned() }),
     })
 }
@@ -365,24 +372,36 @@ fn moe_config(
     // transformers' defaults where a key is absent.
     let (experts_key, default_k) = match arch {
         Architecture::Qwen3Moe => ("num_experts", 8),
+        Architecture::Qwen2Moe => ("num_experts", 4),
         Architecture::Olmoe => ("num_experts", 8),
         Architecture::Mixtral | Architecture::GraniteMoe => ("num_local_experts", 2),
         Architecture::GptOss => ("num_local_experts", 4),
         _ => return Ok(None),
     };
-    if cfg.shared_expert_intermediate_size.is_some_and(|n| n > 0) {
-        return Err(CandleError::UnsupportedConfig {
-            what: "shared experts (`shared_expert_intermediate_size`)".into(),
-        });
-    }
+    let shared_expert = match (arch, cfg.shared_expert_intermediate_size, cfg.shared_intermediate_size) {
+        (Architecture::Qwen2Moe, n, _) => Some(SharedExpert {
+            intermediate_size: required(n, source, "shared_expert_intermediate_size")?,
+            gated: true,
+        }),
+        // `granitemoeshared`; a width of 0 is transformers' "no shared expert".
+        (Architecture::GraniteMoe, _, Some(n)) if n > 0 => Some(SharedExpert { intermediate_size: n, gated: false }),
+        (_, Some(n), _) | (_, _, Some(n)) if n > 0 => {
+            return Err(CandleError::UnsupportedConfig {
+                what: format!("shared experts in a `{}` checkpoint", arch.name()),
+            })
+        }
+        _ => None,
+    };
     let num_experts = required(cfg.num_experts.or(cfg.num_local_experts), source, experts_key)?;
     let expert_intermediate_size = match arch {
-        Architecture::Qwen3Moe => required(cfg.moe_intermediate_size, source, "moe_intermediate_size")?,
+        Architecture::Qwen3Moe | Architecture::Qwen2Moe => {
+            required(cfg.moe_intermediate_size, source, "moe_intermediate_size")?
+        }
         _ => required(intermediate, source, "intermediate_size")?,
     };
     let sparse_layers = match arch {
-        // Qwen3-MoE: every `decoder_sparse_step`-th layer, except `mlp_only_layers`.
-        Architecture::Qwen3Moe => {
+        // Qwen2/3-MoE: every `decoder_sparse_step`-th layer, except `mlp_only_layers`.
+        Architecture::Qwen3Moe | Architecture::Qwen2Moe => {
             let step = cfg.decoder_sparse_step.unwrap_or(1);
             if step == 0 {
                 return Err(invalid(source, "decoder_sparse_step", "a step of 0 layers"));
@@ -415,6 +434,7 @@ fn moe_config(
             ExpertGlu::Gated
         },
         sparse_layers,
+        shared_expert,
     }))
 }
 
@@ -504,6 +524,10 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         _ => (head_dim as f64).powf(-0.5),
     };
     let granite = matches!(arch, Architecture::Granite | Architecture::GraniteMoe);
+    // Qwen2's and Qwen2-MoE's attention: biases on q, k and v (unless Qwen2-MoE's `qkv_bias` says
+    // otherwise), none on the output.
+    let qwen2 = matches!(arch, Architecture::Qwen2 | Architecture::Qwen2Moe);
+    let qwen2_qkv_bias = qwen2 && cfg.qkv_bias.unwrap_or(true);
     let moe = moe_config(&cfg, arch, n_layers, cfg.intermediate_size, path)?;
     if let Some(c) = cfg.clip_qkv {
         return Err(CandleError::UnsupportedConfig { what: format!("`clip_qkv` {c} (q, k, v clipping)") });
@@ -539,8 +563,8 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         tie_word_embeddings: cfg.tie_word_embeddings.unwrap_or(gemma || arch == Architecture::Gpt2),
         partial_rotary_factor,
         rope_interleaved: false,
-        qkv_bias: arch == Architecture::Qwen2 || attention_bias,
-        o_bias: attention_bias && arch != Architecture::Qwen2,
+        qkv_bias: qwen2_qkv_bias || attention_bias,
+        o_bias: attention_bias && !qwen2,
         mlp_bias: cfg.mlp_bias.unwrap_or(gpt),
         mlp_gated: !gpt,
         qk_norm: match arch {
@@ -568,7 +592,9 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
     config.validate(path, &|name| match name {
         "rms_norm_eps" if gpt => "layer_norm_eps".to_owned(),
         "num_experts" => experts_key.to_owned(),
-        "moe_intermediate_size" if arch != Architecture::Qwen3Moe => "intermediate_size".to_owned(),
+        "moe_intermediate_size" if !matches!(arch, Architecture::Qwen3Moe | Architecture::Qwen2Moe) => {
+            "intermediate_size".to_owned()
+        }
         other => other.to_owned(),
     })?;
     Ok(config)
@@ -771,5 +797,31 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn shared_experts_of_qwen2_moe_and_granite_moe_shared() {
+        let qwen = r#"{"model_type":"qwen2_moe","hidden_size":64,"num_attention_heads":4,"num_hidden_layers":2,
+                "intermediate_size":128,"moe_intermediate_size":32,"vocab_size":10,"num_experts":4,
+                "num_experts_per_tok":2,"shared_expert_intermediate_size":96"#;
+        let cfg = parse_config(&format!("{qwen}}}"), "x").unwrap();
+        assert!(cfg.qkv_bias && !cfg.o_bias);
+        let moe = cfg.moe.unwrap();
+        assert_eq!(moe.shared_expert, Some(SharedExpert { intermediate_size: 96, gated: true }));
+        assert_eq!(moe.routing, Routing::SoftmaxTopK { renormalize: false });
+        assert!(!parse_config(&format!(r#"{qwen},"qkv_bias":false}}"#), "x").unwrap().qkv_bias);
+        let granite = r#"{"model_type":"granitemoeshared","hidden_size":64,"num_attention_heads":4,
+                "num_hidden_layers":2,"intermediate_size":128,"vocab_size":10,"num_local_experts":4,
+                "num_experts_per_tok":2,"shared_intermediate_size""#;
+        let cfg = parse_config(&format!("{granite}:96}}"), "x").unwrap();
+        assert_eq!(cfg.architecture, Architecture::GraniteMoe);
+        assert_eq!(cfg.moe.unwrap().shared_expert, Some(SharedExpert { intermediate_size: 96, gated: false }));
+        // transformers' "none": a width of 0.
+        assert_eq!(parse_config(&format!("{granite}:0}}"), "x").unwrap().moe.unwrap().shared_expert, None);
+        // A shared expert the architecture's decoder does not have.
+        let mixtral = r#"{"model_type":"mixtral","hidden_size":64,"num_attention_heads":4,"num_hidden_layers":2,
+                "intermediate_size":128,"vocab_size":10,"num_local_experts":4,"shared_expert_intermediate_size":8}"#;
+        let err = parse_config(mixtral, "x").unwrap_err().to_string();
+        assert!(err.contains("shared experts") && err.contains("mixtral"), "{err}");
     }
 }

@@ -53,6 +53,9 @@ pub enum Architecture {
     GraniteMoe,
     /// gpt-oss: attention sinks and biases, alternating sliding windows, YaRN, clamped SwiGLU experts.
     GptOss,
+    /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, mixtures of experts beside an
+    /// always-on shared expert scaled by a sigmoid gate.
+    Qwen2Moe,
 }
 
 impl Architecture {
@@ -76,6 +79,7 @@ impl Architecture {
             Self::Olmoe => "olmoe",
             Self::GraniteMoe => "granitemoe",
             Self::GptOss => "gpt_oss",
+            Self::Qwen2Moe => "qwen2_moe",
         }
     }
 
@@ -102,11 +106,12 @@ impl Architecture {
             Self::Olmoe => Some("olmoe"),
             Self::GraniteMoe => Some("granitemoe"),
             Self::GptOss => Some("gpt-oss"),
+            Self::Qwen2Moe => Some("qwen2moe"),
         }
     }
 
     /// Every architecture the decoder loads, in the order they were added.
-    pub const ALL: [Architecture; 17] = [
+    pub const ALL: [Architecture; 18] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
@@ -124,6 +129,7 @@ impl Architecture {
         Self::Olmoe,
         Self::GraniteMoe,
         Self::GptOss,
+        Self::Qwen2Moe,
     ];
 }
 
@@ -325,6 +331,18 @@ pub struct MoeConfig {
     /// Which layers are mixtures (the others keep a dense MLP of `intermediate_size`);
     /// its length is the layer count.
     pub sparse_layers: Vec<bool>,
+    /// The expert every token runs beside the routed ones, where the architecture has one.
+    pub shared_expert: Option<SharedExpert>,
+}
+
+/// An always-on expert added to a mixture's output (Qwen2-MoE, Granite MoE Shared): a gated
+/// MLP with the experts' activation, over every token, outside the routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedExpert {
+    /// Width of its hidden activation.
+    pub intermediate_size: usize,
+    /// Whether its output is scaled per token by `σ(g·x)`, a learned `[hidden]` gate (Qwen2-MoE).
+    pub gated: bool,
 }
 
 /// What differs between layers: attention span and rotary embedding.
@@ -533,6 +551,14 @@ impl ArchConfig {
                     "moe_intermediate_size",
                     format!("{} is outside 1..={MAX_WIDTH}", m.expert_intermediate_size),
                 );
+            }
+            if let Some(shared) = m.shared_expert {
+                if shared.intermediate_size == 0 || shared.intermediate_size > MAX_WIDTH {
+                    return bad(
+                        "shared_expert_intermediate_size",
+                        format!("{} is outside 1..={MAX_WIDTH}", shared.intermediate_size),
+                    );
+                }
             }
             if m.sparse_layers.len() != self.layers.len() {
                 return bad(

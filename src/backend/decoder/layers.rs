@@ -115,7 +115,7 @@ impl Embedding {
         match self {
             Self::Dense(t) => (dtype_name(t.dtype()), t.elem_count()),
             Self::Quantized(q) => (ggml_name(q.dtype()), q.shape().elem_count()),
-            Self::Interleaved(q) => (ggml_name(q.format().dtype()), q.shape().0 * q.shape().1),
+            Self::Interleaved(q) => (q.format().name().to_owned(), q.shape().0 * q.shape().1),
         }
     }
 
@@ -239,6 +239,6 @@ fn weight_summary(w: &Weight) -> (String, usize) {
     match w {
         Weight::Candle(QMatMul::QTensor(q)) => (ggml_name(q.dtype()), q.shape().elem_count()),
         Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => (dtype_name(t.dtype()), t.elem_count()),
-        Weight::Interleaved(q) => (ggml_name(q.format().dtype()), q.shape().0 * q.shape().1),
+        Weight::Interleaved(q) => (q.format().name().to_owned(), q.shape().0 * q.shape().1),
     }
 }

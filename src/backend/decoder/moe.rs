@@ -5,14 +5,16 @@
 //! `mlp.expert_weights` point, zero where an expert was not selected), and every expert with a
 //! non-zero weight runs over the tokens that selected it, one matmul per expert over its tokens.
 //! A decode step therefore reads only the selected experts' weights. The experts are ordinary
-//! `Mlp`s over `Linear`s, so quantized experts run on the same kernels as any projection.
+//! `Mlp`s over `Linear`s, so quantized experts run on the same kernels as any projection. A shared
+//! expert (Qwen2-MoE, Granite MoE Shared) runs over every token outside the routing, so the
+//! router points neither show nor steer it.
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Tensor};
 
 use super::layers::{GateUp, Linear, Mlp};
 use super::names::Naming;
-use crate::backend::config::{Activation, Architecture, MoeConfig, Routing};
+use crate::backend::config::{Activation, Architecture, MoeConfig, Routing, SharedExpert};
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::kernels::Weight;
 use crate::backend::weights::WeightLoader;
@@ -32,7 +34,10 @@ impl FeedForward {
     pub fn linears(&self) -> Vec<&Linear> {
         match self {
             Self::Dense(mlp) => mlp.linears(),
-            Self::Moe(moe) => std::iter::once(&moe.router).chain(moe.experts.iter().flat_map(Mlp::linears)).collect(),
+            Self::Moe(moe) => {
+                let shared = moe.shared.iter().flat_map(|s| s.mlp.linears().into_iter().chain(&s.gate));
+                std::iter::once(&moe.router).chain(moe.experts.iter().flat_map(Mlp::linears)).chain(shared).collect()
+            }
         }
     }
 
@@ -61,6 +66,28 @@ pub struct Moe {
     top_k: usize,
     /// How logits become weights.
     routing: Routing,
+    /// The expert every token runs, where the architecture has one.
+    shared: Option<Shared>,
+}
+
+/// An always-on expert and its optional gate.
+#[derive(Debug, Clone)]
+struct Shared {
+    /// The expert.
+    mlp: Mlp,
+    /// `[1, hidden]`: the output is scaled per token by the sigmoid of this score (Qwen2-MoE).
+    gate: Option<Linear>,
+}
+
+impl Shared {
+    /// The expert's contribution for float32 `x` `[rows, hidden]`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = self.mlp.forward(x, Ok)?;
+        match &self.gate {
+            Some(gate) => y.broadcast_mul(&candle_nn::ops::sigmoid(&gate.forward(x)?)?),
+            None => Ok(y),
+        }
+    }
 }
 
 impl Moe {
@@ -115,7 +142,10 @@ impl Moe {
         let weights = Tensor::from_vec(weights, (rows, n), x.device())?;
         // The mix uses the weights as the hook returns them: a zero ablates, a non-zero runs.
         let weights = at(LayerPoint::ExpertWeights, weights)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let mut out = x.zeros_like()?.to_dtype(DType::F32)?;
+        let mut out = match &self.shared {
+            Some(shared) => shared.forward(x)?.to_dtype(DType::F32)?,
+            None => x.zeros_like()?.to_dtype(DType::F32)?,
+        };
         for (e, expert) in self.experts.iter().enumerate() {
             let selected: Vec<u32> = (0..rows).filter(|&r| weights[r * n + e] != 0.0).map(|r| r as u32).collect();
             if selected.is_empty() {
@@ -198,7 +228,7 @@ impl Moe {
                 (router, experts)
             }
             // Per-expert tensors: gate, up, down of each expert under `experts.{e}`.
-            (_, Architecture::Qwen3Moe | Architecture::Olmoe | Architecture::Mixtral) => {
+            (_, Architecture::Qwen3Moe | Architecture::Qwen2Moe | Architecture::Olmoe | Architecture::Mixtral) => {
                 let (block, gate, up, down) = match arch {
                     Architecture::Mixtral => ("block_sparse_moe", "w1", "w3", "w2"),
                     _ => ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -275,7 +305,67 @@ impl Moe {
                 })
             }
         };
-        Ok(Self { router, experts, top_k: moe.experts_per_token, routing: moe.routing })
+        let shared = match moe.shared_expert {
+            Some(shared) => Some(Shared::load(w, arch, naming, &stem, layer, hidden, shared, &mlp)?),
+            None => None,
+        };
+        Ok(Self { router, experts, top_k: moe.experts_per_token, routing: moe.routing, shared })
+    }
+}
+
+impl Shared {
+    /// Loads layer `layer`'s shared expert (`stem` is the layer's Hugging Face prefix), its
+    /// projections built into an `Mlp` by `mlp`.
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        w: &WeightLoader<'_>,
+        arch: Architecture,
+        naming: Naming,
+        stem: &str,
+        layer: usize,
+        hidden: usize,
+        shared: SharedExpert,
+        mlp: &dyn Fn(GateUp, Linear) -> Mlp,
+    ) -> Result<Self> {
+        let inter = shared.intermediate_size;
+        let linear = |name: String, out: usize, inp: usize| -> Result<Linear> {
+            Ok(Linear::new(w.matmul(&format!("{name}.weight"), out, inp)?, None))
+        };
+        // The gate's `[1, hidden]` weight (GGUF files hold it as that or as `[hidden]`), as a map
+        // to one score.
+        let gate = |name: String| -> Result<Linear> {
+            let dims = if w.shape(&name) == Some(vec![hidden]) { vec![hidden] } else { vec![1, hidden] };
+            let weight = w.dense(&name, &dims)?.reshape((1, hidden)).ctx(|| format!("`{name}` as [1, {hidden}]"))?;
+            Ok(Linear::new(Weight::Candle(QMatMul::Tensor(weight)), None))
+        };
+        let (mlp, gate) = match (naming, arch) {
+            (Naming::Gguf, _) => {
+                let p = format!("blk.{layer}");
+                let part = |part: &str, out: usize, inp: usize| linear(format!("{p}.ffn_{part}_shexp"), out, inp);
+                let gate_up = GateUp::Separate { gate: part("gate", inter, hidden)?, up: part("up", inter, hidden)? };
+                let g = if shared.gated { Some(gate(format!("{p}.ffn_gate_inp_shexp.weight"))?) } else { None };
+                (mlp(gate_up, part("down", hidden, inter)?), g)
+            }
+            (_, Architecture::GraniteMoe) => {
+                // `input_linear` [2·inter, hidden]: gate rows, then up rows.
+                let p = format!("{stem}.shared_mlp");
+                let gate_up = GateUp::Fused(linear(format!("{p}.input_linear"), 2 * inter, hidden)?);
+                (mlp(gate_up, linear(format!("{p}.output_linear"), hidden, inter)?), None)
+            }
+            (_, Architecture::Qwen2Moe) => {
+                let p = format!("{stem}.mlp.shared_expert");
+                let part = |part: &str, out: usize, inp: usize| linear(format!("{p}.{part}_proj"), out, inp);
+                let gate_up = GateUp::Separate { gate: part("gate", inter, hidden)?, up: part("up", inter, hidden)? };
+                let g = gate(format!("{stem}.mlp.shared_expert_gate.weight"))?;
+                (mlp(gate_up, part("down", hidden, inter)?), Some(g))
+            }
+            (_, other) => {
+                return Err(crate::backend::error::CandleError::UnsupportedConfig {
+                    what: format!("a shared expert in {} checkpoints", other.name()),
+                })
+            }
+        };
+        Ok(Self { mlp, gate })
     }
 }
 
@@ -305,7 +395,7 @@ mod tests {
             activation: Activation::Silu,
             glu: ExpertGlu::Gated,
         };
-        Moe { router: lin(experts, 3), experts: (0..experts).map(|_| mlp()).collect(), top_k, routing }
+        Moe { router: lin(experts, 3), experts: (0..experts).map(|_| mlp()).collect(), top_k, routing, shared: None }
     }
 
     #[test]

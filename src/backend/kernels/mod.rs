@@ -2,8 +2,9 @@
 //!
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K on CPUs with AVX-512 VNNI or Arm's dot product), the tiled
-//! int8 GEMM over ggml's own layout (`int8_gemm`: the 32-value formats on CPUs without either), our half-precision GEMV
+//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 on CPUs with AVX-512 VNNI; all but
+//! the last three on Arm with the dot product), the tiled int8 GEMM over ggml's own layout
+//! (`int8_gemm`: the 32-value formats on CPUs without either), our half-precision GEMV
 //! (`dense`), our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over de-quantized slabs. Our
 //! kernels run on the CPU only: on CUDA and Metal every product is candle's.
 
@@ -19,6 +20,8 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
+
+use crate::backend::weights::extra_types::ExtraType;
 
 /// A matmul weight as the kernels hold it: candle's (dense or ggml blocks), or block formats
 /// repacked into 16-row tiles for `interleaved`.
@@ -54,7 +57,17 @@ impl Weight {
 
 /// The tile format `dtype` weights on `device` are repacked into, if they are.
 pub fn repacked_format(dtype: GgmlDType, device: &Device) -> Option<interleaved::Format> {
-    interleaved::Format::of(dtype).filter(|&f| device.is_cpu() && interleaved::fast_path(f).is_some())
+    runs_tiled(interleaved::Format::of(dtype), device)
+}
+
+/// The tile format weights of a type candle lacks are read into on `device`, if they are
+/// (elsewhere they are re-encoded as Q8_0 blocks).
+pub fn repacked_extra_format(ty: ExtraType, device: &Device) -> Option<interleaved::Format> {
+    runs_tiled(interleaved::Format::of_extra(ty), device)
+}
+
+fn runs_tiled(format: Option<interleaved::Format>, device: &Device) -> Option<interleaved::Format> {
+    format.filter(|f| device.is_cpu() && f.runs_fast())
 }
 
 /// The SIMD features this build was compiled for: what the compiler may use in every loop it

@@ -52,10 +52,10 @@ const QK_K: usize = 256;
 /// The finest scale granularity of these types: one scale per this many values.
 pub const SCALE_VALUES: usize = 16;
 
-/// ggml's `kvalues_iq4nl`.
-const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+/// ggml's `kvalues_iq4nl`: IQ4_NL's and IQ4_XS's 16 levels (the interleaved tiles look them up too).
+pub(crate) const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 /// ggml's `kvalues_mxfp4`: the e2m1 values doubled (the scale is halved to match).
-const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+pub(crate) const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 impl ExtraType {
     /// Every type, for tests and tables.
@@ -318,9 +318,7 @@ impl ExtraType {
                 }
             }
             Self::MXFP4 => {
-                // ggml's `ggml_e8m0_to_fp32_half`: 2^(e - 128), subnormal below e = 2.
-                let e = b[0] as u32;
-                per_32(0, f32::from_bits(if e < 2 { 0x0020_0000 << e } else { (e - 1) << 23 }));
+                per_32(0, e8m0_half(b[0]));
                 for j in 0..16 {
                     q[j] = KVALUES_MXFP4[(b[1 + j] & 15) as usize];
                     q[j + 16] = KVALUES_MXFP4[(b[1 + j] >> 4) as usize];
@@ -434,6 +432,13 @@ pub struct Q8Conversion {
     /// Of those, groups whose values are too large for any Q8_0 scale (float16): the tensor
     /// must stay float32.
     pub unrepresentable: usize,
+}
+
+/// MXFP4's scale: ggml's `ggml_e8m0_to_fp32_half`, 2^(e − 128) (half the E8M0 value, as the
+/// levels are doubled), subnormal below e = 2. Exact in float32 for every byte.
+pub(crate) fn e8m0_half(e: u8) -> f32 {
+    let e = e as u32;
+    f32::from_bits(if e < 2 { 0x0020_0000 << e } else { (e - 1) << 23 })
 }
 
 /// One scale for all of a 256-value block's slots.

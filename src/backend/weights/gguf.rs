@@ -626,6 +626,22 @@ impl GgufWeights {
         Tensor::from_vec(values, t.shape.clone(), device).ctx(|| format!("de-quantizing `{name}` ({:?})", t.ty))
     }
 
+    /// A matrix of a type candle lacks as the kernels take it: read straight into tiles of its
+    /// own format where this device runs them (IQ4_NL, IQ4_XS, MXFP4 at 4.25–4.5 bits a value),
+    /// else re-encoded as Q8_0 (`extra_q8_0`); `None` where neither holds its values (float32).
+    fn extra_weight(&self, name: &str, t: &ExtraTensor, device: &Device) -> Result<Option<Weight>> {
+        if let (Some(format), &[n, k]) = (kernels::repacked_extra_format(t.ty, device), &t.shape[..]) {
+            let at = self.content.tensor_data_offset + t.offset;
+            let check = |buf: &[u8], first: usize| finite::check_extra(t.ty, buf, first);
+            return self
+                .read_tiles(name, format, [n, k], at, t.ty.block_bytes(), check)
+                .map(|w| Some(Weight::Interleaved(w)));
+        }
+        self.extra_q8_0(name, t, device)?
+            .map(|q| Weight::prepare(q, device).ctx(|| format!("preparing `{name}` ({:?} as Q8_0)", t.ty)))
+            .transpose()
+    }
+
     /// A tensor of a type candle lacks, re-encoded as Q8_0 for the int8 kernels (exact or
     /// nearly: `ExtraType::to_q8_0`; rows are whole blocks of 32 or 256 values, so whole Q8_0
     /// blocks); `None` (float32 instead) where no Q8_0 scale reaches its values.
@@ -716,16 +732,33 @@ impl GgufWeights {
                 self.malformed(name, format!("rows of {k} values are not whole blocks of {}", dtype.block_size()))
             );
         }
-        let (_, file, at) = self.open_tensor(name)?;
-        let block_bytes = dtype.type_size();
+        let at = self.content.tensor_data_offset + info.offset;
+        let check = |buf: &[u8], first: usize| finite::check(dtype, buf, first);
+        self.read_tiles(name, format, [n, k], at, dtype.type_size(), check).map(Some)
+    }
+
+    /// The `[n, k]` matrix whose `format` blocks (`block_bytes` each) start at byte `at` of the
+    /// file, read into tiles, each piece checked by `check(bytes, index of its first block)`
+    /// as it arrives.
+    fn read_tiles(
+        &self,
+        name: &str,
+        format: kernels::interleaved::Format,
+        [n, k]: [usize; 2],
+        at: u64,
+        block_bytes: usize,
+        check: impl Fn(&[u8], usize) -> std::result::Result<(), String> + Sync,
+    ) -> Result<Arc<Interleaved>> {
+        let file = File::open(&self.path)
+            .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
         let read = |offset: usize, buf: &mut [u8]| {
             read_at(&file, at + offset as u64, buf)?;
             if self.check_tensors {
-                finite::check(dtype, buf, offset / block_bytes).map_err(skip_hint)?;
+                check(buf, offset / block_bytes).map_err(skip_hint)?;
             }
             Ok(())
         };
-        Interleaved::read(format, n, k, read).map(|t| Some(Arc::new(t))).map_err(|e| self.malformed(name, e))
+        Interleaved::read(format, n, k, read).map(Arc::new).map_err(|e| self.malformed(name, e))
     }
 }
 
@@ -851,8 +884,8 @@ impl WeightSource for GgufWeights {
             return Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?)));
         }
         if let Some(t) = self.extra.get(name) {
-            return match self.extra_q8_0(name, t, device)? {
-                Some(q) => Weight::prepare(q, device).ctx(|| format!("preparing matmul weight `{name}`")),
+            return match self.extra_weight(name, t, device)? {
+                Some(w) => Ok(w),
                 None => Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?))),
             };
         }
@@ -871,9 +904,9 @@ impl WeightSource for GgufWeights {
             // A type candle lacks (gpt-oss's MXFP4 experts): as `matmul` prepares a whole one.
             StoredType::Extra(ty) => {
                 let one = ExtraTensor { ty, shape: vec![slice.rows, slice.cols], offset: slice.offset };
-                let q = if self.dequantize { None } else { self.extra_q8_0(what, &one, device)? };
-                return match q {
-                    Some(q) => Weight::prepare(q, device).ctx(|| format!("preparing matmul weight `{what}`")),
+                let w = if self.dequantize { None } else { self.extra_weight(what, &one, device)? };
+                return match w {
+                    Some(w) => Ok(w),
                     None => Ok(Weight::Candle(QMatMul::Tensor(convert(
                         self.extra_dense(what, &one, device)?,
                         what,
@@ -919,11 +952,9 @@ impl WeightSource for GgufWeights {
 
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
         if let Some(t) = self.extra.get(name) {
-            let q = if self.dequantize { None } else { self.extra_q8_0(name, t, device)? };
-            return match q {
-                Some(q) => {
-                    Weight::prepare(q, device).map(super::embedding_of).ctx(|| format!("preparing embedding `{name}`"))
-                }
+            let w = if self.dequantize { None } else { self.extra_weight(name, t, device)? };
+            return match w {
+                Some(w) => Ok(super::embedding_of(w)),
                 None => Ok(Embedding::Dense(self.dense(name, dtype, device)?)),
             };
         }

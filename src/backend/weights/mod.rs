@@ -123,6 +123,11 @@ impl<'a> WeightLoader<'a> {
         self.source.shape(name).is_some()
     }
 
+    /// The shape the checkpoint gives `name`, if it holds it.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.source.shape(name)
+    }
+
     fn check(&self, name: &str, expected: &[usize]) -> Result<()> {
         let found = self.source.shape(name).ok_or_else(|| CandleError::MissingTensor { name: name.to_owned() })?;
         if found != expected {

@@ -328,11 +328,15 @@ pub(super) mod x86 {
                     );
                     // -(dmin·m_j), as the portable path and candle's de-quantization compute it.
                     let neg_min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mins)));
+                    // d·sc_j once for every row: the integer sums go to float as they are (under
+                    // 2^24, so exactly), which spares each row and unit a `vpmulld` (two uops)
+                    // and a multiply. One thread, CPU time, [128, 1024] x [1024 -> 4096]: 5.7 ->
+                    // 4.5 ms (Q5_K 6.2 -> 5.3); [8, 1024] x [1024 -> 151936]: 19.5 -> 16.4.
+                    let dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
                     for r in 0..R {
                         let xi = (row0 + r) * units + b * 8 + j;
-                        let scaled = _mm512_cvtepi32_ps(_mm512_mullo_epi32(dot[r][h], sc));
-                        let dx = _mm512_mul_ps(d, _mm512_set1_ps(*xq.scales.get_unchecked(xi)));
-                        acc[r] = _mm512_fmadd_ps(scaled, dx, acc[r]);
+                        let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][h]), dsc);
+                        acc[r] = _mm512_fmadd_ps(scaled, _mm512_set1_ps(*xq.scales.get_unchecked(xi)), acc[r]);
                         acc[r] = _mm512_fmadd_ps(neg_min, _mm512_set1_ps(*xq.sums.get_unchecked(xi)), acc[r]);
                     }
                 }
@@ -436,8 +440,8 @@ pub(super) mod x86 {
                 decoded.as_ptr()
             };
             for n in 0..2 {
-                // Units 4n..4n + 4, one integer sum each per row, over its two sub-blocks.
-                let mut sums = [[_mm512_setzero_si512(); 4]; R];
+                // Units 4n..4n + 4, one sum each per row over its two sub-blocks, `d·sc`-scaled.
+                let mut sums = [[_mm512_setzero_ps(); 4]; R];
                 for h in 0..2 {
                     let mut dot = [[_mm512_setzero_si512(); 4]; R];
                     for (r, dot) in dot.iter_mut().enumerate() {
@@ -497,16 +501,19 @@ pub(super) mod x86 {
                     for u in 0..4 {
                         let at = scales.add((8 * n + 2 * u + h) * LANES);
                         let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(at as *const __m128i));
+                        // As in `q4k_tile`: d·sc once for every row, the integer sums (under
+                        // 2^24) to float as they are; one thread, [128, 1024] x [1024 -> 4096]
+                        // 7.3 -> 6.6-7.0 ms.
+                        let dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
                         for r in 0..R {
-                            sums[r][u] = _mm512_add_epi32(sums[r][u], _mm512_mullo_epi32(dot[r][u], sc));
+                            sums[r][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][u]), dsc, sums[r][u]);
                         }
                     }
                 }
                 for (r, sums) in sums.iter().enumerate() {
                     for (u, &sum) in sums.iter().enumerate() {
                         let xi = (row0 + r) * units + b * 8 + 4 * n + u;
-                        let dx = _mm512_mul_ps(d, _mm512_set1_ps(*xq.scales.get_unchecked(xi)));
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), dx, acc[r]);
+                        acc[r] = _mm512_fmadd_ps(sum, _mm512_set1_ps(*xq.scales.get_unchecked(xi)), acc[r]);
                     }
                 }
             }
