@@ -29,6 +29,9 @@ impl Features {
 }
 
 /// `acc + a·b` per 4-byte group: lane `i` adds the dot product of bytes `4i..4i + 4`.
+///
+/// # Safety
+/// The CPU has FEAT_DotProd (`Features::get`).
 #[inline]
 #[target_feature(enable = "dotprod")]
 pub unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
@@ -41,8 +44,28 @@ pub unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
+/// `acc + a·b[L]`: lane `i` adds the dot product of bytes `4i..4i + 4` of `a` with the 4-byte
+/// group `L` of `b` (the by-element form: one activation register serves four groups).
+///
+/// # Safety
+/// The CPU has FEAT_DotProd (`Features::get`).
+#[inline]
+#[target_feature(enable = "dotprod")]
+pub unsafe fn sdot_lane<const L: i32>(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    asm!(
+        "sdot {acc:v}.4s, {a:v}.16b, {b:v}.4b[{l}]",
+        acc = inout(vreg) acc, a = in(vreg) a, b = in(vreg) b, l = const L,
+        options(pure, nomem, nostack, preserves_flags)
+    );
+    acc
+}
+
 /// `acc + a·b` for `a`, `b` as 2×8 matrices of int8 rows, `acc` as a 2×2 int32 one:
 /// lanes `[a0·b0, a0·b1, a1·b0, a1·b1]`, each a dot product of 8 bytes.
+///
+/// # Safety
+/// The CPU has FEAT_I8MM (`Features::get`).
 #[inline]
 #[target_feature(enable = "i8mm")]
 pub unsafe fn smmla(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
@@ -57,6 +80,9 @@ pub unsafe fn smmla(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
 
 /// Eight float16 values at `p` widened to float32 (`fcvtl`/`fcvtl2`: base ARMv8, unlike the
 /// float16 arithmetic of FEAT_FP16; asm because Rust's `float16x4_t` is not stable yet).
+///
+/// # Safety
+/// `p` points to 8 readable float16 values.
 #[inline(always)]
 pub unsafe fn widen_f16x8(p: *const half::f16) -> [float32x4_t; 2] {
     let h = vld1q_u16(p as *const u16);
@@ -72,7 +98,7 @@ pub unsafe fn widen_f16x8(p: *const half::f16) -> [float32x4_t; 2] {
 
 #[cfg(test)]
 mod probe {
-    use super::super::{attention, dense, int8_gemm};
+    use super::super::{attention, dense, int8_gemm, interleaved};
     use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
     use candle_core::{DType, Device, Module, Tensor};
 
@@ -94,7 +120,9 @@ mod probe {
             "q5_0" => GgmlDType::Q5_0,
             "q5_1" => GgmlDType::Q5_1,
             "q8_0" => GgmlDType::Q8_0,
+            "q3_k" => GgmlDType::Q3K,
             "q4_k" => GgmlDType::Q4K,
+            "q5_k" => GgmlDType::Q5K,
             "q6_k" => GgmlDType::Q6K,
             other => panic!("unknown format {other}"),
         }
@@ -102,8 +130,10 @@ mod probe {
 
     /// One kernel run `reps` times, for `benches/arm/count.sh` to count instructions under qemu
     /// (ignored: it checks nothing). `CANDLEWICK_PROBE` is `int8:PATH:FORMAT:M:K:N:REPS` (our int8
-    /// GEMM on `Path::name` PATH), `candle:FORMAT:M:K:N:REPS` (candle's quantized matmul),
-    /// `dense:ISA:DTYPE:N:K:REPS` (`neon` or `portable`; f32, bf16, f16) or
+    /// GEMM on `Path::name` PATH), `tiles:PATH:FORMAT:M:K:N:REPS` (the interleaved tiles, on
+    /// `portable` or `neon-dotprod`; repacking is not counted), `candle:FORMAT:M:K:N:REPS`
+    /// (candle's quantized matmul), `dense:ISA:DTYPE:N:K:REPS` (`neon` or `portable`; f32, bf16,
+    /// f16) or
     /// `attn:SIMD:KEYS:REPS` (f16 cache; `neon` or `portable`).
     #[test]
     #[ignore]
@@ -112,17 +142,28 @@ mod probe {
         let f: Vec<&str> = spec.split(':').collect();
         let num = |i: usize| f[i].parse::<usize>().expect("a number");
         let dev = Device::Cpu;
+        // Our GEMMs' probes: the path by name, the weight's blocks, the activations.
+        let gemm = || {
+            let path = *int8_gemm::Path::runnable().iter().find(|p| p.name() == f[1]).expect("a path this CPU runs");
+            let (m, k, n, reps) = (num(3), num(4), num(5), num(6));
+            let w = Tensor::from_vec(values(n * k, 1), (n, k), &dev).unwrap();
+            let data = QTensor::quantize(&w, dtype(f[2])).unwrap().data().unwrap().to_vec();
+            (path, data, values(m * k, 2), (m, k, n, reps))
+        };
         match f[0] {
             "int8" => {
-                let path =
-                    *int8_gemm::Path::runnable().iter().find(|p| p.name() == f[1]).expect("a path this CPU runs");
                 let format = int8_gemm::BlockFormat::of(dtype(f[2])).expect("a 32-value format");
-                let (m, k, n, reps) = (num(3), num(4), num(5), num(6));
-                let w = Tensor::from_vec(values(n * k, 1), (n, k), &dev).unwrap();
-                let data = QTensor::quantize(&w, dtype(f[2])).unwrap().data().unwrap().to_vec();
-                let x = values(m * k, 2);
+                let (path, data, x, (m, k, n, reps)) = gemm();
                 for _ in 0..reps {
                     std::hint::black_box(int8_gemm::matmul_with(format, &x, m, k, &data, n, path));
+                }
+            }
+            "tiles" => {
+                let format = interleaved::Format::of(dtype(f[2])).expect("a tile format");
+                let (path, data, x, (m, k, n, reps)) = gemm();
+                let tiles = interleaved::Interleaved::repack(format, &data, n, k).unwrap();
+                for _ in 0..reps {
+                    std::hint::black_box(tiles.matmul_with(&x, m, path));
                 }
             }
             "candle" => {

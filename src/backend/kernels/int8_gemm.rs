@@ -63,8 +63,8 @@ impl BlockFormat {
 /// Activations quantized per row into 32-value blocks: scale, int8 values, `Σq` and `d·Σq`.
 pub(super) struct QuantizedRows {
     pub(super) scales: Vec<f32>,
-    // Only the x86 interleaved tiles start their integer sums from it.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    // Only the interleaved tiles (x86, Arm) start their integer sums from it.
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     pub(super) qsums: Vec<i32>,
     pub(super) sums: Vec<f32>,
     pub(super) values: Vec<i8>,
@@ -576,7 +576,7 @@ pub enum Path {
     Avx512Vnni,
     /// NEON without extensions (`smull`): every aarch64 CPU.
     Neon,
-    /// NEON with the dot-product extension (`sdot`).
+    /// NEON with the dot-product extension (`sdot`; the interleaved tiles' only Arm path).
     NeonDot,
     /// NEON with the int8 matrix-multiply extension (`smmla`; `sdot` for an odd last row).
     NeonI8mm,

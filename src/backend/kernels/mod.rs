@@ -2,9 +2,9 @@
 //!
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 on CPUs with AVX-512 VNNI), the
-//! tiled int8 GEMM over ggml's own layout (`int8_gemm`: the 32-value formats on CPUs without
-//! VNNI, x86 or Arm), our half-precision GEMV
+//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 on CPUs with AVX-512 VNNI; all but
+//! the last three on Arm with the dot product), the tiled int8 GEMM over ggml's own layout
+//! (`int8_gemm`: the 32-value formats on CPUs without either), our half-precision GEMV
 //! (`dense`), our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over de-quantized slabs. Our
 //! kernels run on the CPU only: on CUDA and Metal every product is candle's.
 
@@ -29,7 +29,7 @@ use crate::backend::weights::extra_types::ExtraType;
 pub enum Weight {
     /// A dense tensor or quantized blocks in ggml's layout.
     Candle(QMatMul),
-    /// A block format in interleaved tiles (CPU with AVX-512 VNNI).
+    /// A block format in interleaved tiles (CPU with AVX-512 VNNI, or Arm with dotprod).
     Interleaved(Arc<interleaved::Interleaved>),
 }
 

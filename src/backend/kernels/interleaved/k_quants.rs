@@ -226,7 +226,7 @@ pub(super) fn unpack_q3k(record: &[u8], lane: usize, u: usize) -> Unit {
 
 /// The sums of each 16 quantized activations: Q6_K's offset of 32 (Q3_K's of 4) is undone per
 /// sub-block.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub(super) fn half_sums(values: &[i8]) -> Vec<i32> {
     values.chunks_exact(super::QK / 2).map(|c| c.iter().map(|&v| v as i32).sum()).collect()
 }
@@ -520,6 +520,268 @@ pub(super) mod x86 {
         }
         for (r, acc) in acc.into_iter().enumerate() {
             store(acc, out, row0 + r, w.n, t * LANES);
+        }
+    }
+}
+
+/// The k-quants' tiles with NEON `sdot` by element, as `super::neon` runs the 32-value formats:
+/// Q4_K's kernel runs Q5_K with a fifth bit, Q6_K's runs Q3_K, as on x86.
+#[cfg(target_arch = "aarch64")]
+pub(super) mod neon {
+    use super::super::neon::{
+        activations, dot_lane, each_lane, halves, quads_s8, quads_u8, row_blocks, store, with_high_bits,
+    };
+    use super::super::{Format, Interleaved, Q3K, Q4K, Q5K, Q6K};
+    use super::*;
+    use crate::backend::kernels::int8_gemm::QuantizedRows;
+    use std::arch::aarch64::*;
+
+    /// Tiles `t0..t0 + tiles` of Q4_K (`F = Q4K`) or Q5_K (`Q5K`) against every activation row.
+    #[target_feature(enable = "dotprod")]
+    pub(in super::super) unsafe fn q4k_columns<const F: u8>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
+        for t in t0..t0 + tiles {
+            row_blocks!(m, |R, V, row0, v0| q4k_tile::<F, R, V>(w, xq, row0, t, v0, out));
+        }
+    }
+
+    /// Activation rows `row0..row0 + R` times quads `v0..v0 + V` of Q4_K (Q5_K) tile `t`, one
+    /// 32-value unit at a time: each unit's integer sums are scaled by its own `sc_j`.
+    #[inline(always)]
+    unsafe fn q4k_tile<const F: u8, const R: usize, const V: usize>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        row0: usize,
+        t: usize,
+        v0: usize,
+        out: *mut f32,
+    ) {
+        let nb = w.blocks();
+        let mut acc = [[vdupq_n_f32(0.0); V]; R];
+        for b in 0..nb {
+            let rec = w.record(t, b).as_ptr();
+            let at = Q4kRecord { rec, d: halves::<V>(rec, v0), dmin: halves::<V>(rec.add(Q4K_DMIN), v0), v0 };
+            // Activation blocks of row r's unit u: (row0 + r)·units + 8b + u.
+            let xi: [usize; R] = std::array::from_fn(|r| (row0 + r) * nb * 8 + b * 8);
+            for c in 0..4 {
+                // Units 2c (low nibbles) and 2c + 1 (high ones): the nibble a constant.
+                q4k_unit::<F, R, V, false>(&at, xq, xi.map(|i| i + 2 * c), c, &mut acc);
+                q4k_unit::<F, R, V, true>(&at, xq, xi.map(|i| i + 2 * c + 1), c, &mut acc);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (v, &acc) in acc.iter().enumerate() {
+                store(acc, out, row0 + r, w.n, t * LANES + 4 * (v0 + v));
+            }
+        }
+    }
+
+    /// A Q4_K (Q5_K) record and what `q4k_unit` reads of it for quads `v0..v0 + V`.
+    struct Q4kRecord<const V: usize> {
+        rec: *const u8,
+        d: [float32x4_t; V],
+        dmin: [float32x4_t; V],
+        v0: usize,
+    }
+
+    /// Unit `2c + HIGH` of a Q4_K (Q5_K) record (the high nibbles of chunk `c` if `HIGH`) times
+    /// the activation blocks `xi` of `R` rows, added to `acc`.
+    #[inline(always)]
+    unsafe fn q4k_unit<const F: u8, const R: usize, const V: usize, const HIGH: bool>(
+        at: &Q4kRecord<V>,
+        xq: &QuantizedRows,
+        xi: [usize; R],
+        c: usize,
+        acc: &mut [[float32x4_t; V]; R],
+    ) {
+        debug_assert!(F == Q4K || F == Q5K);
+        let (rec, v0) = (at.rec, at.v0);
+        let u = 2 * c + HIGH as usize;
+        let (nibble, three, sixteen) = (vdupq_n_u8(0x0F), vdupq_n_u8(3), vdupq_n_u8(16));
+        let x = activations::<R>(xq, |r| xi[r]);
+        let mut dot = [[vdupq_n_s32(0); V]; R];
+        for (h, x) in x.iter().enumerate() {
+            each_lane!(l => {
+                let g = 4 * h + l;
+                let packed = rec.add(Q4K_QS + (c * 8 + g) * VECTOR);
+                let mut q: [uint8x16_t; V] = std::array::from_fn(|v| {
+                    let packed = vld1q_u8(packed.add((v0 + v) * 16));
+                    if HIGH { vshrq_n_u8::<4>(packed) } else { vandq_u8(packed, nibble) }
+                });
+                if F == Q5K {
+                    q = with_high_bits(q, rec.add(Q5K_QH), u * 8 + g, v0, sixteen);
+                }
+                for r in 0..R {
+                    for v in 0..V {
+                        dot[r][v] = dot_lane(dot[r][v], q[v], x[r], l);
+                    }
+                }
+            });
+        }
+        // The 6-bit scale and min of unit u for the 16 rows, as `unpack_q4k` reads them.
+        let lo = vld1q_u8(rec.add(Q4K_SC_LO + u * LANES));
+        let hi = vld1q_u8(rec.add(Q4K_SC_HI + (u % 4) * LANES));
+        let hi = if u >= 4 { vshrq_n_u8::<4>(hi) } else { hi };
+        let sc = quads_u8::<V>(vsliq_n_u8::<4>(lo, vandq_u8(hi, three)), v0);
+        let mins = vsliq_n_u8::<4>(vshrq_n_u8::<4>(lo), vandq_u8(vshrq_n_u8::<2>(hi), three));
+        let mins = quads_u8::<V>(mins, v0);
+        // -(dmin·m_j), as the portable path and candle's de-quantization compute it.
+        let neg_min: [float32x4_t; V] =
+            std::array::from_fn(|v| vnegq_f32(vmulq_f32(at.dmin[v], vcvtq_f32_s32(mins[v]))));
+        for (r, &xi) in xi.iter().enumerate() {
+            let xd = *xq.scales.get_unchecked(xi);
+            let xs = *xq.sums.get_unchecked(xi);
+            for v in 0..V {
+                let scaled = vcvtq_f32_s32(vmulq_s32(dot[r][v], sc[v]));
+                acc[r][v] = vfmaq_f32(acc[r][v], scaled, vmulq_n_f32(at.d[v], xd));
+                acc[r][v] = vfmaq_n_f32(acc[r][v], neg_min[v], xs);
+            }
+        }
+    }
+
+    /// Tiles `t0..t0 + tiles` of Q6_K (`F = Q6K`) or Q3_K (`Q3K`) against every activation row.
+    #[target_feature(enable = "dotprod")]
+    pub(in super::super) unsafe fn q6k_columns<const F: u8>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        half_sums: &[i32],
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
+        // Q3_K's scales decoded once per tile into Q6_K's form, then read by every row block.
+        let mut decoded = if F == Q3K { vec![0i8; w.blocks() * 16 * LANES] } else { Vec::new() };
+        for t in t0..t0 + tiles {
+            if F == Q3K {
+                for (b, out) in decoded.chunks_exact_mut(16 * LANES).enumerate() {
+                    q3k_scales(w.record(t, b).as_ptr(), out);
+                }
+            }
+            let decoded = &decoded;
+            row_blocks!(m, |R, V, row0, v0| q6k_tile::<F, R, V>(w, xq, half_sums, decoded, row0, t, v0, out));
+        }
+    }
+
+    /// The signed scales `sc − 32` of a Q3_K record's 16 sub-blocks into `out`, one byte per
+    /// sub-block and row as Q6_K's (16 rows a register, as `q3k_scale` reads them).
+    #[inline(always)]
+    unsafe fn q3k_scales(rec: *const u8, out: &mut [i8]) {
+        let byte = |i: usize| vld1q_u8(rec.add(Q3K_SC + i * LANES));
+        for s in 0..16 {
+            let low = vandq_u8(vshlq_u8(byte(s % 8), vdupq_n_s8(-4 * (s / 8) as i8)), vdupq_n_u8(0xF));
+            let top = vandq_u8(vshlq_u8(byte(8 + s % 4), vdupq_n_s8(-2 * (s / 4) as i8)), vdupq_n_u8(3));
+            let sc = vsubq_s8(vreinterpretq_s8_u8(vsliq_n_u8::<4>(low, top)), vdupq_n_s8(32));
+            vst1q_s8(out.as_mut_ptr().add(s * LANES), sc);
+        }
+    }
+
+    /// Quads `v0..v0 + V` of the 6-bit values of unit `4n + j`, group `g`, of a Q6_K record:
+    /// a nibble of the low-bit vector, the bit pair `j` of the top-bit one in bits 4 and 5.
+    #[inline(always)]
+    unsafe fn q6k_values<const V: usize>(rec: *const u8, n: usize, j: usize, g: usize, v0: usize) -> [uint8x16_t; V] {
+        let (nibble, top) = (vdupq_n_u8(0x0F), vdupq_n_u8(0x30));
+        std::array::from_fn(|v| {
+            let low = vld1q_u8(rec.add(Q6K_QL + ((2 * n + j % 2) * 8 + g) * VECTOR + (v0 + v) * 16));
+            let low = if j >= 2 { vshrq_n_u8::<4>(low) } else { vandq_u8(low, nibble) };
+            let bits = vld1q_u8(rec.add(Q6K_QH + (n * 8 + g) * VECTOR + (v0 + v) * 16));
+            let bits = match j {
+                0 => vshlq_n_u8::<4>(bits),
+                1 => vshlq_n_u8::<2>(bits),
+                2 => bits,
+                _ => vshrq_n_u8::<2>(bits),
+            };
+            vbslq_u8(top, bits, low)
+        })
+    }
+
+    /// Quads `v0..v0 + V` of the unsigned values (`q + 4`) of unit `4n + j`, group `g`, of a
+    /// Q3_K record: bit pair `j` of the low-bit vector, 4 added where the high bit is set.
+    #[inline(always)]
+    unsafe fn q3k_values<const V: usize>(rec: *const u8, n: usize, j: usize, g: usize, v0: usize) -> [uint8x16_t; V] {
+        let (three, four) = (vdupq_n_u8(3), vdupq_n_u8(4));
+        let pairs = std::array::from_fn(|v| {
+            let bits = vld1q_u8(rec.add(Q3K_QS + (n * 8 + g) * VECTOR + (v0 + v) * 16));
+            let bits = match j {
+                0 => bits,
+                1 => vshrq_n_u8::<2>(bits),
+                2 => vshrq_n_u8::<4>(bits),
+                _ => vshrq_n_u8::<6>(bits),
+            };
+            vandq_u8(bits, three)
+        });
+        with_high_bits(pairs, rec.add(Q3K_HMASK), (4 * n + j) * 8 + g, v0, four)
+    }
+
+    /// Activation rows `row0..row0 + R` times quads `v0..v0 + V` of Q6_K (Q3_K) tile `t`:
+    /// integer sums per 16 values scaled by their signed `sc`, summed per 32-value unit.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q6k_tile<const F: u8, const R: usize, const V: usize>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        half_sums: &[i32],
+        decoded: &[i8],
+        row0: usize,
+        t: usize,
+        v0: usize,
+        out: *mut f32,
+    ) {
+        debug_assert!(F == Q6K || F == Q3K);
+        let offset = if F == Q6K { Format::Q6K.offset() } else { Format::Q3K.offset() };
+        let nb = w.blocks();
+        let units = nb * 8;
+        let mut acc = [[vdupq_n_f32(0.0); V]; R];
+        for b in 0..nb {
+            let rec = w.record(t, b).as_ptr();
+            let d = halves::<V>(rec, v0);
+            // One signed byte per sub-block and row: Q6_K's as they are, Q3_K's decoded.
+            let scales = if F == Q6K { rec.add(Q6K_SC) as *const i8 } else { decoded.as_ptr().add(b * 16 * LANES) };
+            for n in 0..2 {
+                each_lane!(j => {
+                    let u = 4 * n + j;
+                    let mut sums = [[vdupq_n_s32(0); V]; R];
+                    let x = activations::<R>(xq, |r| (row0 + r) * units + b * 8 + u);
+                    for (h, x) in x.iter().enumerate() {
+                        let mut dot: [[int32x4_t; V]; R] = std::array::from_fn(|r| {
+                            let unit = (row0 + r) * units + b * 8 + u;
+                            [vdupq_n_s32(-offset * *half_sums.get_unchecked(unit * 2 + h)); V]
+                        });
+                        each_lane!(l => {
+                            let g = 4 * h + l;
+                            let q = if F == Q6K { q6k_values::<V>(rec, n, j, g, v0) } else { q3k_values::<V>(rec, n, j, g, v0) };
+                            for r in 0..R {
+                                for v in 0..V {
+                                    dot[r][v] = dot_lane(dot[r][v], q[v], x[r], l);
+                                }
+                            }
+                        });
+                        let sc = quads_s8::<V>(vld1q_s8(scales.add((2 * u + h) * LANES)), v0);
+                        for r in 0..R {
+                            for v in 0..V {
+                                sums[r][v] = vmlaq_s32(sums[r][v], dot[r][v], sc[v]);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        let xd = *xq.scales.get_unchecked((row0 + r) * units + b * 8 + u);
+                        for v in 0..V {
+                            acc[r][v] = vfmaq_f32(acc[r][v], vcvtq_f32_s32(sums[r][v]), vmulq_n_f32(d[v], xd));
+                        }
+                    }
+                });
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (v, &acc) in acc.iter().enumerate() {
+                store(acc, out, row0 + r, w.n, t * LANES + 4 * (v0 + v));
+            }
         }
     }
 }

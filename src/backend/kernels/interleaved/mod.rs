@@ -1,9 +1,9 @@
 //! Weights of ggml's block formats repacked at load into tiles of 16 interleaved rows, and the
-//! int8 GEMM over them: an AVX-512 VNNI path chosen at run time and a portable one (ggml's
-//! `block_q8_0x8` / `block_q4_Kx8` idea, candle's x86 repack). The 32-value formats (Q8_0, Q4_0,
-//! Q4_1, Q5_0, Q5_1) are laid out here; the 256-value k-quants (Q3_K, Q4_K, Q5_K, Q6_K) in
-//! `k_quants.rs`; the formats whose 4-bit values index a table of levels (IQ4_NL, IQ4_XS, MXFP4)
-//! in `i_quants.rs`.
+//! int8 GEMM over them: an AVX-512 VNNI path and a NEON `sdot` one (FEAT_DotProd), chosen at run
+//! time, and a portable one (ggml's `block_q8_0x8` / `block_q4_Kx8` idea, candle's x86 repack).
+//! The 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are laid out here; the 256-value k-quants
+//! (Q3_K, Q4_K, Q5_K, Q6_K) in `k_quants.rs`; the formats whose 4-bit values index a table of
+//! levels (IQ4_NL, IQ4_XS, MXFP4, x86 only) in `i_quants.rs`.
 //!
 //! In ggml's row-major layout every (activation row, weight row) pair needs its own dot product
 //! and a horizontal sum, and the per-block scale arithmetic costs as much as the multiply.
@@ -13,12 +13,17 @@
 //! tile. A batch of a few rows (the engine's decode step) reads each weight byte once, and
 //! prefill costs several times fewer instructions per product.
 //!
-//! `vpdpbusd` multiplies unsigned by signed bytes. Q8_0 values are stored offset by 128 (a flip
-//! of the sign bit) and Q4_0's (Q5_0's, Q6_K's, Q3_K's) values are unsigned with an offset of 8
-//! (16, 32, 4), so each block's sum starts at `-offset·Σq_x`; Q4_1's and Q5_1's offset `m` is a
-//! float, added as `m·Σx` (Q4_K's and Q5_K's per 32 values, `-dmin·m_j·Σx`). The integer products equal ggml's
-//! exactly; only the order of the float additions differs. Activations are quantized in 32-value
-//! blocks for every format (ggml quantizes them per 256 for the k-quants: ours is finer).
+//! On Arm, one `sdot` by element multiplies 4 values of each of 4 rows (a quarter of a 64-byte
+//! vector) by one 4-byte group of an activation register: four of them cover the 16 rows, and an
+//! accumulator holds 4 output columns (`neon`).
+//!
+//! `vpdpbusd` multiplies unsigned by signed bytes. Q8_0 values are stored offset by 128 on x86
+//! (a flip of the sign bit; unchanged on Arm, whose `sdot` is signed × signed) and Q4_0's
+//! (Q5_0's, Q6_K's, Q3_K's) values are unsigned with an offset of 8 (16, 32, 4), so each block's
+//! sum starts at `-offset·Σq_x`; Q4_1's and Q5_1's offset `m` is a float, added as `m·Σx` (Q4_K's
+//! and Q5_K's per 32 values, `-dmin·m_j·Σx`). The integer products equal ggml's exactly; only the
+//! order of the float additions differs. Activations are quantized in 32-value blocks for every
+//! format (ggml quantizes them per 256 for the k-quants: ours is finer).
 //!
 //! A tile's record holds the same bytes as its 16 source blocks (scales, then offsets for
 //! Q4_1/Q5_1, then the fifth bits of Q5 values, then the values of each group of 4 for each of
@@ -49,7 +54,7 @@ const HALVES: usize = LANES * 2;
 /// A block format the tiles hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
-    /// `d·q`, signed 8-bit `q` (stored as `q + 128`).
+    /// `d·q`, signed 8-bit `q` (stored as `q + 128` on x86).
     Q8_0,
     /// `d·(q − 8)`, 4-bit `q`.
     Q4_0,
@@ -137,9 +142,9 @@ impl Format {
     }
 
     /// Whether this CPU multiplies `self`'s tiles fast: the one place that decides, per format,
-    /// whether weights are repacked (an ISA whose kernels cover only some formats says so here).
+    /// whether weights are repacked (Arm's kernels cover only some formats: `fast_path`).
     pub fn runs_fast(self) -> bool {
-        available()
+        fast_path(self).is_some()
     }
 
     /// Values of one source block.
@@ -221,7 +226,8 @@ impl Format {
     /// of the unsigned bytes the kernel maps their indices to, `level + 128`).
     const fn offset(self) -> i32 {
         match self {
-            Self::Q8_0 | Self::IQ4NL | Self::IQ4XS | Self::MXFP4 => 128,
+            Self::Q8_0 => Q8_0_BIAS as i32,
+            Self::IQ4NL | Self::IQ4XS | Self::MXFP4 => 128,
             Self::Q4_0 => 8,
             Self::Q5_0 => 16,
             Self::Q6K => 32,
@@ -277,23 +283,55 @@ impl Format {
         for (j, quad) in qs.chunks_exact(4).enumerate() {
             let at = (j * LANES + lane) * 4;
             for (o, &q) in values[at..at + 4].iter_mut().zip(quad) {
-                *o = if self == Self::Q8_0 { q ^ 0x80 } else { q };
+                *o = if self == Self::Q8_0 { q ^ Q8_0_BIAS } else { q };
             }
         }
     }
 }
 
-/// Whether this CPU runs the tiled kernel fast (AVX-512 VNNI); elsewhere weights stay in
-/// ggml's layout for candle's kernels and `int8_gemm`.
+/// What Q8_0's stored bytes add to `q`: 128 (a flip of the sign bit) on x86, for `vpdpbusd`'s
+/// unsigned operand; nothing elsewhere (Arm's `sdot` multiplies signed bytes, and a flip back in
+/// registers would cost one instruction per weight vector).
+const Q8_0_BIAS: u8 = if cfg!(target_arch = "x86_64") { 0x80 } else { 0 };
+
+/// Whether this CPU runs the tiled kernels fast (AVX-512 VNNI and BW on x86, `sdot` on Arm);
+/// elsewhere weights stay in ggml's layout for candle's kernels and `int8_gemm`.
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         // The nibble unpacking needs AVX-512 BW besides the VNNI dot product.
         super::int8_gemm::best_path() == Path::Avx512Vnni && is_x86_feature_detected!("avx512bw")
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    {
+        super::arm::Features::get().dotprod
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         false
+    }
+}
+
+/// The SIMD path that multiplies `format`'s tiles on this CPU, if there is one: weights are
+/// repacked only then. Arm has kernels for the formats `neon::runs` names; others stay in ggml's
+/// layout there.
+pub fn fast_path(format: Format) -> Option<Path> {
+    if !available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let _ = format;
+        Some(Path::Avx512Vnni)
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        neon::runs(format).then_some(Path::NeonDot)
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        let _ = format;
+        None
     }
 }
 
@@ -459,6 +497,8 @@ impl Interleaved {
         for (i, v) in q.iter_mut().enumerate() {
             let (j, t) = (i / 4, i % 4);
             *v = match self.format {
+                // `q + 128` as an unsigned byte on x86, `q` as a signed one elsewhere.
+                Format::Q8_0 if Q8_0_BIAS == 0 => values[(j * LANES + lane) * 4 + t] as i8 as i32,
                 Format::Q8_0 => values[(j * LANES + lane) * 4 + t] as i32,
                 // Byte i of a Q4 block holds value i (low nibble) and value i + 16 (high).
                 _ if j < 4 => (values[(j * LANES + lane) * 4 + t] & 0x0F) as i32,
@@ -495,10 +535,12 @@ impl Interleaved {
 
     /// `x [m, k] · Wᵀ` as `[m, n]`, on the fastest path this CPU has.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        self.matmul_with(x, m, if available() { Path::Avx512Vnni } else { Path::Portable })
+        self.matmul_with(x, m, fast_path(self.format).unwrap_or(Path::Portable))
     }
 
-    fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
+    /// `matmul` on a given path (at most what this CPU runs for the format: the tests and the
+    /// Arm instruction-count probe force each one).
+    pub(in crate::backend::kernels) fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
         self.matmul_on(x, m, path, path == Path::Avx512Vnni && vbmi())
     }
 
@@ -506,10 +548,16 @@ impl Interleaved {
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     fn matmul_on(&self, x: &[f32], m: usize, path: Path, vbmi: bool) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k);
+        // What makes the SIMD kernels below safe to enter.
+        assert!(
+            path == Path::Portable || Some(path) == fast_path(self.format),
+            "{path:?} does not run {:?} here",
+            self.format
+        );
         let xq = quantize_rows(x);
         // Q6_K's and Q3_K's scales change every 16 values: their offsets need the activations'
         // sums per 16.
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         let half_sums =
             if matches!(self.format, Format::Q6K | Format::Q3K) { k_quants::half_sums(&xq.values) } else { Vec::new() };
         let mut out = vec![0f32; m * self.n];
@@ -552,6 +600,31 @@ impl Interleaved {
                         }
                     }
                 }
+                #[cfg(target_arch = "aarch64")]
+                Path::NeonDot => {
+                    // SAFETY: dotprod was detected (`fast_path`, asserted above); indices stay
+                    // inside the weight, the quantized rows and the output by construction.
+                    unsafe {
+                        match self.format {
+                            Format::Q8_0 => neon::columns::<Q8_0>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4_0 => neon::columns::<Q4_0>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4_1 => neon::columns::<Q4_1>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q5_0 => neon::columns::<Q5_0>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q5_1 => neon::columns::<Q5_1>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4K => k_quants::neon::q4k_columns::<Q4K>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q5K => k_quants::neon::q4k_columns::<Q5K>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q6K => {
+                                k_quants::neon::q6k_columns::<Q6K>(self, &xq, &half_sums, m, t0, tiles, ptr.0)
+                            }
+                            Format::Q3K => {
+                                k_quants::neon::q6k_columns::<Q3K>(self, &xq, &half_sums, m, t0, tiles, ptr.0)
+                            }
+                            // A format without a NEON kernel is never repacked on Arm (`neon::runs`).
+                            #[allow(unreachable_patterns)]
+                            _ => self.portable_columns(&xq, m, t0, tiles, ptr),
+                        }
+                    }
+                }
                 _ => self.portable_columns(&xq, m, t0, tiles, ptr),
             }
         });
@@ -584,7 +657,7 @@ impl Interleaved {
 }
 
 /// Format tags for the SIMD tile, as const generics.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod tags {
     pub(super) const Q8_0: u8 = 0;
     pub(super) const Q4_0: u8 = 1;
@@ -595,11 +668,15 @@ mod tags {
     pub(super) const Q5K: u8 = 6;
     pub(super) const Q6K: u8 = 7;
     pub(super) const Q3K: u8 = 8;
+    // The table formats have x86 kernels only.
+    #[cfg(target_arch = "x86_64")]
     pub(super) const IQ4NL: u8 = 9;
+    #[cfg(target_arch = "x86_64")]
     pub(super) const IQ4XS: u8 = 10;
+    #[cfg(target_arch = "x86_64")]
     pub(super) const MXFP4: u8 = 11;
 }
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use tags::*;
 
 #[cfg(target_arch = "x86_64")]
@@ -887,6 +964,314 @@ mod x86 {
     }
 }
 
+/// The tiles on Arm with `sdot` by element (FEAT_DotProd). A 64-byte vector is four `int8x16_t`
+/// quads of 4 rows each; one activation register holds 4 groups of 4 values, each the operand of
+/// every quad's `sdot` for its group. With 4-column accumulators, 4 activation rows run over half
+/// a tile at a time (`row_blocks`).
+///
+/// `smmla` (i8mm) is left out: it multiplies 8 consecutive values of 2 rows, where a tile holds
+/// 4 of each row per vector, so each `smmla` would need a `zip` of two vectors first, and the
+/// result lanes (2 × 2 pairs of activation and weight rows) a transpose before every block's
+/// scaling. Counted per 8 values of 4 weight rows and `R` activation rows, `sdot` takes `2R`
+/// instructions, `smmla` `R + 2`: nothing saved below 4 rows, a quarter of the dot products at 4,
+/// which the unpacking and per-block scaling around them dilute to a few percent.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::*;
+    use crate::backend::kernels::arm::{sdot_lane, widen_f16x8};
+    use std::arch::aarch64::*;
+
+    /// Whether a NEON kernel multiplies `format`'s tiles: a format without one is not repacked on
+    /// Arm (its weights stay in ggml's layout for candle's kernels).
+    pub(super) fn runs(format: Format) -> bool {
+        matches!(
+            format,
+            Format::Q8_0
+                | Format::Q4_0
+                | Format::Q4_1
+                | Format::Q5_0
+                | Format::Q5_1
+                | Format::Q4K
+                | Format::Q5K
+                | Format::Q6K
+                | Format::Q3K
+        )
+    }
+
+    /// `$body` four times with `$l` the literal lane 0, 1, 2, 3: `sdot`'s lane must be a
+    /// constant, and a loop LLVM chose not to unroll would leave it a run-time switch.
+    macro_rules! each_lane {
+        ($l:ident => $body:block) => {{
+            {
+                let $l = 0usize;
+                $body
+            }
+            {
+                let $l = 1usize;
+                $body
+            }
+            {
+                let $l = 2usize;
+                $body
+            }
+            {
+                let $l = 3usize;
+                $body
+            }
+        }};
+    }
+    pub(super) use each_lane;
+
+    /// Runs `$call` (a tile of `$r` activation rows from `$row0` by weight quads `$v0..$v0 + $v`)
+    /// over every activation row: 4 rows at a time over each half of the tile (their 8 integer
+    /// and 8 float accumulators and 8 activation registers leave the weights 8 of the 32 NEON
+    /// registers), the last 1-2 rows over the whole tile, 3 over halves.
+    macro_rules! row_blocks {
+        ($m:expr, |$r:ident, $v:ident, $row0:ident, $v0:ident| $call:expr) => {{
+            let m = $m;
+            let mut $row0 = 0;
+            while $row0 + 4 <= m {
+                const $r: usize = 4;
+                const $v: usize = 2;
+                // Each half written out: a loop over them, not unrolled, left `v0` a variable.
+                {
+                    let $v0 = 0;
+                    $call
+                }
+                {
+                    let $v0 = 2;
+                    $call
+                }
+                $row0 += 4;
+            }
+            match m - $row0 {
+                1 => {
+                    const $r: usize = 1;
+                    const $v: usize = 4;
+                    let $v0 = 0;
+                    $call
+                }
+                2 => {
+                    const $r: usize = 2;
+                    const $v: usize = 4;
+                    let $v0 = 0;
+                    $call
+                }
+                3 => {
+                    const $r: usize = 3;
+                    const $v: usize = 2;
+                    {
+                        let $v0 = 0;
+                        $call
+                    }
+                    {
+                        let $v0 = 2;
+                        $call
+                    }
+                }
+                _ => {}
+            }
+        }};
+    }
+    pub(super) use row_blocks;
+
+    /// `acc + w·x[lane]`, `lane` a literal (`each_lane`).
+    #[inline(always)]
+    pub(super) unsafe fn dot_lane(acc: int32x4_t, w: uint8x16_t, x: int8x16_t, lane: usize) -> int32x4_t {
+        // Unsigned values below 128 are the same signed.
+        let w = vreinterpretq_s8_u8(w);
+        match lane {
+            0 => sdot_lane::<0>(acc, w, x),
+            1 => sdot_lane::<1>(acc, w, x),
+            2 => sdot_lane::<2>(acc, w, x),
+            _ => sdot_lane::<3>(acc, w, x),
+        }
+    }
+
+    /// Quads `v0..v0 + V` (`V` even) of the 16 rows' half-precision field at `p`, widened.
+    #[inline(always)]
+    pub(super) unsafe fn halves<const V: usize>(p: *const u8, v0: usize) -> [float32x4_t; V] {
+        // Quad q's rows' fields are bytes 8q..8q + 8; `widen_f16x8` takes two quads.
+        std::array::from_fn(|i| widen_f16x8(p.add((v0 + i / 2 * 2) * 8) as *const f16)[i % 2])
+    }
+
+    /// Quads `v0..v0 + V` of the 16 rows' bytes `b`, widened to 32 bits by `widen8` (16 rows to
+    /// 2 × 8) and `widen16` (8 to 2 × 4; each takes the low half, or the high one if told).
+    #[inline(always)]
+    pub(super) unsafe fn quads<const V: usize, B: Copy, H: Copy>(
+        b: B,
+        v0: usize,
+        widen8: impl Fn(B, bool) -> H,
+        widen16: impl Fn(H, bool) -> int32x4_t,
+    ) -> [int32x4_t; V] {
+        std::array::from_fn(|i| {
+            let q = v0 + i;
+            widen16(widen8(b, q >= 2), q % 2 == 1)
+        })
+    }
+
+    /// Quads `v0..v0 + V` of 16 unsigned bytes, as 32-bit lanes.
+    #[inline(always)]
+    pub(super) unsafe fn quads_u8<const V: usize>(b: uint8x16_t, v0: usize) -> [int32x4_t; V] {
+        quads::<V, _, _>(
+            b,
+            v0,
+            |b, high| if high { vmovl_high_u8(b) } else { vmovl_u8(vget_low_u8(b)) },
+            |h, high| vreinterpretq_s32_u32(if high { vmovl_high_u16(h) } else { vmovl_u16(vget_low_u16(h)) }),
+        )
+    }
+
+    /// Quads `v0..v0 + V` of 16 signed bytes, as 32-bit lanes.
+    #[inline(always)]
+    pub(super) unsafe fn quads_s8<const V: usize>(b: int8x16_t, v0: usize) -> [int32x4_t; V] {
+        quads::<V, _, _>(
+            b,
+            v0,
+            |b, high| if high { vmovl_high_s8(b) } else { vmovl_s8(vget_low_s8(b)) },
+            |h, high| if high { vmovl_high_s16(h) } else { vmovl_s16(vget_low_s16(h)) },
+        )
+    }
+
+    /// Quads `v` of a 64-byte vector with `amount` added to the bytes that 64-bit mask `index`
+    /// of the masks at `masks` selects (bit `i` for byte `i`: quad `q`'s are bits `16q..16q + 16`).
+    #[inline(always)]
+    pub(super) unsafe fn with_high_bits<const V: usize>(
+        v: [uint8x16_t; V],
+        masks: *const u8,
+        index: usize,
+        v0: usize,
+        amount: uint8x16_t,
+    ) -> [uint8x16_t; V] {
+        const BITS: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+        let mask = vcombine_u8(vld1_u8(masks.add(index * 8)), vdup_n_u8(0));
+        let bits = vld1q_u8(BITS.as_ptr());
+        std::array::from_fn(|i| {
+            // Bytes 2q and 2q + 1 of the mask over 8 lanes each, tested bit by bit: all ones
+            // (−1) where set, so `v − set·amount` adds.
+            let q = (v0 + i) as u8;
+            let set = vtstq_u8(vqtbl1q_u8(mask, vcombine_u8(vdup_n_u8(2 * q), vdup_n_u8(2 * q + 1))), bits);
+            vmlsq_u8(v[i], set, amount)
+        })
+    }
+
+    /// The 32 values of block (unit) `block(r)` of each of `R` activation rows, as two halves
+    /// of 4 groups (half `h`, row `r`).
+    #[inline(always)]
+    pub(super) unsafe fn activations<const R: usize>(
+        xq: &QuantizedRows,
+        block: impl Fn(usize) -> usize,
+    ) -> [[int8x16_t; R]; 2] {
+        std::array::from_fn(|h| std::array::from_fn(|r| vld1q_s8(xq.values.as_ptr().add(block(r) * QK + 16 * h))))
+    }
+
+    /// Writes 4 columns from `col` of output row `row` (of `n` columns): those that exist.
+    #[inline(always)]
+    pub(super) unsafe fn store(acc: float32x4_t, out: *mut f32, row: usize, n: usize, col: usize) {
+        if col + 4 <= n {
+            vst1q_f32(out.add(row * n + col), acc);
+        } else if col < n {
+            let mut lanes = [0f32; 4];
+            vst1q_f32(lanes.as_mut_ptr(), acc);
+            std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.add(row * n + col), n - col);
+        }
+    }
+
+    /// Tiles `t0..t0 + tiles` of format `F` against every activation row.
+    #[target_feature(enable = "dotprod")]
+    pub(super) unsafe fn columns<const F: u8>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
+        for t in t0..t0 + tiles {
+            row_blocks!(m, |R, V, row0, v0| tile::<F, R, V>(w, xq, row0, t, v0, out));
+        }
+    }
+
+    /// Activation rows `row0..row0 + R` times weight quads `v0..v0 + V` (rows `4·v0..4·(v0 + V)`)
+    /// of tile `t`.
+    #[inline(always)]
+    unsafe fn tile<const F: u8, const R: usize, const V: usize>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        row0: usize,
+        t: usize,
+        v0: usize,
+        out: *mut f32,
+    ) {
+        let nb = w.blocks();
+        let values = w.format.values_at();
+        let header = w.format.header_bytes();
+        let asymmetric = F == Q4_1 || F == Q5_1;
+        let nibble = vdupq_n_u8(0x0F);
+        let sixteen = vdupq_n_u8(16);
+        let mut acc = [[vdupq_n_f32(0.0); V]; R];
+        for b in 0..nb {
+            let rec = w.record(t, b).as_ptr();
+            let x = activations::<R>(xq, |r| (row0 + r) * nb + b);
+            // The symmetric formats' integer sums start at -offset·Σq_x, undoing the offset
+            // (Q8_0's values are signed here).
+            let mut dot: [[int32x4_t; V]; R] = std::array::from_fn(|r| {
+                let qsum = *xq.qsums.get_unchecked((row0 + r) * nb + b);
+                [vdupq_n_s32(if asymmetric || F == Q8_0 { 0 } else { -w.format.offset() * qsum }); V]
+            });
+            let load = |j: usize| -> [uint8x16_t; V] {
+                std::array::from_fn(|v| vld1q_u8(rec.add(values + j * 64 + (v0 + v) * 16)))
+            };
+            if F == Q8_0 {
+                for (h, x) in x.iter().enumerate() {
+                    each_lane!(l => {
+                        let wv = load(4 * h + l);
+                        for r in 0..R {
+                            for v in 0..V {
+                                dot[r][v] = dot_lane(dot[r][v], wv[v], x[r], l);
+                            }
+                        }
+                    });
+                }
+            } else {
+                // Byte j of a Q4 block holds value j (low nibble) and value j + 16 (high).
+                each_lane!(j => {
+                    let packed = load(j);
+                    let mut lo = packed.map(|p| vandq_u8(p, nibble));
+                    let mut hi = packed.map(|p| vshrq_n_u8::<4>(p));
+                    if F == Q5_0 || F == Q5_1 {
+                        lo = with_high_bits(lo, rec.add(header), j, v0, sixteen);
+                        hi = with_high_bits(hi, rec.add(header), j + 4, v0, sixteen);
+                    }
+                    for r in 0..R {
+                        for v in 0..V {
+                            dot[r][v] = dot_lane(dot[r][v], lo[v], x[0][r], j);
+                            dot[r][v] = dot_lane(dot[r][v], hi[v], x[1][r], j);
+                        }
+                    }
+                });
+            }
+            let wd = halves::<V>(rec, v0);
+            let wm = if asymmetric { halves::<V>(rec.add(HALVES), v0) } else { [vdupq_n_f32(0.0); V] };
+            for r in 0..R {
+                let xi = (row0 + r) * nb + b;
+                let xd = *xq.scales.get_unchecked(xi);
+                let xs = *xq.sums.get_unchecked(xi);
+                for v in 0..V {
+                    acc[r][v] = vfmaq_f32(acc[r][v], vcvtq_f32_s32(dot[r][v]), vmulq_n_f32(wd[v], xd));
+                    if asymmetric {
+                        acc[r][v] = vfmaq_n_f32(acc[r][v], wm[v], xs);
+                    }
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (v, &acc) in acc.iter().enumerate() {
+                store(acc, out, row0 + r, w.n, t * LANES + 4 * (v0 + v));
+            }
+        }
+    }
+}
+
 /// The kernel as a candle op on float32 `x [m, k]`.
 pub struct InterleavedMatMul<'a>(pub &'a Interleaved);
 
@@ -1056,18 +1441,16 @@ mod tests {
             .collect()
     }
 
-    /// Both paths (the portable one forced) compute the exact product of the quantized operands
-    /// `q` (tiled as `p`) and `m` random rows, and stay next to candle's quantized matmul where
-    /// candle has the type. Against candle, relative to the sum of the absolute products: candle
-    /// rounds Q4_1's `d·Σq` to f16, and quantizes the activations of the k-quants in 256-value
-    /// blocks where ours are 32.
+    /// Every path (the portable one, and this CPU's SIMD one for the format, each forced)
+    /// computes the exact product of the quantized operands `q` (tiled as `p`) and `m` random
+    /// rows, the SIMD one stays next to the portable one, and all next to candle's quantized
+    /// matmul where candle has the type. Against candle, relative to the sum of the absolute
+    /// products: candle rounds Q4_1's `d·Σq` to f16, and quantizes the activations of the
+    /// k-quants in 256-value blocks where ours are 32.
     fn check_product(q: &Blocks, p: &Interleaved, m: usize) {
         let format = p.format();
         let (n, k) = p.shape();
-        let mut paths = vec![Path::Portable];
-        if available() {
-            paths.push(Path::Avx512Vnni);
-        }
+        let paths: Vec<Path> = [Path::Portable].into_iter().chain(fast_path(format)).collect();
         let near_candle = if format.block_values() == QK { 1e-3 } else { 1e-2 };
         let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
         let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -1082,6 +1465,7 @@ mod tests {
             })
             .collect();
         let candle = q.qtensor().map(|q| super::super::reference::candle_product(q, &x).0);
+        let portable = p.matmul_with(&xs, m, Path::Portable);
         // The AVX-512 path with and without `vpermb` for the table formats.
         let variants = paths.iter().map(|&p| (p, p == Path::Avx512Vnni && vbmi()));
         let variants: Vec<_> =
@@ -1092,9 +1476,49 @@ mod tests {
             for (i, ((&a, &b), &s)) in got.iter().zip(&want).zip(&magnitude).enumerate() {
                 let at = format!("{format:?} ({m},{k},{n}) {path:?} vbmi {vbmi}: {a} vs");
                 assert!((a as f64 - b).abs() <= 1e-5 * s + 1e-6, "{at} exact {b}");
+                let d = portable[i];
+                assert!(((a - d).abs() as f64) <= 1e-5 * s + 1e-6, "{at} portable {d}");
                 if let Some(c) = candle.as_ref().map(|c| c[i]) {
                     assert!(((a - c).abs() as f64) <= near_candle * s + 1e-5, "{at} candle {c}");
                 }
+            }
+        }
+    }
+
+    /// On Arm the tiles of every format with a NEON kernel run exactly where `sdot` does: a core
+    /// without it (Cortex-A72) keeps ggml's layout, and the tests above compare the portable path
+    /// alone there. The table formats have no NEON kernel: never repacked on Arm.
+    #[test]
+    #[cfg(target_arch = "aarch64")]
+    fn arm_tiles_follow_dotprod() {
+        let dotprod = crate::backend::kernels::arm::Features::get().dotprod;
+        assert_eq!(available(), dotprod);
+        for format in FORMATS {
+            let want = (dotprod && neon::runs(format)).then_some(Path::NeonDot);
+            assert_eq!(fast_path(format), want, "{format:?}");
+            let repacked = match format.dtype() {
+                Some(dtype) => crate::backend::kernels::repacked_format(dtype, &Device::Cpu),
+                None => crate::backend::kernels::repacked_extra_format(extra(format), &Device::Cpu),
+            };
+            assert_eq!(repacked.is_some(), want.is_some(), "{format:?}");
+        }
+    }
+
+    /// Every activation row count from 1 to 17 (whole blocks of 4 rows over half tiles and each
+    /// remainder) on weights of one whole tile and a partial one, random blocks of every format
+    /// and quantized ones of those candle quantizes.
+    #[test]
+    fn every_row_count_computes_the_product() {
+        for format in FORMATS {
+            let k = 2 * format.block_values();
+            for m in 1..=17 {
+                let (q, p) = random(format, 27, k, m as u64);
+                check_product(&q, &p, m);
+            }
+            if format.dtype().is_some() {
+                let w = Tensor::randn(0f32, 1.0, (21, k), &Device::Cpu).unwrap();
+                let (q, p) = repacked(&w, format);
+                check_product(&q, &p, 7);
             }
         }
     }
