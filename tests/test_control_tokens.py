@@ -10,9 +10,10 @@ import pytest
 import candlewick as cw
 
 PROMPT = "The capital of France is"
-# With this seed Gemma 3 270M ends its sentences with <start_of_image> (id 255999), which its
-# GGUF lists as a user-defined token.
-KW = dict(max_tokens=40, temperature=0.8, seed=3)
+# Gemma 3 270M sometimes ends its sentences with <start_of_image> (id 255999), which its GGUF
+# lists as a user-defined token; which sampling seeds do depends on the kernels' float rounding,
+# so the tests take the first seed that does (`KW`).
+SAMPLING = dict(max_tokens=40, temperature=0.8)
 MARK = "<start_of_image>"
 
 
@@ -28,7 +29,19 @@ def rt(gemma):
     return cw.ModelRuntime.load(gemma, device="cpu")
 
 
-def test_generate_leaves_control_tokens_out_of_the_text_only(rt):
+@pytest.fixture(scope="module")
+def KW(rt):
+    """Sampling options whose output holds the mark, and text besides it."""
+    mark = rt.tokenizer.encode(MARK, add_special_tokens=False)
+    assert len(mark) == 1
+    for seed in range(1, 100):
+        r = rt.generate(PROMPT, seed=seed, **SAMPLING)
+        if mark[0] in r.token_ids and "Paris" in r.text:
+            return dict(SAMPLING, seed=seed)
+    pytest.fail(f"no seed below 100 samples {MARK} after a sentence about Paris")
+
+
+def test_generate_leaves_control_tokens_out_of_the_text_only(rt, KW):
     mark = rt.tokenizer.encode(MARK, add_special_tokens=False)
     assert len(mark) == 1
     r = rt.generate(PROMPT, logprobs=1, **KW)
@@ -39,7 +52,7 @@ def test_generate_leaves_control_tokens_out_of_the_text_only(rt):
     assert kept.text.replace(MARK, "") == r.text
 
 
-def test_every_entry_point_agrees(rt):
+def test_every_entry_point_agrees(rt, KW):
     text = rt.generate(PROMPT, **KW).text
     assert "".join(rt.stream(PROMPT, **KW)) == text
     assert rt.generate_batch([PROMPT], **KW)[0].text == text
@@ -51,9 +64,9 @@ def test_every_entry_point_agrees(rt):
     assert MARK not in chat.text
 
 
-def test_the_cli_leaves_them_out_unless_asked(gemma):
-    base = [sys.executable, "-m", "candlewick", "generate", PROMPT, "--model", gemma, "-n", "40", "--temp", "0.8",
-            "--seed", "3", "-q"]
+def test_the_cli_leaves_them_out_unless_asked(gemma, KW):
+    base = [sys.executable, "-m", "candlewick", "generate", PROMPT, "--model", gemma, "-n", str(KW["max_tokens"]),
+            "--temp", str(KW["temperature"]), "--seed", str(KW["seed"]), "-q"]
     plain = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr
     assert MARK not in plain.stdout and "Paris" in plain.stdout

@@ -25,6 +25,7 @@ from test_reference_tiny import (  # noqa: F401
     test_prompt_logits_match_row_by_row,
     test_truncate_then_prefill_rest_equals_full,
 )
+from test_reference_moe import experts_of, softmax
 from test_reference_gguf import (  # noqa: F401
     llama_cpp_reads_as_the_reference,
     test_f32_every_observation_point,
@@ -74,15 +75,6 @@ def gguf_file(checkpoints, tmp_path_factory):
 
 def config(case):
     return json.loads((fixtures.DATA / case / "config.json").read_text())
-
-
-def experts_of(cfg):
-    return cfg.get("num_experts") or cfg["num_local_experts"]
-
-
-def softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
 
 def route(case, logits, k):
