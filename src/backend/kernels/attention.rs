@@ -106,8 +106,13 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
                 }
                 #[cfg(target_arch = "aarch64")]
                 if simd {
-                    // SAFETY: NEON and its half-precision conversions are part of every aarch64 CPU.
-                    return unsafe { arm::head_group_f16(qh, kh, vh, oh, st, d, s, cap) };
+                    // SAFETY: NEON and its half-precision conversions are part of every aarch64 CPU;
+                    // `d` is a multiple of 8 (`arm::dot_f16`).
+                    let (dot, axpy) = (
+                        |a: &[f32], b: &[f16]| unsafe { arm::dot_f16(a, b) },
+                        |o: &mut [f32], w, x: &[f16]| unsafe { arm::axpy_f16(o, w, x) },
+                    );
+                    return head_group(qh, kh, vh, oh, st, d, d, s, cap, dot, axpy);
                 }
                 head_group(qh, kh, vh, oh, st, d, row, s, cap, dot, axpy)
             })
@@ -121,8 +126,13 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
                 }
                 #[cfg(target_arch = "aarch64")]
                 if simd {
-                    // SAFETY: NEON is part of every aarch64 CPU.
-                    return unsafe { arm::head_group_q8(qh, kh, vh, oh, st, d, row, s, cap) };
+                    // SAFETY: NEON is part of every aarch64 CPU; `d` is a multiple of 32 and `row`
+                    // its blocks' bytes (`arm::dot_q8`).
+                    let (dot, axpy) = (
+                        |a: &[f32], r: &[u8]| unsafe { arm::dot_q8(a, r) },
+                        |o: &mut [f32], w, r: &[u8]| unsafe { arm::axpy_q8(o, w, r) },
+                    );
+                    return head_group(qh, kh, vh, oh, st, d, row, s, cap, dot, axpy);
                 }
                 head_group(qh, kh, vh, oh, st, d, row, s, cap, dot_q8, axpy_q8)
             })
@@ -1208,37 +1218,9 @@ mod arm {
     use super::*;
     use std::arch::aarch64::*;
 
-    /// `head_group` over a float16 cache, 8 values per step (`d` is a multiple of 8).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn head_group_f16(
-        q: &[f32],
-        k: [&[f16]; 2],
-        v: [&[f16]; 2],
-        out: &mut [f32],
-        stats: &mut [(f32, f32)],
-        d: usize,
-        scale: f32,
-        softcap: Option<f32>,
-    ) {
-        head_group(q, k, v, out, stats, d, d, scale, softcap, |a, b| dot_f16(a, b), |o, w, x| axpy_f16(o, w, x))
-    }
-
-    /// `head_group` over a q8_0 cache: each block's signed bytes widened 8 at a time and
-    /// multiplied in float32 (`d` is a multiple of 32, `row` its blocks' bytes).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn head_group_q8(
-        q: &[f32],
-        k: [&[u8]; 2],
-        v: [&[u8]; 2],
-        out: &mut [f32],
-        stats: &mut [(f32, f32)],
-        d: usize,
-        row: usize,
-        scale: f32,
-        softcap: Option<f32>,
-    ) {
-        head_group(q, k, v, out, stats, d, row, scale, softcap, |a, b| dot_q8(a, b), |o, w, x| axpy_q8(o, w, x))
-    }
+    // `head_group`'s dot product and axpy over float16 rows (8 values per step) and q8_0 rows
+    // (each block's signed bytes widened 8 at a time): NEON needs no `target_feature` wrapper,
+    // so the decode kernel passes these to `head_group` itself.
 
     /// Eight signed bytes from `p` widened to float32.
     #[inline(always)]
@@ -1249,7 +1231,7 @@ mod arm {
 
     /// The dot product of a float32 query with a q8_0 key row (each block's sum times its scale).
     #[inline(always)]
-    unsafe fn dot_q8(a: &[f32], row: &[u8]) -> f32 {
+    pub(super) unsafe fn dot_q8(a: &[f32], row: &[u8]) -> f32 {
         let mut total = vdupq_n_f32(0.0);
         for (x, block) in a.chunks_exact(Q8_BLOCK).zip(row.chunks_exact(Q8_BYTES)) {
             let qs = block.as_ptr().add(2);
@@ -1267,7 +1249,7 @@ mod arm {
 
     /// `out += w · x` for a q8_0 value row.
     #[inline(always)]
-    unsafe fn axpy_q8(out: &mut [f32], w: f32, row: &[u8]) {
+    pub(super) unsafe fn axpy_q8(out: &mut [f32], w: f32, row: &[u8]) {
         for (o, block) in out.chunks_exact_mut(Q8_BLOCK).zip(row.chunks_exact(Q8_BYTES)) {
             let ws = w * f16::from_le_bytes([block[0], block[1]]).to_f32();
             let qs = block.as_ptr().add(2);
@@ -1287,7 +1269,7 @@ mod arm {
     }
 
     #[inline(always)]
-    unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+    pub(super) unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
         let (mut acc0, mut acc1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
         for i in (0..a.len().min(b.len()) / 8 * 8).step_by(8) {
             let [lo, hi] = load8(b, i);
@@ -1298,7 +1280,7 @@ mod arm {
     }
 
     #[inline(always)]
-    unsafe fn axpy_f16(out: &mut [f32], w: f32, x: &[f16]) {
+    pub(super) unsafe fn axpy_f16(out: &mut [f32], w: f32, x: &[f16]) {
         for i in (0..out.len().min(x.len()) / 8 * 8).step_by(8) {
             let [lo, hi] = load8(x, i);
             let o = out.as_mut_ptr().add(i);
