@@ -206,7 +206,15 @@ mod probe {
                 let p = attention::Params { heads, kv_heads, head_dim: d, scale: 0.125, softcap: None };
                 for _ in 0..reps {
                     let view = crate::backend::kv_cache::KvView { k: &k, v: &v, first: 0, len: keys };
-                    std::hint::black_box(attention::decode_with(&q, &view, p, f[1] == "neon").unwrap());
+                    std::hint::black_box(
+                        attention::decode_with(
+                            &q,
+                            &view,
+                            p,
+                            if f[1] == "neon" { attention::TilePath::Neon } else { attention::TilePath::Portable },
+                        )
+                        .unwrap(),
+                    );
                 }
             }
             other => panic!("unknown probe {other}"),

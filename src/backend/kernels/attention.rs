@@ -62,11 +62,11 @@ fn row_and_head_dim(k: &Tensor) -> (usize, usize) {
 /// `softmax(q·Kᵀ·scale)·V` for one query row `q` `[heads · d]` (float32, any layout) against
 /// the cache view `kv`: each head's output, `[1, heads, d]`.
 pub fn decode(q: &Tensor, kv: &KvView<'_>, p: Params) -> candle_core::Result<Tensor> {
-    decode_with(q, kv, p, true)
+    decode_with(q, kv, p, TilePath::best())
 }
 
-/// `decode`, on this CPU's SIMD code where it has it (`simd`) or on the portable code.
-pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) -> candle_core::Result<Tensor> {
+/// `decode` on the code of `path` (the prompt kernel's paths: both kernels' tests force each).
+pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, path: TilePath) -> candle_core::Result<Tensor> {
     let d = p.head_dim;
     let (row, head_dim) = row_and_head_dim(kv.k);
     let q = q.flatten_all()?.to_vec1::<f32>()?;
@@ -91,21 +91,33 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
     let dst = super::OutPtr(if split.segments > 1 { partial.as_mut_ptr() } else { out.as_mut_ptr() });
     let sums = StatsPtr(stats.as_mut_ptr());
     let (s, cap) = (p.scale, p.softcap);
+    #[cfg(target_arch = "x86_64")]
+    let wide = path == TilePath::Avx512 && d % 16 == 0;
     match (&*ks, &*vs) {
         (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
             split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
+                #[cfg(target_arch = "x86_64")]
+                if wide {
+                    // SAFETY: AVX-512F was detected (`TilePath::Avx512`) and `d` is a multiple of 16.
+                    return unsafe { decode_avx512::head_group(qh, kh, vh, oh, st, d, s, cap) };
+                }
                 head_group(qh, kh, vh, oh, st, d, row, s, cap, dot, axpy)
             })
         }
         (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
             split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
                 #[cfg(target_arch = "x86_64")]
-                if simd && x86::available() {
+                if wide && x86::available() {
+                    // SAFETY: AVX-512F and F16C were detected and `d` is a multiple of 16.
+                    return unsafe { decode_avx512::head_group(qh, kh, vh, oh, st, d, s, cap) };
+                }
+                #[cfg(target_arch = "x86_64")]
+                if path != TilePath::Portable && x86::available() {
                     // SAFETY: AVX2, FMA and F16C were detected.
                     return unsafe { x86::head_group_f16c(qh, kh, vh, oh, st, d, s, cap) };
                 }
                 #[cfg(target_arch = "aarch64")]
-                if simd {
+                if path == TilePath::Neon {
                     // SAFETY: NEON and its half-precision conversions are part of every aarch64 CPU;
                     // `d` is a multiple of 8 (`arm::dot_f16`).
                     let (dot, axpy) = (
@@ -120,12 +132,12 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
         (Storage::Cpu(CpuStorage::U8(kd)), Storage::Cpu(CpuStorage::U8(vd))) => {
             split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
                 #[cfg(target_arch = "x86_64")]
-                if simd && x86::available() {
+                if path != TilePath::Portable && x86::available() {
                     // SAFETY: AVX2, FMA and F16C were detected.
                     return unsafe { x86::head_group_q8(qh, kh, vh, oh, st, d, row, s, cap) };
                 }
                 #[cfg(target_arch = "aarch64")]
-                if simd {
+                if path == TilePath::Neon {
                     // SAFETY: NEON is part of every aarch64 CPU; `d` is a multiple of 32 and `row`
                     // its blocks' bytes (`arm::dot_q8`).
                     let (dot, axpy) = (
@@ -147,8 +159,9 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, simd: bool) ->
 /// Keys per task of a decode step: a kv head's keys beyond this are split into segments that run
 /// in parallel (Gemma 3 has one kv head, so a long context's attention ran on one thread), and
 /// their partial softmax sums are combined. The split depends on the number of keys only, so
-/// the result does not depend on the thread count.
-const DECODE_SEGMENT: usize = 512;
+/// the result does not depend on the thread count. 256 rather than 512: Gemma 3's sliding layers
+/// attend 512 keys, which as one task left the second thread idle.
+const DECODE_SEGMENT: usize = 256;
 
 /// Where decode tasks write their softmax statistics: for each query head of a group, the
 /// largest score and the sum of `exp(score - largest)`.
@@ -1290,6 +1303,188 @@ mod arm {
     }
 }
 
+/// The decode kernel in AVX-512 registers (16 floats): each key and value row is widened once
+/// for all the query heads of its group (the AVX2 code widens it once per head: 7 times for
+/// Qwen2.5's groups), and the heads' weighted sums stay in registers across the keys instead of
+/// being read and written back for every key (perf on SmolLM2-135M at 512 tokens: the AVX2
+/// kernel was a fifth of a decode step).
+#[cfg(target_arch = "x86_64")]
+mod decode_avx512 {
+    use super::{exp_shifted, row_max};
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// A cache element, 16 of which load as float32.
+    pub(super) trait Wide: Copy {
+        /// The 16 elements at `p` as float32.
+        ///
+        /// # Safety
+        /// `p` points at 16 readable elements and the CPU has AVX-512F and F16C.
+        unsafe fn load16(p: *const Self) -> __m512;
+    }
+
+    impl Wide for f32 {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load16(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+    }
+
+    impl Wide for f16 {
+        #[inline]
+        #[target_feature(enable = "avx512f,f16c")]
+        unsafe fn load16(p: *const f16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+    }
+
+    /// `super::head_group` for `d` a multiple of 16.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn head_group<T: Wide>(
+        q: &[f32],
+        k: [&[T]; 2],
+        v: [&[T]; 2],
+        out: &mut [f32],
+        stats: &mut [(f32, f32)],
+        d: usize,
+        scale: f32,
+        softcap: Option<f32>,
+    ) {
+        debug_assert!(d % 16 == 0);
+        let keys = (k[0].len() + k[1].len()) / d;
+        let group = q.len() / d;
+        let mut s = vec![0f32; group * keys];
+        // Up to 8 heads' scores per pass over the keys (8 running sums in registers).
+        let mut h = 0;
+        while h < group {
+            let n = (group - h).min(8);
+            let (qh, sh) = (&q[h * d..(h + n) * d], &mut s[h * keys..(h + n) * keys]);
+            let mut first = 0;
+            for run in k {
+                match n {
+                    1 => scores::<T, 1>(qh, run, d, sh, keys, first, scale),
+                    2 => scores::<T, 2>(qh, run, d, sh, keys, first, scale),
+                    3 => scores::<T, 3>(qh, run, d, sh, keys, first, scale),
+                    4 => scores::<T, 4>(qh, run, d, sh, keys, first, scale),
+                    5 => scores::<T, 5>(qh, run, d, sh, keys, first, scale),
+                    6 => scores::<T, 6>(qh, run, d, sh, keys, first, scale),
+                    7 => scores::<T, 7>(qh, run, d, sh, keys, first, scale),
+                    _ => scores::<T, 8>(qh, run, d, sh, keys, first, scale),
+                }
+                first += run.len() / d;
+            }
+            h += n;
+        }
+        if let Some(cap) = softcap {
+            s.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+        }
+        // Unnormalised: `Split::combine` divides by the sums (of several segments' at once).
+        for (row, stat) in s.chunks_exact_mut(keys).zip(stats.iter_mut()) {
+            let max = row_max(row);
+            *stat = (max, exp_shifted(row, max));
+        }
+        // Up to 4 heads × 64 values per pass over the value rows (16 running sums).
+        out.fill(0.0);
+        let mut h = 0;
+        while h < group {
+            let n = (group - h).min(4);
+            let (wh, oh) = (&s[h * keys..(h + n) * keys], &mut out[h * d..(h + n) * d]);
+            let mut c = 0;
+            while c < d {
+                let wide = d - c >= 64;
+                let mut first = 0;
+                for run in v {
+                    match (n, wide) {
+                        (1, true) => values::<T, 1, 4>(wh, keys, first, run, d, c, oh),
+                        (2, true) => values::<T, 2, 4>(wh, keys, first, run, d, c, oh),
+                        (3, true) => values::<T, 3, 4>(wh, keys, first, run, d, c, oh),
+                        (_, true) => values::<T, 4, 4>(wh, keys, first, run, d, c, oh),
+                        (1, false) => values::<T, 1, 1>(wh, keys, first, run, d, c, oh),
+                        (2, false) => values::<T, 2, 1>(wh, keys, first, run, d, c, oh),
+                        (3, false) => values::<T, 3, 1>(wh, keys, first, run, d, c, oh),
+                        (_, false) => values::<T, 4, 1>(wh, keys, first, run, d, c, oh),
+                    }
+                    first += run.len() / d;
+                }
+                c += if wide { 64 } else { 16 };
+            }
+            h += n;
+        }
+    }
+
+    /// `s[g · stride + first + i] = scale · q_g · k_i` for the `G` heads of `q` (`[G][d]`) and
+    /// the key rows of `k` (`[n][d]`): each row widened once, 16 values at a time.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn scores<T: Wide, const G: usize>(
+        q: &[f32],
+        k: &[T],
+        d: usize,
+        s: &mut [f32],
+        stride: usize,
+        first: usize,
+        scale: f32,
+    ) {
+        debug_assert!(q.len() == G * d && s.len() >= (G - 1) * stride + first + k.len() / d);
+        let qp = q.as_ptr();
+        for (i, key) in k.chunks_exact(d).enumerate() {
+            let mut acc = [_mm512_setzero_ps(); G];
+            for c in (0..d).step_by(16) {
+                let kc = T::load16(key.as_ptr().add(c));
+                for (g, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(g * d + c)), kc, *acc);
+                }
+            }
+            for (g, acc) in acc.iter().enumerate() {
+                *s.get_unchecked_mut(g * stride + first + i) = _mm512_reduce_add_ps(*acc) * scale;
+            }
+        }
+    }
+
+    /// `out[g][c..c + 16C] += Σ_i w[g · stride + first + i] · v_i[c..c + 16C]` for the `G`
+    /// heads' sums `out` (`[G][d]`) over the value rows of `v` (`[n][d]`), the sums in registers.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn values<T: Wide, const G: usize, const C: usize>(
+        w: &[f32],
+        stride: usize,
+        first: usize,
+        v: &[T],
+        d: usize,
+        c: usize,
+        out: &mut [f32],
+    ) {
+        debug_assert!(out.len() == G * d && c + 16 * C <= d && w.len() >= (G - 1) * stride + first + v.len() / d);
+        let op = out.as_mut_ptr();
+        let mut acc = [[_mm512_setzero_ps(); C]; G];
+        for (g, acc) in acc.iter_mut().enumerate() {
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_loadu_ps(op.add(g * d + c + 16 * j));
+            }
+        }
+        for (i, row) in v.chunks_exact(d).enumerate() {
+            let mut x = [_mm512_setzero_ps(); C];
+            for (j, x) in x.iter_mut().enumerate() {
+                *x = T::load16(row.as_ptr().add(c + 16 * j));
+            }
+            for (g, acc) in acc.iter_mut().enumerate() {
+                let wg = _mm512_set1_ps(*w.get_unchecked(g * stride + first + i));
+                for (acc, &x) in acc.iter_mut().zip(&x) {
+                    *acc = _mm512_fmadd_ps(wg, x, *acc);
+                }
+            }
+        }
+        for (g, acc) in acc.iter().enumerate() {
+            for (j, &acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(op.add(g * d + c + 16 * j), acc);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1381,18 +1576,27 @@ mod tests {
 
     /// Equals candle's grouped matmul / softmax / matmul on a cache view inside a larger buffer
     /// (as the session's cache is) and on a ring's view that wraps, with and without a softcap,
-    /// for a float32, float16 and q8_0 cache (candle's products on the values widened), on the
-    /// SIMD code and on the portable code forced. 1,200 keys make three segments of keys run
-    /// apart and combined, with a ring wrapping inside a segment and at a segment's boundary.
+    /// for a float32, float16 and q8_0 cache (candle's products on the values widened), on
+    /// every code path this CPU runs (`TilePath::all`). 1,200 keys make five segments of keys
+    /// run apart and combined, with a ring wrapping inside a segment and at a segment's
+    /// boundary. Groups of 3 heads of 32 values, and of 10 heads of 80 (the AVX-512 code's
+    /// passes of 8 heads' scores and 4 heads' values, and its 64- and 16-value chunks).
     #[test]
     fn equals_candles_attention_on_a_cache_view() {
         let dev = Device::Cpu;
-        let (heads, kv_heads, d) = (6, 2, 32);
         let (f32_, f16_, q8) = (KvType::Dense(DType::F32), KvType::Dense(DType::F16), KvType::Q8_0);
         // At slots 3.. (a full layer's positions 3..), and wrapping from slot 31 (a ring); 1,200
         // keys from slot 3, and wrapping after 700 and after exactly 512 keys.
         let views: [(usize, usize, &[usize]); 2] = [(40, 29, &[3, 71]), (1300, 1200, &[3, 1900, 2088])];
-        for (ty, simd) in [(f32_, true), (f16_, true), (f16_, false), (q8, true), (q8, false)] {
+        // q8_0 rows are whole blocks of 32.
+        let (all, dense) = ([f32_, f16_, q8], [f32_, f16_]);
+        let shapes = [(6, 2, 32, all.as_slice()), (10, 1, 80, dense.as_slice())];
+        let cases = shapes.iter().flat_map(|&(heads, kv_heads, d, types)| {
+            types
+                .iter()
+                .flat_map(move |&ty| TilePath::all().into_iter().map(move |path| (heads, kv_heads, d, ty, path)))
+        });
+        for (heads, kv_heads, d, ty, path) in cases {
             for &(cap, keys, firsts) in &views {
                 let (k_buf, v_buf) = buffers(ty, kv_heads, cap, d);
                 for &first in firsts {
@@ -1401,7 +1605,7 @@ mod tests {
                     for softcap in [None, Some(5.0f32)] {
                         let p = Params { heads, kv_heads, head_dim: d, scale: 0.25, softcap };
                         assert!(takes(&q, &view));
-                        let got = decode_with(&q, &view, p, simd).unwrap();
+                        let got = decode_with(&q, &view, p, path).unwrap();
                         let (k, v) = view.dense(DType::F32).unwrap();
                         let qg = q.reshape((1, kv_heads, heads / kv_heads, d)).unwrap();
                         let mut s = (qg.matmul(&k.t().unwrap()).unwrap() * 0.25).unwrap();
@@ -1413,7 +1617,8 @@ mod tests {
                         let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                         assert!(
                             diff < 1e-5,
-                            "{ty:?} simd {simd} keys {keys} first {first} softcap {softcap:?}: max difference {diff}"
+                            "{ty:?} {path:?} {heads}/{kv_heads} heads of {d}, keys {keys} first {first} softcap {softcap:?}: \
+                             max difference {diff}"
                         );
                     }
                 }
@@ -1447,23 +1652,25 @@ mod tests {
                 })
                 .fold(f64::MAX, f64::min)
         };
-        // Gemma 3 270M's shape, then Qwen2.5-Coder 0.5B's (14 query heads over 2 kv heads of 64).
+        // Gemma 3 270M's shape, Qwen2.5-Coder 0.5B's (14 query heads over 2 kv heads of 64), SmolLM2's.
         for ((heads, kv_heads, d), keys) in
-            [(4, 1, 256), (14, 2, 64)].into_iter().flat_map(|s| [(s, 2048usize), (s, 16384)])
+            [(4, 1, 256), (14, 2, 64), (9, 3, 64)].into_iter().flat_map(|s| [(s, 512usize), (s, 2048), (s, 16384)])
         {
             let p = Params { heads, kv_heads, head_dim: d, scale: 0.0625, softcap: None };
             for ty in [KvType::Dense(DType::F16), KvType::Q8_0] {
                 let (k, v) = buffers(ty, kv_heads, keys, d);
                 let view = KvView { k: &k, v: &v, first: 0, len: keys };
                 let q = Tensor::randn(0f32, 1.0, (1, heads, 1, d), &dev).unwrap();
-                let t = best(&|| drop(decode(&q, &view, p).unwrap()), 50);
-                let bytes = (k.elem_count() * k.dtype().size_in_bytes() * 2) as f64;
-                println!(
-                    "decode over {keys} keys, {heads}/{kv_heads} heads of {d}, {}: {:.1} us ({:.1} GB/s)",
-                    ty.name(),
-                    t * 1e6,
-                    bytes / t / 1e9
-                );
+                for path in TilePath::all() {
+                    let t = best(&|| drop(decode_with(&q, &view, p, path).unwrap()), 50);
+                    let bytes = (k.elem_count() * k.dtype().size_in_bytes() * 2) as f64;
+                    println!(
+                        "decode over {keys} keys, {heads}/{kv_heads} heads of {d}, {}, {path:?}: {:.1} us ({:.1} GB/s)",
+                        ty.name(),
+                        t * 1e6,
+                        bytes / t / 1e9
+                    );
+                }
             }
         }
         // Gemma 3 270M's shape, then Qwen2.5-Coder 0.5B's (14 query heads over 2 kv heads of 64).
