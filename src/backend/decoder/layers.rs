@@ -36,6 +36,27 @@ impl Linear {
         self.weight.is_quantized()
     }
 
+    /// The maps `parts` as one whose output is theirs side by side, where their weights are
+    /// interleaved tiles that stack (`Interleaved::stack`) and all or none have a bias; `None`
+    /// otherwise. Each output is computed as the part's own would be, bit for bit.
+    pub fn stack(parts: &[&Linear]) -> candle_core::Result<Option<Linear>> {
+        let tiles: Option<Vec<&Interleaved>> = parts
+            .iter()
+            .map(|l| match &l.weight {
+                Weight::Interleaved(w) => Some(&**w),
+                Weight::Candle(_) => None,
+            })
+            .collect();
+        let Some(weight) = tiles.and_then(|t| Interleaved::stack(&t)) else { return Ok(None) };
+        let biases: Option<Vec<&Tensor>> = parts.iter().map(|l| l.bias.as_ref()).collect();
+        let bias = match biases {
+            Some(b) => Some(Tensor::cat(&b, 0)?),
+            None if parts.iter().all(|l| l.bias.is_none()) => None,
+            None => return Ok(None),
+        };
+        Ok(Some(Self { weight: Weight::Interleaved(Arc::new(weight)), bias }))
+    }
+
     /// Applies the map to float32 `[rows, in]`, returning float32 (the kernel is `kernels::matmul`'s choice).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = crate::backend::kernels::matmul(x, &self.weight)?;

@@ -131,10 +131,16 @@ impl Decoder {
             let qkv = if fused_qkv {
                 QkvProj::Fused(linear(Slot::Qkv, i, (nh + 2 * nkv) * d, h, c.qkv_bias)?)
             } else {
-                QkvProj::Separate {
-                    q: linear(Slot::Q, i, nh * d, h, c.qkv_bias)?,
-                    k: linear(Slot::K, i, nkv * d, h, c.qkv_bias)?,
-                    v: linear(Slot::V, i, nkv * d, h, c.qkv_bias)?,
+                let (q, k, v) = (
+                    linear(Slot::Q, i, nh * d, h, c.qkv_bias)?,
+                    linear(Slot::K, i, nkv * d, h, c.qkv_bias)?,
+                    linear(Slot::V, i, nkv * d, h, c.qkv_bias)?,
+                );
+                // One product where the three stack (same tiled format): a decode step then
+                // quantizes its row and dispatches to the workers once, not three times.
+                match Linear::stack(&[&q, &k, &v]).ctx(|| format!("stacking layer {i}'s q, k and v"))? {
+                    Some(qkv) => QkvProj::Fused(qkv),
+                    None => QkvProj::Separate { q, k, v },
                 }
             };
             let qk_norm = match c.qk_norm {
@@ -174,10 +180,12 @@ impl Decoder {
             } else if fused_gate_up {
                 Some(GateUp::Fused(linear(Slot::GateUp, i, 2 * inter, h, c.mlp_bias)?))
             } else {
-                Some(GateUp::Separate {
-                    gate: linear(Slot::Gate, i, inter, h, c.mlp_bias)?,
-                    up: linear(Slot::Up, i, inter, h, c.mlp_bias)?,
-                })
+                let (gate, up) =
+                    (linear(Slot::Gate, i, inter, h, c.mlp_bias)?, linear(Slot::Up, i, inter, h, c.mlp_bias)?);
+                match Linear::stack(&[&gate, &up]).ctx(|| format!("stacking layer {i}'s gate and up"))? {
+                    Some(gate_up) => Some(GateUp::Fused(gate_up)),
+                    None => Some(GateUp::Separate { gate, up }),
+                }
             };
             let mlp = match (gate_up, &c.moe) {
                 (Some(gate_up), _) => FeedForward::Dense(Mlp {

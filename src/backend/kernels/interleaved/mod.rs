@@ -453,6 +453,23 @@ impl Interleaved {
         })
     }
 
+    /// Weights of one format and width stacked into one whose outputs are theirs side by side
+    /// (a layer's query, key and value projections as one product: one activation quantization
+    /// and one parallel pass instead of three). A tile holds `LANES` rows, so every part but the
+    /// last must fill its tiles; `None` where they do not, or differ in format or width.
+    pub fn stack(parts: &[&Interleaved]) -> Option<Interleaved> {
+        let first = parts.first()?;
+        let fits = |w: &&Interleaved| w.format == first.format && w.k == first.k;
+        let whole = parts[..parts.len() - 1].iter().all(|w| w.n.is_multiple_of(LANES));
+        if !parts.iter().all(fits) || !whole {
+            return None;
+        }
+        let mut data = Vec::with_capacity(parts.iter().map(|w| w.data.len()).sum());
+        parts.iter().for_each(|w| data.extend_from_slice(&w.data));
+        let n = parts.iter().map(|w| w.n).sum();
+        Some(Self { format: first.format, n, k: first.k, data })
+    }
+
     /// `(rows, values per row)` of the original weight.
     pub fn shape(&self) -> (usize, usize) {
         (self.n, self.k)
@@ -1545,6 +1562,35 @@ mod tests {
                 let (q, p) = random(format, n, k, i as u64);
                 check_product(&q, &p, m);
             }
+        }
+    }
+
+    /// Stacked weights compute each part's outputs bit for bit, for 1 and 9 activation rows,
+    /// the last part a partial tile; parts that leave a tile partial before the last, or differ
+    /// in format or width, do not stack.
+    #[test]
+    fn stacked_weights_compute_their_parts_outputs() {
+        for format in FORMATS {
+            let k = 2 * format.block_values();
+            let parts: Vec<Interleaved> =
+                [32, 16, 21].iter().zip(1u64..).map(|(&n, s)| random(format, n, k, s).1).collect();
+            let stacked = Interleaved::stack(&parts.iter().collect::<Vec<_>>()).expect("whole tiles stack");
+            assert_eq!(stacked.shape(), (69, k));
+            for m in [1, 9] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+                let got = stacked.matmul(&x, m);
+                for r in 0..m {
+                    let want: Vec<f32> =
+                        parts.iter().flat_map(|p| p.matmul(&x, m)[r * p.n..(r + 1) * p.n].to_vec()).collect();
+                    let row = &got[r * 69..(r + 1) * 69];
+                    assert!(row.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{format:?} row {r}");
+                }
+            }
+            assert!(Interleaved::stack(&[&parts[2], &parts[0]]).is_none(), "{format:?}: a partial tile first");
+            let other = random(if format == Format::Q8_0 { Format::Q4_0 } else { Format::Q8_0 }, 16, k, 9).1;
+            assert!(Interleaved::stack(&[&parts[0], &other]).is_none(), "{format:?}: two formats");
+            let wider = random(format, 16, 2 * k, 9).1;
+            assert!(Interleaved::stack(&[&parts[0], &wider]).is_none(), "{format:?}: two widths");
         }
     }
 
