@@ -7,8 +7,9 @@
 //! query head of its group; kv heads, and segments of a long context's keys, run in parallel.
 //! A float16 cache (quantized models) is widened in registers as it is read (F16C on x86 CPUs
 //! that have it, `fcvtl` on every aarch64 one); a q8_0 cache is de-quantized in registers as it
-//! is read (each key row's blocks times the float32 query; AVX2 or NEON), so both kernels read
-//! q8_0 blocks directly, never a widened copy of the cache.
+//! is read (each key row's blocks times the float32 query; AVX2, AVX-512 or NEON), so both
+//! kernels read q8_0 blocks directly, never a widened copy of the cache. Where the CPU has
+//! AVX-512F, a decode step widens each row once for its whole group of query heads.
 //!
 //! Keys are read in position order, whatever the slots of a ring (`KvView::runs`), so a ring
 //! and a full cache give the same sums.
@@ -131,6 +132,11 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, path: TilePath
         }
         (Storage::Cpu(CpuStorage::U8(kd)), Storage::Cpu(CpuStorage::U8(vd))) => {
             split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
+                #[cfg(target_arch = "x86_64")]
+                if wide && x86::available() {
+                    // SAFETY: AVX-512F and F16C were detected; `d` is whole q8_0 blocks (`takes`).
+                    return unsafe { decode_avx512::head_group(qh, kh, vh, oh, st, d, s, cap) };
+                }
                 #[cfg(target_arch = "x86_64")]
                 if path != TilePath::Portable && x86::available() {
                     // SAFETY: AVX2, FMA and F16C were detected.
@@ -1303,43 +1309,69 @@ mod arm {
     }
 }
 
-/// The decode kernel in AVX-512 registers (16 floats): each key and value row is widened once
-/// for all the query heads of its group (the AVX2 code widens it once per head: 7 times for
+/// The decode kernel in AVX-512 registers (16 floats): each key and value row is widened (or
+/// de-quantized, for a q8_0 cache) once for all the query heads of its group (the AVX2 code widens it once per head: 7 times for
 /// Qwen2.5's groups), and the heads' weighted sums stay in registers across the keys instead of
 /// being read and written back for every key (perf on SmolLM2-135M at 512 tokens: the AVX2
 /// kernel was a fifth of a decode step).
 #[cfg(target_arch = "x86_64")]
 mod decode_avx512 {
-    use super::{exp_shifted, row_max};
+    use super::{exp_shifted, row_max, Q8_BLOCK, Q8_BYTES};
     use half::f16;
     use std::arch::x86_64::*;
 
-    /// A cache element, 16 of which load as float32.
+    /// A cache element type whose rows load 16 values at a time as float32.
     pub(super) trait Wide: Copy {
-        /// The 16 elements at `p` as float32.
+        /// Elements of one row of `d` values.
+        fn row_len(d: usize) -> usize;
+        /// Values `c..c + 16` of the row at `row` as float32 (`c` a multiple of 16).
         ///
         /// # Safety
-        /// `p` points at 16 readable elements and the CPU has AVX-512F and F16C.
-        unsafe fn load16(p: *const Self) -> __m512;
+        /// The row holds them and the CPU has AVX-512F and F16C.
+        unsafe fn load16(row: *const Self, c: usize) -> __m512;
     }
 
     impl Wide for f32 {
+        fn row_len(d: usize) -> usize {
+            d
+        }
+
         #[inline]
         #[target_feature(enable = "avx512f")]
-        unsafe fn load16(p: *const f32) -> __m512 {
-            _mm512_loadu_ps(p)
+        unsafe fn load16(row: *const f32, c: usize) -> __m512 {
+            _mm512_loadu_ps(row.add(c))
         }
     }
 
     impl Wide for f16 {
+        fn row_len(d: usize) -> usize {
+            d
+        }
+
         #[inline]
         #[target_feature(enable = "avx512f,f16c")]
-        unsafe fn load16(p: *const f16) -> __m512 {
-            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        unsafe fn load16(row: *const f16, c: usize) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c) as *const __m256i))
         }
     }
 
-    /// `super::head_group` for `d` a multiple of 16.
+    /// q8_0 blocks: a float16 scale, then 32 signed bytes.
+    impl Wide for u8 {
+        fn row_len(d: usize) -> usize {
+            d / Q8_BLOCK * Q8_BYTES
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx512f,f16c")]
+        unsafe fn load16(row: *const u8, c: usize) -> __m512 {
+            let block = row.add(c / Q8_BLOCK * Q8_BYTES);
+            let scale = f16::from_bits(u16::from_le_bytes([*block, *block.add(1)])).to_f32();
+            let q = _mm_loadu_si128(block.add(2 + c % Q8_BLOCK) as *const __m128i);
+            _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)))
+        }
+    }
+
+    /// `super::head_group` for `d` a multiple of 16 (32 for q8_0, whose blocks are whole).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn head_group<T: Wide>(
@@ -1353,7 +1385,8 @@ mod decode_avx512 {
         softcap: Option<f32>,
     ) {
         debug_assert!(d % 16 == 0);
-        let keys = (k[0].len() + k[1].len()) / d;
+        let row = T::row_len(d);
+        let keys = (k[0].len() + k[1].len()) / row;
         let group = q.len() / d;
         let mut s = vec![0f32; group * keys];
         // Up to 8 heads' scores per pass over the keys (8 running sums in registers).
@@ -1373,7 +1406,7 @@ mod decode_avx512 {
                     7 => scores::<T, 7>(qh, run, d, sh, keys, first, scale),
                     _ => scores::<T, 8>(qh, run, d, sh, keys, first, scale),
                 }
-                first += run.len() / d;
+                first += run.len() / row;
             }
             h += n;
         }
@@ -1406,7 +1439,7 @@ mod decode_avx512 {
                         (3, false) => values::<T, 3, 1>(wh, keys, first, run, d, c, oh),
                         (_, false) => values::<T, 4, 1>(wh, keys, first, run, d, c, oh),
                     }
-                    first += run.len() / d;
+                    first += run.len() / row;
                 }
                 c += if wide { 64 } else { 16 };
             }
@@ -1415,7 +1448,7 @@ mod decode_avx512 {
     }
 
     /// `s[g · stride + first + i] = scale · q_g · k_i` for the `G` heads of `q` (`[G][d]`) and
-    /// the key rows of `k` (`[n][d]`): each row widened once, 16 values at a time.
+    /// the key rows of `k`: each row widened once, 16 values at a time.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn scores<T: Wide, const G: usize>(
@@ -1427,12 +1460,13 @@ mod decode_avx512 {
         first: usize,
         scale: f32,
     ) {
-        debug_assert!(q.len() == G * d && s.len() >= (G - 1) * stride + first + k.len() / d);
+        let row = T::row_len(d);
+        debug_assert!(q.len() == G * d && s.len() >= (G - 1) * stride + first + k.len() / row);
         let qp = q.as_ptr();
-        for (i, key) in k.chunks_exact(d).enumerate() {
+        for (i, key) in k.chunks_exact(row).enumerate() {
             let mut acc = [_mm512_setzero_ps(); G];
             for c in (0..d).step_by(16) {
-                let kc = T::load16(key.as_ptr().add(c));
+                let kc = T::load16(key.as_ptr(), c);
                 for (g, acc) in acc.iter_mut().enumerate() {
                     *acc = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(g * d + c)), kc, *acc);
                 }
@@ -1444,7 +1478,7 @@ mod decode_avx512 {
     }
 
     /// `out[g][c..c + 16C] += Σ_i w[g · stride + first + i] · v_i[c..c + 16C]` for the `G`
-    /// heads' sums `out` (`[G][d]`) over the value rows of `v` (`[n][d]`), the sums in registers.
+    /// heads' sums `out` (`[G][d]`) over the value rows of `v`, the sums in registers.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -1457,7 +1491,8 @@ mod decode_avx512 {
         c: usize,
         out: &mut [f32],
     ) {
-        debug_assert!(out.len() == G * d && c + 16 * C <= d && w.len() >= (G - 1) * stride + first + v.len() / d);
+        let row = T::row_len(d);
+        debug_assert!(out.len() == G * d && c + 16 * C <= d && w.len() >= (G - 1) * stride + first + v.len() / row);
         let op = out.as_mut_ptr();
         let mut acc = [[_mm512_setzero_ps(); C]; G];
         for (g, acc) in acc.iter_mut().enumerate() {
@@ -1465,10 +1500,10 @@ mod decode_avx512 {
                 *acc = _mm512_loadu_ps(op.add(g * d + c + 16 * j));
             }
         }
-        for (i, row) in v.chunks_exact(d).enumerate() {
+        for (i, value) in v.chunks_exact(row).enumerate() {
             let mut x = [_mm512_setzero_ps(); C];
             for (j, x) in x.iter_mut().enumerate() {
-                *x = T::load16(row.as_ptr().add(c + 16 * j));
+                *x = T::load16(value.as_ptr(), c + 16 * j);
             }
             for (g, acc) in acc.iter_mut().enumerate() {
                 let wg = _mm512_set1_ps(*w.get_unchecked(g * stride + first + i));
@@ -1579,8 +1614,8 @@ mod tests {
     /// for a float32, float16 and q8_0 cache (candle's products on the values widened), on
     /// every code path this CPU runs (`TilePath::all`). 1,200 keys make five segments of keys
     /// run apart and combined, with a ring wrapping inside a segment and at a segment's
-    /// boundary. Groups of 3 heads of 32 values, and of 10 heads of 80 (the AVX-512 code's
-    /// passes of 8 heads' scores and 4 heads' values, and its 64- and 16-value chunks).
+    /// boundary. Groups of 3 heads of 32 values, of 10 heads of 80 and of 5 of 64 (the AVX-512
+    /// code's passes of 8 heads' scores and 4 heads' values, and its 64- and 16-value chunks).
     #[test]
     fn equals_candles_attention_on_a_cache_view() {
         let dev = Device::Cpu;
@@ -1590,7 +1625,7 @@ mod tests {
         let views: [(usize, usize, &[usize]); 2] = [(40, 29, &[3, 71]), (1300, 1200, &[3, 1900, 2088])];
         // q8_0 rows are whole blocks of 32.
         let (all, dense) = ([f32_, f16_, q8], [f32_, f16_]);
-        let shapes = [(6, 2, 32, all.as_slice()), (10, 1, 80, dense.as_slice())];
+        let shapes = [(6, 2, 32, all.as_slice()), (10, 1, 80, dense.as_slice()), (5, 1, 64, all.as_slice())];
         let cases = shapes.iter().flat_map(|&(heads, kv_heads, d, types)| {
             types
                 .iter()
