@@ -98,8 +98,8 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, path: TilePath
         (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
             split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
                 #[cfg(target_arch = "x86_64")]
-                if wide {
-                    // SAFETY: AVX-512F was detected (`TilePath::Avx512`) and `d` is a multiple of 16.
+                if wide && x86::available() {
+                    // SAFETY: AVX-512F and F16C were detected and `d` is a multiple of 16.
                     return unsafe { decode_avx512::head_group(qh, kh, vh, oh, st, d, s, cap) };
                 }
                 head_group(qh, kh, vh, oh, st, d, row, s, cap, dot, axpy)
@@ -1310,10 +1310,10 @@ mod arm {
 }
 
 /// The decode kernel in AVX-512 registers (16 floats): each key and value row is widened (or
-/// de-quantized, for a q8_0 cache) once for all the query heads of its group (the AVX2 code widens it once per head: 7 times for
-/// Qwen2.5's groups), and the heads' weighted sums stay in registers across the keys instead of
-/// being read and written back for every key (perf on SmolLM2-135M at 512 tokens: the AVX2
-/// kernel was a fifth of a decode step).
+/// de-quantized, for a q8_0 cache) once for all the query heads of its group (the AVX2 code
+/// widens it once per head: 7 times for Qwen2.5's groups), and the heads' weighted sums stay in
+/// registers across the keys instead of being read and written back for every key (perf on
+/// SmolLM2-135M at 512 tokens: the AVX2 kernel was a fifth of a decode step).
 #[cfg(target_arch = "x86_64")]
 mod decode_avx512 {
     use super::{exp_shifted, row_max, Q8_BLOCK, Q8_BYTES};
