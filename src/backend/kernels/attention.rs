@@ -92,13 +92,17 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, path: TilePath
     let dst = super::OutPtr(if split.segments > 1 { partial.as_mut_ptr() } else { out.as_mut_ptr() });
     let sums = StatsPtr(stats.as_mut_ptr());
     let (s, cap) = (p.scale, p.softcap);
+    // Which x86 code runs, decided once for every task.
     #[cfg(target_arch = "x86_64")]
-    let wide = path == TilePath::Avx512 && d % 16 == 0;
+    let (avx2, avx512) = {
+        let simd = path != TilePath::Portable && x86::available();
+        (simd, simd && path == TilePath::Avx512 && d % 16 == 0)
+    };
     match (&*ks, &*vs) {
         (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
             split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
                 #[cfg(target_arch = "x86_64")]
-                if wide && x86::available() {
+                if avx512 {
                     // SAFETY: AVX-512F and F16C were detected and `d` is a multiple of 16.
                     return unsafe { decode_avx512::head_group(qh, kh, vh, oh, st, d, s, cap) };
                 }
@@ -108,12 +112,12 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, path: TilePath
         (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
             split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
                 #[cfg(target_arch = "x86_64")]
-                if wide && x86::available() {
+                if avx512 {
                     // SAFETY: AVX-512F and F16C were detected and `d` is a multiple of 16.
                     return unsafe { decode_avx512::head_group(qh, kh, vh, oh, st, d, s, cap) };
                 }
                 #[cfg(target_arch = "x86_64")]
-                if path != TilePath::Portable && x86::available() {
+                if avx2 {
                     // SAFETY: AVX2, FMA and F16C were detected.
                     return unsafe { x86::head_group_f16c(qh, kh, vh, oh, st, d, s, cap) };
                 }
@@ -133,12 +137,12 @@ pub(super) fn decode_with(q: &Tensor, kv: &KvView<'_>, p: Params, path: TilePath
         (Storage::Cpu(CpuStorage::U8(kd)), Storage::Cpu(CpuStorage::U8(vd))) => {
             split.run(&kd[k0..], &vd[v0..], &q, &runs, tasks, dst, sums, &|qh, kh, vh, oh, st| {
                 #[cfg(target_arch = "x86_64")]
-                if wide && x86::available() {
+                if avx512 {
                     // SAFETY: AVX-512F and F16C were detected; `d` is whole q8_0 blocks (`takes`).
                     return unsafe { decode_avx512::head_group(qh, kh, vh, oh, st, d, s, cap) };
                 }
                 #[cfg(target_arch = "x86_64")]
-                if path != TilePath::Portable && x86::available() {
+                if avx2 {
                     // SAFETY: AVX2, FMA and F16C were detected.
                     return unsafe { x86::head_group_q8(qh, kh, vh, oh, st, d, row, s, cap) };
                 }
@@ -1051,23 +1055,29 @@ fn head_group<T>(
     let mut scores = vec![0f32; group * keys];
     for (i, key) in k[0].chunks_exact(row).chain(k[1].chunks_exact(row)).enumerate() {
         for (g, qg) in q.chunks_exact(d).enumerate() {
-            let mut s = dot(qg, key) * scale;
-            if let Some(cap) = softcap {
-                s = cap * (s / cap).tanh();
-            }
-            scores[g * keys + i] = s;
+            scores[g * keys + i] = dot(qg, key) * scale;
         }
     }
-    // Unnormalised: `Split::combine` divides by the sums (of several segments' at once).
-    for (row, stat) in scores.chunks_exact_mut(keys).zip(stats.iter_mut()) {
-        let max = row_max(row);
-        *stat = (max, exp_shifted(row, max));
-    }
+    weigh_scores(&mut scores, keys, softcap, stats);
     out.fill(0.0);
     for (i, value) in v[0].chunks_exact(row).chain(v[1].chunks_exact(row)).enumerate() {
         for (g, og) in out.chunks_exact_mut(d).enumerate() {
             axpy(og, scores[g * keys + i], value);
         }
+    }
+}
+
+/// Turns each head's row of `keys` scaled scores into `exp(score - largest)` (after the soft cap,
+/// if any) and writes the head's (largest score, sum of those weights) to `stats`: unnormalised,
+/// as `Split::combine` divides by the sums of several segments at once.
+#[inline(always)]
+fn weigh_scores(scores: &mut [f32], keys: usize, softcap: Option<f32>, stats: &mut [(f32, f32)]) {
+    if let Some(cap) = softcap {
+        scores.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+    }
+    for (row, stat) in scores.chunks_exact_mut(keys).zip(stats.iter_mut()) {
+        let max = row_max(row);
+        *stat = (max, exp_shifted(row, max));
     }
 }
 
@@ -1316,7 +1326,7 @@ mod arm {
 /// SmolLM2-135M at 512 tokens: the AVX2 kernel was a fifth of a decode step).
 #[cfg(target_arch = "x86_64")]
 mod decode_avx512 {
-    use super::{exp_shifted, row_max, Q8_BLOCK, Q8_BYTES};
+    use super::{weigh_scores, Q8_BLOCK, Q8_BYTES};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -1410,14 +1420,7 @@ mod decode_avx512 {
             }
             h += n;
         }
-        if let Some(cap) = softcap {
-            s.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
-        }
-        // Unnormalised: `Split::combine` divides by the sums (of several segments' at once).
-        for (row, stat) in s.chunks_exact_mut(keys).zip(stats.iter_mut()) {
-            let max = row_max(row);
-            *stat = (max, exp_shifted(row, max));
-        }
+        weigh_scores(&mut s, keys, softcap, stats);
         // Up to 4 heads × 64 values per pass over the value rows (16 running sums).
         out.fill(0.0);
         let mut h = 0;
