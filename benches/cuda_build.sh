@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds candlewick with CUDA (`cargo build --release --features cuda` and a Python wheel with
-# `python,cuda`) on a machine with no GPU and no CUDA toolkit: the toolkit comes from PyPI's
+# `cuda`) on a machine with no GPU and no CUDA toolkit: the toolkit comes from PyPI's
 # nvidia-* wheels. CPU CI never runs this.
 #
 #   bash benches/cuda_build.sh            # both builds; the wheel lands in dist-cuda/
@@ -68,7 +68,7 @@ if [ "$what" = all ] || [ "$what" = wheel ]; then
     t=$SECONDS
     # The CUDA libraries stay outside the wheel (the driver cannot be bundled at all, and cuBLAS
     # alone is ~500 MB): they come from the nvidia-* wheels or the system at run time.
-    nice -n 19 maturin build --release --features python,cuda --auditwheel skip -i "$PYTHON" -o dist-cuda
-    echo "maturin build --features python,cuda: $((SECONDS - t)) s"
+    nice -n 19 maturin build --release --features cuda --auditwheel skip -i "$PYTHON" -o dist-cuda
+    echo "maturin build --features cuda: $((SECONDS - t)) s"
 fi
 echo "total: $((SECONDS - start)) s (CUDA_ROOT=${CUDA_ROOT:-system}, compute cap $CUDA_COMPUTE_CAP)"

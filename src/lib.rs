@@ -6,12 +6,12 @@
 //! `model` a loaded model with its tokenizer and defaults, `engine` many requests over one
 //! model in a continuous batch, `python` the thin PyO3 layer.
 
+/// The backend-neutral contract (the `candlewick-core` crate), under the path it always had.
+pub use candlewick_core as core;
+
 pub mod backend;
-pub mod core;
 pub mod engine;
 pub mod generation;
 pub mod memory;
 pub mod model;
-#[cfg(feature = "python")]
-pub mod python;
 pub mod text;

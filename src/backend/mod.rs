@@ -5,7 +5,8 @@ pub mod decoder;
 pub mod device;
 pub mod error;
 pub mod host;
-pub mod kernels;
+/// The CPU kernels (the `candlewick-kernels` crate), under the path the decoder names them by.
+pub use candlewick_kernels as kernels;
 pub mod kv_cache;
 pub mod session;
 pub mod threads;

@@ -90,8 +90,9 @@ pub struct CandleSession {
     prefill_chunk: usize,
 }
 
-/// The most prompt tokens one step runs by default: a longer prompt runs in chunks.
-pub const PREFILL_CHUNK: usize = 512;
+/// The most prompt tokens one step runs by default: a longer prompt runs in chunks. The KV
+/// cache's ring slack is sized for it, so a chunk fits beside a sliding window without growing it.
+pub const PREFILL_CHUNK: usize = crate::backend::kv_cache::RING_SLACK;
 
 impl CandleSession {
     /// A session over a shared `decoder` with a cache of `max_context` positions.

@@ -1,9 +1,9 @@
 //! Where weights come from: a checkpoint format behind one small interface.
 
-pub mod extra_types;
+/// The GGUF types candle lacks, de-quantized in the kernels crate.
+pub use candlewick_kernels::extra_types;
 pub mod finite;
 pub mod gguf;
-mod iquant_grids;
 pub mod quantize;
 pub mod relayout;
 pub mod requant;

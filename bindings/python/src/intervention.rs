@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use super::errors::invalid_option;
 use super::generation::py_repr;
 
-use crate::core::{EditOp, Intervention};
+use candlewick::core::{EditOp, Intervention};
 
 /// One edit of a named point (build it with `candlewick.interventions.add/set/scale/project_out`).
 #[pyclass(name = "Intervention", module = "candlewick._native", frozen)]
@@ -203,6 +203,6 @@ pub fn save_control_vector(
     directions: std::collections::BTreeMap<usize, Vec<f32>>,
     model_hint: &str,
 ) -> PyResult<()> {
-    crate::model::control_vector::save(&path, &directions, model_hint)
+    candlewick::model::control_vector::save(&path, &directions, model_hint)
         .map_err(|e| super::errors::ArtifactError::new_err(e.to_string()))
 }

@@ -1,7 +1,7 @@
 //! The inputs of one step, as any caller writes them: token ids, which logits to return, and
 //! the edits to apply for this call only.
 
-use crate::core::intervention::Intervention;
+use crate::intervention::Intervention;
 
 /// What a prefill takes: tokens appended at the session's position.
 #[derive(Debug, Clone, PartialEq, Default)]

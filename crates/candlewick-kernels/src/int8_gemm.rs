@@ -349,7 +349,7 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod arm {
     use super::*;
-    use crate::backend::kernels::arm::{sdot, smmla};
+    use crate::arm::{sdot, smmla};
     use std::arch::aarch64::*;
 
     /// A block's 32 values as two vectors (values 0..16 and 16..32).

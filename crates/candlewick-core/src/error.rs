@@ -1,8 +1,8 @@
 //! Errors of the contract layer.
 
-use crate::core::capabilities::SessionCapabilities;
-use crate::core::intervention::InterventionError;
-use crate::core::observation::ObservationError;
+use crate::capabilities::SessionCapabilities;
+use crate::intervention::InterventionError;
+use crate::observation::ObservationError;
 
 /// Why `ModelRuntime::load` failed: the artifact, the backend, or a capability mismatch.
 #[derive(Debug, thiserror::Error)]

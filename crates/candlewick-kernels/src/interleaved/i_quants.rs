@@ -82,7 +82,7 @@ pub(super) mod x86 {
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
-    use crate::backend::weights::extra_types::e8m0_half;
+    use crate::extra_types::e8m0_half;
 
     /// The kernel's MXFP4 scales equal ggml's for every exponent byte, subnormals included
     /// (whose products are too small for the product tests' absolute bound to see).

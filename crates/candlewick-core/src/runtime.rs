@@ -2,15 +2,15 @@
 
 use std::path::Path;
 
-use crate::core::backend::{
+use crate::backend::{
     BackendProvider, BackendSession, BatchSession, InspectableBackendSession, InspectedOutput, InterventionSession,
     ModelLoadingBackend, PreparedModel, SnapshotSession,
 };
-use crate::core::capabilities::SessionCapabilities;
-use crate::core::completion::Submission;
-use crate::core::error::{ModelLoadError, RuntimeError};
-use crate::core::intervention::Intervention;
-use crate::core::observation::{ObservationRequest, ObservationSet};
+use crate::capabilities::SessionCapabilities;
+use crate::completion::Submission;
+use crate::error::{ModelLoadError, RuntimeError};
+use crate::intervention::Intervention;
+use crate::observation::{ObservationRequest, ObservationSet};
 
 type SessionOf<B> = <B as BackendProvider>::Session;
 type SubmissionOf<B> =

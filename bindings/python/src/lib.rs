@@ -6,7 +6,7 @@ macro_rules! sampling_signature {
     () => {
         concat!(
             "max_tokens=",
-            crate::default_max_tokens!(),
+            candlewick::default_max_tokens!(),
             ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
             "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
             "ignore_eos=False, logprobs=None, skip_special_tokens=True, response_format=None, grammar=None, ",
@@ -20,7 +20,7 @@ macro_rules! sampling_args_doc {
     () => {
         concat!(
             "    max_tokens (int | None): the most tokens to generate (default ",
-            crate::default_max_tokens!(),
+            candlewick::default_max_tokens!(),
             "); None: until the context is full.\n",
             "    temperature (float | None): softmax temperature; 0 picks the most likely token.\n",
             "    top_k (int | None): keep the k most likely tokens (0: all).\n",

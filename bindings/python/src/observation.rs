@@ -8,7 +8,7 @@ use super::generation::py_repr;
 use pyo3::types::{PyDict, PyList};
 
 use super::errors::{observation_err, InternalError};
-use crate::core::{self, ObservationSelector, ObservationValue};
+use candlewick::core::{self, ObservationSelector, ObservationValue};
 
 /// Which observation points to materialise.
 #[pyclass(name = "ObservationRequest", module = "candlewick._native", frozen)]

@@ -3,10 +3,10 @@
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-use crate::backend::CandleError;
-use crate::core::{InterventionError, ModelLoadError, ObservationError, RuntimeError};
-use crate::generation::GenerationError;
-use crate::model::ModelError;
+use candlewick::backend::CandleError;
+use candlewick::core::{InterventionError, ModelLoadError, ObservationError, RuntimeError};
+use candlewick::generation::GenerationError;
+use candlewick::model::ModelError;
 
 pyo3::create_exception!(candlewick, CandlewickError, PyException, "Base class of every candlewick error.");
 pyo3::create_exception!(
@@ -200,7 +200,7 @@ pub fn model_err(e: ModelError) -> PyErr {
         e @ (ModelError::NoTokenizer { .. } | ModelError::NoChatTemplate) => TokenizerError::new_err(e.to_string()),
         e @ ModelError::DraftModel { .. } => Python::attach(|py| invalid_option(py, e.to_string())),
         ModelError::ControlVector(e) => match e {
-            crate::model::control_vector::ControlVectorError::WrongModel { .. } => {
+            candlewick::model::control_vector::ControlVectorError::WrongModel { .. } => {
                 InvalidInterventionError::new_err(e.to_string())
             }
             _ => ArtifactError::new_err(e.to_string()),
@@ -244,10 +244,10 @@ pub fn load_err(e: ModelLoadError<CandleError>) -> PyErr {
 }
 
 /// The Python exception for a text error.
-pub fn text_err(e: crate::text::TextError) -> PyErr {
+pub fn text_err(e: candlewick::text::TextError) -> PyErr {
     match e {
         // A bad `tools` / `tool_choice` is a generation option, not a tokenizer failure.
-        e @ crate::text::TextError::InvalidToolCall { .. } => GenerationOptionError::new_err(e.to_string()),
+        e @ candlewick::text::TextError::InvalidToolCall { .. } => GenerationOptionError::new_err(e.to_string()),
         e => TokenizerError::new_err(e.to_string()),
     }
 }

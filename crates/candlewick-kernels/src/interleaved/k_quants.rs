@@ -236,7 +236,7 @@ pub(super) mod x86 {
     use super::super::x86::{prefetch_next, store, with_high_bits};
     use super::super::{Format, Interleaved, Q3K, Q4K, Q5K, Q6K, QK};
     use super::*;
-    use crate::backend::kernels::int8_gemm::QuantizedRows;
+    use crate::int8_gemm::QuantizedRows;
     use std::arch::x86_64::*;
 
     /// Tiles `t0..t0 + tiles` of Q4_K (`F = Q4K`) or Q5_K (`Q5K`) against every activation row,
@@ -533,7 +533,7 @@ pub(super) mod neon {
     };
     use super::super::{Format, Interleaved, Q3K, Q4K, Q5K, Q6K};
     use super::*;
-    use crate::backend::kernels::int8_gemm::QuantizedRows;
+    use crate::int8_gemm::QuantizedRows;
     use std::arch::aarch64::*;
 
     /// Tiles `t0..t0 + tiles` of Q4_K (`F = Q4K`) or Q5_K (`Q5K`) against every activation row.

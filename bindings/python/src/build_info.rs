@@ -3,9 +3,9 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::backend::config::Architecture;
-use crate::backend::device;
-use crate::backend::kernels::{self, int8_gemm};
+use candlewick::backend::config::Architecture;
+use candlewick::backend::device;
+use candlewick::backend::kernels::{self, int8_gemm};
 
 /// How this build was made and what it runs on this machine, as a dict: a wheel built for
 /// another CPU, or without CUDA, otherwise shows only as a slower or refused run.
@@ -64,7 +64,7 @@ pub fn supported_architectures(py: Python<'_>, format: Option<&str>) -> PyResult
         None | Some("hf") => false,
         Some("gguf") => true,
         Some(other) => {
-            return Err(crate::python::errors::invalid_option(
+            return Err(crate::errors::invalid_option(
                 py,
                 format!("format must be \"hf\", \"gguf\" or None, not {other:?}"),
             ))

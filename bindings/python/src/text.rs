@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::{invalid_option, text_err};
-use crate::text::{ChatRenderOptions, ChatTemplate, TemplateValue, TextError, Tokenizer, ToolCall, ToolChoice};
+use candlewick::text::{ChatRenderOptions, ChatTemplate, TemplateValue, TextError, Tokenizer, ToolCall, ToolChoice};
 
 /// How deep chat data may nest (messages, parts, tool schemas); deeper is surely a mistake,
 /// and the conversion recurses.

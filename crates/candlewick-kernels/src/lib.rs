@@ -1,5 +1,9 @@
 //! The matrix products of the decoder, and the CPU kernels candle lacks (plugged in as custom ops).
 //!
+//! This crate imports nothing of candlewick's: it sees tensors, slices and block formats, never a
+//! model, a session or a checkpoint, so it is tested and benchmarked on its own and every stack
+//! above it (the decoder today; encoders and adapters tomorrow) multiplies through the same code.
+//!
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
 //! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 on CPUs with AVX-512 VNNI; all but
@@ -12,16 +16,20 @@
 pub mod arm;
 pub mod attention;
 pub mod bf16_gemm;
+pub mod block_scales;
 pub mod dense;
+pub mod extra_types;
 pub mod int8_gemm;
 pub mod interleaved;
+mod iquant_grids;
+pub mod kv_layout;
 
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
-use crate::backend::weights::extra_types::ExtraType;
+use crate::extra_types::ExtraType;
 
 /// A matmul weight as the kernels hold it: candle's (dense or ggml blocks), or block formats
 /// repacked into 16-row tiles for `interleaved`.
@@ -101,7 +109,7 @@ pub(crate) fn cpu_seconds(clock: libc::clockid_t) -> f64 {
 
 /// An output buffer the tasks of `parallel_for` write into, each its own disjoint part.
 #[derive(Clone, Copy)]
-pub(crate) struct OutPtr(pub(crate) *mut f32);
+pub struct OutPtr(pub *mut f32);
 // SAFETY: every user hands each task a disjoint range of the buffer, which outlives the tasks.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
@@ -110,7 +118,7 @@ unsafe impl Sync for OutPtr {}
 /// Its workers spin between the many small products of a decode step: waking rayon's sleeping
 /// workers cost more than a small product itself, and rayon's threads beside candle's spinning
 /// ones fought them for the cores (Qwen2.5-Coder 0.5B decode, AMD EPYC, 2 threads: 28 → 38 tok/s).
-pub(crate) fn parallel_for(items: usize, f: impl Fn(usize) + Sync) {
+pub fn parallel_for(items: usize, f: impl Fn(usize) + Sync) {
     candle_core::utils::barrier_pool().execute_chunked(items, |range| range.for_each(&f));
 }
 
@@ -279,7 +287,6 @@ pub(crate) mod reference {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::decoder::layers::Linear;
     use candle_core::Device;
 
     /// Q5_K: a type neither our int8 GEMM nor candle's tiles take, so the GEMM path runs.
@@ -290,12 +297,12 @@ mod tests {
         let q = QTensor::quantize(&w, GgmlDType::Q5K).unwrap();
         let x = Tensor::randn(0f32, 1.0, (DEQUANTIZED_GEMM_ROWS, 256), &dev).unwrap();
         let want = x.matmul(&q.dequantize(&dev).unwrap().t().unwrap()).unwrap();
-        let via_linear = Linear::new(Weight::Candle(QMatMul::from_qtensor(q).unwrap()), None).forward(&x).unwrap();
+        let via_matmul = matmul(&x, &Weight::Candle(QMatMul::from_qtensor(q).unwrap())).unwrap();
         let QMatMul::QTensor(q) = QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q5K).unwrap()).unwrap() else {
             panic!("Q5_K stays quantized")
         };
         let in_slabs = dequantized_matmul_in_slabs(&x, &q, 256 * 7).unwrap();
-        for got in [via_linear, in_slabs] {
+        for got in [via_matmul, in_slabs] {
             let diff = (got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(diff < 1e-4, "max difference {diff}");
         }

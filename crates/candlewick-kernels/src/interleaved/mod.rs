@@ -42,7 +42,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::int8_gemm::{quantize_rows, Path, QuantizedRows};
-use crate::backend::weights::extra_types::ExtraType;
+use crate::extra_types::ExtraType;
 
 /// Values of one activation block, and of the 32-value formats' blocks.
 const QK: usize = 32;
@@ -244,8 +244,8 @@ impl Format {
     /// The 16 levels the table formats' 4-bit values index.
     fn levels(self) -> Option<&'static [i8; 16]> {
         match self {
-            Self::IQ4NL | Self::IQ4XS => Some(&crate::backend::weights::extra_types::KVALUES_IQ4NL),
-            Self::MXFP4 => Some(&crate::backend::weights::extra_types::KVALUES_MXFP4),
+            Self::IQ4NL | Self::IQ4XS => Some(&crate::extra_types::KVALUES_IQ4NL),
+            Self::MXFP4 => Some(&crate::extra_types::KVALUES_MXFP4),
             _ => None,
         }
     }
@@ -531,7 +531,7 @@ impl Interleaved {
         }
         let m = if self.format.has_min() { field(1) } else { 0.0 };
         let (d, scale) = match self.format {
-            Format::MXFP4 => (crate::backend::weights::extra_types::e8m0_half(record[lane]), [1, 1]),
+            Format::MXFP4 => (crate::extra_types::e8m0_half(record[lane]), [1, 1]),
             Format::IQ4XS => (field(0), [i_quants::iq4xs_scale(record, lane, part); 2]),
             _ => (field(0), [1, 1]),
         };
@@ -557,7 +557,7 @@ impl Interleaved {
 
     /// `matmul` on a given path (at most what this CPU runs for the format: the tests and the
     /// Arm instruction-count probe force each one).
-    pub(in crate::backend::kernels) fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
+    pub(crate) fn matmul_with(&self, x: &[f32], m: usize, path: Path) -> Vec<f32> {
         self.matmul_on(x, m, path, path == Path::Avx512Vnni && vbmi())
     }
 
@@ -995,7 +995,7 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::*;
-    use crate::backend::kernels::arm::{sdot_lane, widen_f16x8};
+    use crate::arm::{sdot_lane, widen_f16x8};
     use std::arch::aarch64::*;
 
     /// Whether a NEON kernel multiplies `format`'s tiles: a format without one is not repacked on
@@ -1403,7 +1403,7 @@ mod tests {
         let mut data: Vec<u8> = (0..bytes).map(|_| rng.random()).collect();
         let (size, halves) = match format.dtype() {
             Some(dtype) => {
-                let (size, halves, _) = crate::backend::weights::finite::scales(dtype).expect("float16 scales");
+                let (size, halves, _) = crate::block_scales::scales(dtype).expect("float16 scales");
                 (size, halves)
             }
             None if format == Format::MXFP4 => (format.block_bytes(), &[][..]),
@@ -1508,14 +1508,14 @@ mod tests {
     #[test]
     #[cfg(target_arch = "aarch64")]
     fn arm_tiles_follow_dotprod() {
-        let dotprod = crate::backend::kernels::arm::Features::get().dotprod;
+        let dotprod = crate::arm::Features::get().dotprod;
         assert_eq!(available(), dotprod);
         for format in FORMATS {
             let want = (dotprod && neon::runs(format)).then_some(Path::NeonDot);
             assert_eq!(fast_path(format), want, "{format:?}");
             let repacked = match format.dtype() {
-                Some(dtype) => crate::backend::kernels::repacked_format(dtype, &Device::Cpu),
-                None => crate::backend::kernels::repacked_extra_format(extra(format), &Device::Cpu),
+                Some(dtype) => crate::repacked_format(dtype, &Device::Cpu),
+                None => crate::repacked_extra_format(extra(format), &Device::Cpu),
             };
             assert_eq!(repacked.is_some(), want.is_some(), "{format:?}");
         }
@@ -1694,7 +1694,7 @@ mod tests {
 
     /// Seconds of process CPU time `f` takes, median of 7 runs of `reps` calls after one warm-up.
     fn median(f: &dyn Fn(), reps: usize) -> f64 {
-        let cpu = || crate::backend::kernels::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
+        let cpu = || crate::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
         f();
         let mut times: Vec<f64> = (0..7)
             .map(|_| {

@@ -120,7 +120,7 @@ impl ObservationRequest {
     }
 
     /// Whether a named point is selected (its name is only formatted when a selector must look at it).
-    pub fn matches_point(&self, point: crate::core::points::Point) -> bool {
+    pub fn matches_point(&self, point: crate::points::Point) -> bool {
         self.select_all || (!self.selectors.is_empty() && self.matches(&point.to_string()))
     }
 

@@ -205,7 +205,7 @@ mod probe {
                 let q = Tensor::from_vec(values(heads * d, 5), (1, heads, 1, d), &dev).unwrap();
                 let p = attention::Params { heads, kv_heads, head_dim: d, scale: 0.125, softcap: None };
                 for _ in 0..reps {
-                    let view = crate::backend::kv_cache::KvView { k: &k, v: &v, first: 0, len: keys };
+                    let view = crate::kv_layout::KvView { k: &k, v: &v, first: 0, len: keys };
                     std::hint::black_box(
                         attention::decode_with(
                             &q,

@@ -469,7 +469,7 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod arm {
     use super::*;
-    use crate::backend::kernels::arm::widen_f16x8;
+    use crate::arm::widen_f16x8;
     use std::arch::aarch64::*;
 
     /// One weight row at a time, 8 values a step in two running sums (as the x86 kernels), the

@@ -9,7 +9,7 @@ use pyo3::types::PyDict;
 use super::errors::{catch_panic, generation_err, invalid_option, model_err, GenerationOptionError, InternalError};
 use super::gil::lock_released;
 use super::runtime::PyModelRuntime;
-use crate::generation::{ConstraintSpec, GenerateOptions, Generation, GenerationResult, TokenLogprobs};
+use candlewick::generation::{ConstraintSpec, GenerateOptions, Generation, GenerationResult, TokenLogprobs};
 
 /// An `InvalidOptionError` (a `ValueError` too) naming the argument.
 fn value_err(arg: &str, why: &str) -> PyErr {
@@ -414,7 +414,7 @@ pub struct PyGenerationStream {
     result: Mutex<Option<Py<PyGenerationResult>>>,
     logprobs: Mutex<Option<Vec<Py<PyDict>>>>,
     /// With `chat(..., tools=...)`: the format whose calls `result` parses out of the text.
-    tool_format: Option<crate::text::ToolCallFormat>,
+    tool_format: Option<candlewick::text::ToolCallFormat>,
 }
 
 fn poisoned<T>(_: T) -> PyErr {
@@ -443,7 +443,7 @@ impl PyGenerationStream {
 
     /// This stream with the model's tool calls parsed into `result.tool_calls` when it ends (the
     /// pieces stream as the model writes them).
-    pub fn with_tool_calls(mut self, format: crate::text::ToolCallFormat) -> Self {
+    pub fn with_tool_calls(mut self, format: candlewick::text::ToolCallFormat) -> Self {
         self.tool_format = Some(format);
         self
     }

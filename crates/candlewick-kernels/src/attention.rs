@@ -17,7 +17,7 @@
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use half::f16;
 
-use crate::backend::kv_cache::{dequantize_q8_0, KvView, Q8_BLOCK, Q8_BYTES};
+use crate::kv_layout::{dequantize_q8_0, KvView, Q8_BLOCK, Q8_BYTES};
 
 /// What `decode` needs besides the tensors.
 #[derive(Debug, Clone, Copy)]
@@ -1294,7 +1294,7 @@ mod arm {
     /// Eight float16 values from `p[i]` widened.
     #[inline(always)]
     unsafe fn load8(p: &[f16], i: usize) -> [float32x4_t; 2] {
-        crate::backend::kernels::arm::widen_f16x8(p.as_ptr().add(i))
+        crate::arm::widen_f16x8(p.as_ptr().add(i))
     }
 
     #[inline(always)]
@@ -1526,7 +1526,7 @@ mod decode_avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::kv_cache::KvType;
+    use crate::kv_layout::KvType;
     use candle_core::{Device, D};
 
     /// Random key and value buffers of `cap` rows in `ty`'s storage.
@@ -1677,7 +1677,7 @@ mod tests {
             Ok("wall") => libc::CLOCK_MONOTONIC,
             _ => libc::CLOCK_THREAD_CPUTIME_ID,
         };
-        let cpu = || crate::backend::kernels::cpu_seconds(clock);
+        let cpu = || crate::cpu_seconds(clock);
         let best = |f: &dyn Fn(), reps: usize| {
             f();
             (0..5)

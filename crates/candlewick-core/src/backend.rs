@@ -2,11 +2,11 @@
 
 use std::path::Path;
 
-use crate::core::capabilities::SessionCapabilities;
-use crate::core::completion::{Completion, Submission};
-use crate::core::intervention::{Intervention, InterventionError};
-use crate::core::observation::{ObservationRequest, ObservationSet};
-use crate::core::step::HostLogits;
+use crate::capabilities::SessionCapabilities;
+use crate::completion::{Completion, Submission};
+use crate::intervention::{Intervention, InterventionError};
+use crate::observation::{ObservationRequest, ObservationSet};
+use crate::step::HostLogits;
 
 /// Names a backend and the device it runs a model on.
 #[derive(Debug, Clone, PartialEq, Eq)]

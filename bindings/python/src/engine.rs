@@ -12,7 +12,7 @@ use super::generation::{logprobs_to_py, to_result, Given, SamplingArgs};
 use super::gil::lock_released;
 use super::intervention::{edits_of, PyIntervention};
 use super::runtime::PyModelRuntime;
-use crate::engine::{Engine, EngineError, EngineEvent, EngineOptions, RequestHandle};
+use candlewick::engine::{Engine, EngineError, EngineEvent, EngineOptions, RequestHandle};
 
 pyo3::create_exception!(
     candlewick,
@@ -30,8 +30,8 @@ pub fn engine_err(e: EngineError) -> PyErr {
     }
 }
 
-const _: () = assert!(crate::engine::DEFAULT_PREFILL_CHUNK == 128, "update Engine's text_signature");
-const _: () = assert!(crate::engine::DEFAULT_PREFIX_CACHE_BYTES == 268_435_456, "update Engine's text_signature");
+const _: () = assert!(candlewick::engine::DEFAULT_PREFILL_CHUNK == 128, "update Engine's text_signature");
+const _: () = assert!(candlewick::engine::DEFAULT_PREFIX_CACHE_BYTES == 268_435_456, "update Engine's text_signature");
 
 /// Many requests over one model, stepped together in a background thread.
 #[pyclass(name = "Engine", module = "candlewick._native", frozen)]
@@ -64,8 +64,8 @@ impl PyEngine {
     // The default is spelled out for the text signature (a constant's path would show as `...`);
     // the assertion below keeps the two equal.
     #[pyo3(signature = (runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None,
-        prefill_chunk=Some(crate::engine::DEFAULT_PREFILL_CHUNK),
-        prefix_cache_bytes=crate::engine::DEFAULT_PREFIX_CACHE_BYTES),
+        prefill_chunk=Some(candlewick::engine::DEFAULT_PREFILL_CHUNK),
+        prefix_cache_bytes=candlewick::engine::DEFAULT_PREFIX_CACHE_BYTES),
         text_signature = "(runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None, prefill_chunk=128, prefix_cache_bytes=268435456)")]
     fn new(
         py: Python<'_>,

@@ -1,4 +1,4 @@
-//! `ModelRuntime` for Python: a wrapper of the Rust model layer (`crate::model::Model`) with
+//! `ModelRuntime` for Python: a wrapper of the Rust model layer (`candlewick::model::Model`) with
 //! bound `backend` and `session` views and step outputs. Arguments are converted here; every
 //! decision (formats, tokenizers, defaults) is the model layer's.
 
@@ -20,15 +20,15 @@ use super::gil::lock_released;
 use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
 use super::text::{conversation, template_value, tool_calls_to_py, tool_choice_of, tools_of, PyTokenizer};
-use crate::backend::session::CandleCompletion;
-use crate::backend::session::SessionSnapshot;
-use crate::backend::StepOutput;
-use crate::core::{
+use candlewick::backend::session::CandleCompletion;
+use candlewick::backend::session::SessionSnapshot;
+use candlewick::backend::StepOutput;
+use candlewick::core::{
     BackendProvider, BackendSession, Completion, DecodeInput, InspectedOutput, ObservationRequest, PrefillInput,
     SnapshotSession,
 };
-use crate::model::{Model, ModelOptions, Prompt};
-use crate::text::ToolChoice;
+use candlewick::model::{Model, ModelOptions, Prompt};
+use candlewick::text::ToolChoice;
 
 static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -1095,7 +1095,7 @@ impl PyModelRuntime {
                                 "tool_choice \"required\" or a named function constrains the output already: give no other constraint",
                             ));
                         }
-                        opts.constraint = Some(crate::generation::ConstraintSpec::Lark(g));
+                        opts.constraint = Some(candlewick::generation::ConstraintSpec::Lark(g));
                     }
                     let ids = model.chat_ids_with(&messages, chat_template, Some(("tools", tools_value))).map_err(model_err)?;
                     Ok((format, ids))
@@ -1426,8 +1426,8 @@ impl PyInspectedOutput {
 #[pyclass(name = "InterventionScope", module = "candlewick._native", frozen)]
 pub struct PyInterventionScope {
     runtime: Py<PyModelRuntime>,
-    edits: Vec<crate::core::Intervention>,
-    saved: Mutex<Option<Vec<crate::core::Intervention>>>,
+    edits: Vec<candlewick::core::Intervention>,
+    saved: Mutex<Option<Vec<candlewick::core::Intervention>>>,
 }
 
 #[pymethods]

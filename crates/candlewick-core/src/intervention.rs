@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::core::points::{LayerPoint, Point};
+use crate::points::{LayerPoint, Point};
 
 /// Why an intervention cannot be applied; nothing of a rejected list is applied.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
