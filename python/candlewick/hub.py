@@ -467,8 +467,10 @@ def _from_cache(hub: Any, repo_id: str, tag: Optional[str], filename: Optional[s
 
     try:
         choice = _choose(repo_id, files, tag, filename, read_index)
-    except HubError as e:
-        raise HubOfflineError(f"{reason}, and the cache does not hold {label}: {e}", repo_id, filename) from None
+    except HubError:
+        held = _describe(_units(files)) + (["a safetensors checkpoint"] if _is_safetensors_repo(files) else [])
+        raise HubOfflineError(f"{reason}, and the cache does not hold {label} (of {repo_id} it holds "
+                              f"{', '.join(held) or 'no model files'}): {hint}", repo_id, filename) from None
     # The choice was made from the cached files, but an index can name shards never downloaded.
     missing = [f for f in choice.files if f not in files]
     if missing:
