@@ -29,6 +29,9 @@ from conftest import TINY
 hf_constants = pytest.importorskip("huggingface_hub.constants")
 
 GGUF = "org/tiny-GGUF"
+README = Path(__file__).resolve().parent.parent / "README.md"
+README_GGUF = "Qwen/Qwen2.5-0.5B-Instruct-GGUF"
+README_HF = "Qwen/Qwen2.5-0.5B-Instruct"
 SPLIT = ("tiny-Q6_K-00001-of-00002.gguf", "tiny-Q6_K-00002-of-00002.gguf")
 PROMPT = "<t1><t2><t3>"  # the converted GGUF's vocabulary is `<t0>` … (gguf_convert._minimal_vocab)
 
@@ -103,6 +106,13 @@ def server(files):
     hub.add("org/gated-GGUF", {"tiny-Q8_0.gguf": files["q8"]}, gated=True)
     hub.add("org/private-GGUF", {"tiny-Q8_0.gguf": files["q8"]}, private=True)
     hub.add("org/docs-only", {"README.md": b"# nothing to load\n", "notes.txt": b"x"})
+    # Stand-ins for the repositories the README names, with the file names of the real ones
+    # and the tiny model's content, so that the README's lines run as written.
+    hub.add(README_GGUF, {"qwen2.5-0.5b-instruct-fp16.gguf": files["f32"],
+                          "qwen2.5-0.5b-instruct-q4_k_m.gguf": files["f32"],
+                          "qwen2.5-0.5b-instruct-q8_0.gguf": files["q8"],
+                          "README.md": b"# stand-in\n", "LICENSE": b"Apache-2.0\n"})
+    hub.add(README_HF, {**checkpoint, "README.md": b"# stand-in\n"})
     hub.start()
     yield hub
     hub.close()
@@ -610,3 +620,49 @@ def test_stubs_cover_the_hub_module():
         obj = getattr(cwhub, name)
         if inspect.isclass(obj) or inspect.isfunction(obj):
             assert obj.__doc__, name
+
+
+# --- the README ------------------------------------------------------------------------------
+
+def readme_blocks(lang: str) -> list[str]:
+    """The README's blocks fenced as ```{lang} hub: those that name models on the Hub."""
+    import re
+
+    return re.findall(rf"^```{lang} hub\n(.*?)^```", README.read_text(), re.S | re.M)
+
+
+def test_the_readme_names_only_stand_in_repositories():
+    import re
+
+    text = "\n".join(readme_blocks("bash") + readme_blocks("python"))
+    assert "candlewick generate -m" in text and "candlewick pull" in text and "candlewick ls" in text
+    assert "HF_HUB_OFFLINE=1 candlewick generate" in text
+    named = set(re.findall(r"\b(Qwen/[\w.-]+)", text))
+    assert named and named <= {README_GGUF, README_HF}
+
+
+def test_the_readme_hub_lines_run_as_written(hub, home):
+    import shlex
+
+    lines = [line for block in readme_blocks("bash") for line in block.splitlines() if line.strip()]
+    assert len(lines) >= 4
+    for line in lines:
+        argv = shlex.split(line, comments=True)
+        env = cli_env(hub.url, home)
+        while "=" in argv[0]:  # `VAR=value candlewick ...`
+            key, _, value = argv.pop(0).partition("=")
+            env[key] = value
+        assert argv[0] == "candlewick"
+        r = cli(env, *argv[1:])
+        assert r.returncode == 0, (line, r.stderr[-2000:])
+        if argv[1] == "ls":
+            assert f"{README_GGUF}:Q4_K_M" in r.stdout and f"{README_GGUF}:Q8_0" in r.stdout
+    assert downloaded(hub) == {"qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct-q8_0.gguf"}
+
+
+@needs_binding
+def test_the_readme_python_hub_block_runs_as_written(hub, home, tmp_path):
+    (tmp_path / "hub_block.py").write_text("\n".join(readme_blocks("python")))
+    r = subprocess.run([sys.executable, "hub_block.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=cli_env(hub.url, home))
+    assert r.returncode == 0, r.stderr[-3000:]
