@@ -125,9 +125,16 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+# What huggingface_hub reads from the environment once, at import, and every value a test gave
+# it (its modules copy some by name: huggingface_hub 0.x's file_download holds its own
+# HF_HUB_CACHE, so a copy that a later import made still holds an earlier test's value).
+_SETTINGS = ("ENDPOINT", "HUGGINGFACE_CO_URL_TEMPLATE", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN_PATH")
+_GIVEN = {name: [getattr(hf_constants, name)] for name in _SETTINGS if hasattr(hf_constants, name)}
+
+
 def point_at(monkeypatch, endpoint: str, home: Path, offline: bool = False) -> None:
-    """huggingface_hub's endpoint, cache and offline switch for this test. It reads them from
-    the environment once, at import; the copies it keeps are set too."""
+    """huggingface_hub's endpoint, cache and offline switch for this test: in the environment,
+    and in every copy its modules keep of what they read from it at import."""
     cache = home / "hub"
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("HF_HOME", str(home))
@@ -136,11 +143,15 @@ def point_at(monkeypatch, endpoint: str, home: Path, offline: bool = False) -> N
         monkeypatch.delenv(var, raising=False)
     if offline:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hf_constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", offline)
-    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(home / "token"))
+    values = {"ENDPOINT": endpoint, "HUGGINGFACE_CO_URL_TEMPLATE": endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+              "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": offline, "HF_TOKEN_PATH": str(home / "token")}
+    modules = [m for n, m in list(sys.modules.items()) if n == "huggingface_hub" or n.startswith("huggingface_hub.")]
+    for name, given in _GIVEN.items():
+        for module in modules:
+            current = getattr(module, name, None)
+            if module is hf_constants or any(current is v or (type(current) is type(v) and current == v) for v in given):
+                monkeypatch.setattr(module, name, values[name])
+        given.append(values[name])
 
 
 @pytest.fixture
@@ -378,41 +389,45 @@ def test_a_hub_that_is_down_falls_back_to_the_cache(hub):
         cwhub.resolve_model(f"{GGUF}:Q4_K_M")
 
 
-def no_incomplete_files(home: Path) -> None:
-    leftovers = [p for p in home.rglob("*") if p.name.endswith(".incomplete")]
-    assert leftovers == []
+def nothing_partial_in_reach(home: Path, name: str) -> None:
+    """No partial file where the loader could be given it: huggingface_hub writes downloads as
+    `blobs/*.incomplete` (kept for resuming before 1.0, removed since) and links a file into
+    its snapshot only once whole."""
+    assert not list(home.rglob(name)), "a partial file was left where the loader would find it"
+    assert all(p.parent.name == "blobs" for p in home.rglob("*.incomplete"))
 
 
-def test_a_download_cut_off_is_an_error_and_leaves_nothing(hub, home, files, monkeypatch):
+def test_a_download_cut_off_is_an_error_and_leaves_nothing_to_load(hub, home, files, monkeypatch):
     size = files["q8"].stat().st_size
     hub.cut_off(GGUF, "tiny-Q8_0.gguf", after=size // 2)
-    # huggingface_hub waits a second before each of its five attempts to resume.
+    # huggingface_hub 1.x waits a second before each of its five attempts to take it up again.
     monkeypatch.setattr(time, "sleep", lambda seconds: None)
     with pytest.raises(cw.DownloadError) as e:
         cwhub.resolve_model(f"{GGUF}:Q8_0")
     assert e.value.repo_id == GGUF and e.value.filename == "tiny-Q8_0.gguf"
     assert GGUF in str(e.value) and "tiny-Q8_0.gguf" in str(e.value)
-    no_incomplete_files(home)
-    assert not list(home.rglob("tiny-Q8_0.gguf")), "a partial file was left where the loader would find it"
+    nothing_partial_in_reach(home, "tiny-Q8_0.gguf")
     # Nothing is loaded from the cache either, online or off.
     offline(monkeypatch, hub, home)
     with pytest.raises(cw.HubOfflineError):
         cwhub.resolve_model(f"{GGUF}:Q8_0")
-    # The network back: the same call downloads the whole file.
+    # The network back: the same call gets the whole file.
     point_at(monkeypatch, hub.url, home)
     hub.heal()
     path = cwhub.resolve_model(f"{GGUF}:Q8_0")
     assert Path(path).read_bytes() == files["q8"].read_bytes()
 
 
-def test_a_download_cut_off_once_is_taken_up_again(hub, files, monkeypatch):
+def test_a_download_cut_off_once_ends_whole(hub, home, files, monkeypatch):
     size = files["q8"].stat().st_size
     hub.cut_off(GGUF, "tiny-Q8_0.gguf", after=size // 3, outage=False, times=1)
     monkeypatch.setattr(time, "sleep", lambda seconds: None)
-    path = cwhub.resolve_model(f"{GGUF}:Q8_0")
+    try:
+        path = cwhub.resolve_model(f"{GGUF}:Q8_0")  # huggingface_hub 1.x tries again by itself
+    except cw.DownloadError:
+        nothing_partial_in_reach(home, "tiny-Q8_0.gguf")
+        path = cwhub.resolve_model(f"{GGUF}:Q8_0")  # 0.x resumes the partial file on the next call
     assert Path(path).read_bytes() == files["q8"].read_bytes()
-    # huggingface_hub tried again by itself (from where its last whole chunk of 10 MB ended:
-    # here the start; a large file's retry asks for the rest with a Range header).
     assert len([p for p in hub.paths("GET") if p.endswith("/tiny-Q8_0.gguf")]) == 2
 
 

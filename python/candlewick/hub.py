@@ -112,7 +112,9 @@ class HubOfflineError(HubError):
 
 class DownloadError(HubError):
     """A download failed part-way (the connection cut off, the server failing mid-file, the
-    disk full). The partial file is discarded; running the same call again downloads it anew."""
+    disk full). What arrived is never taken for the file: huggingface_hub writes a temporary
+    file and renames it into the cache only once whole. Running the same call again downloads
+    it anew (or, with huggingface_hub before 1.0, resumes the partial one)."""
 
 
 class CachedModel(NamedTuple):
@@ -342,9 +344,10 @@ def _hub() -> Any:
     """huggingface_hub, imported on first use of a Hub name."""
     try:
         import huggingface_hub
-        # Submodules the package loads lazily, imported so that they are its attributes.
+        # Submodules the package loads lazily, imported so that they are its attributes;
+        # `utils` names the exceptions in every version from 0.24 (`errors` only from 1.0).
         import huggingface_hub.constants
-        import huggingface_hub.errors  # noqa: F401
+        import huggingface_hub.utils  # noqa: F401
     except ImportError as e:  # a dependency of the package; missing only in a broken install
         raise HubError(f"loading a model by its Hub name needs huggingface_hub: pip install 'huggingface_hub>=0.24' "
                        f"({e})") from None
@@ -383,7 +386,7 @@ def _status(error: BaseException) -> Optional[int]:
 def _repo_error(hub: Any, error: BaseException, repo_id: str, filename: Optional[str],
                 revision: Optional[str]) -> Optional[HubError]:
     """The typed error for what the Hub said about the repository, None for other failures."""
-    errors = hub.errors
+    errors = hub.utils
     at = f" at revision {revision!r}" if revision else ""
     what = f"{repo_id}/{filename}" if filename else repo_id
     if isinstance(error, errors.GatedRepoError):
@@ -407,7 +410,7 @@ def _repo_error(hub: Any, error: BaseException, repo_id: str, filename: Optional
 
 def _unreachable(hub: Any, error: BaseException) -> bool:
     """Whether `error` says the Hub cannot be reached now (rather than what it holds)."""
-    errors = hub.errors
+    errors = hub.utils
     if isinstance(error, (errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError) + _transport_errors()):
         return True
     status = _status(error)
@@ -562,8 +565,8 @@ def _download(hub: Any, fetch: Callable[[], Any], repo_id: str, files: list[str]
         typed = _repo_error(hub, e, repo_id, files[0] if len(files) == 1 else None, revision)
         if typed is not None:
             raise typed from e
-        raise DownloadError(f"downloading {shown} from {repo_id} failed: {_cause(e)}; nothing partial was kept, "
-                            "run it again to download anew", repo_id, files[0]) from e
+        raise DownloadError(f"downloading {shown} from {repo_id} failed: {_cause(e)}; what arrived is not used, "
+                            "run it again to fetch the rest", repo_id, files[0]) from e
 
 
 # --- listing the cache -----------------------------------------------------------------------
@@ -575,7 +578,7 @@ def cached_models() -> list[CachedModel]:
     hub = _hub()
     try:
         info = hub.scan_cache_dir()
-    except hub.errors.CacheNotFound:
+    except hub.utils.CacheNotFound:
         return []
     out: list[CachedModel] = []
     for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
