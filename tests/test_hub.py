@@ -143,13 +143,15 @@ def point_at(monkeypatch, endpoint: str, home: Path, offline: bool = False) -> N
         monkeypatch.delenv(var, raising=False)
     if offline:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    values = {"ENDPOINT": endpoint, "HUGGINGFACE_CO_URL_TEMPLATE": endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+    values = {"ENDPOINT": endpoint,
+              "HUGGINGFACE_CO_URL_TEMPLATE": endpoint + "/{repo_id}/resolve/{revision}/{filename}",
               "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": offline, "HF_TOKEN_PATH": str(home / "token")}
     modules = [m for n, m in list(sys.modules.items()) if n == "huggingface_hub" or n.startswith("huggingface_hub.")]
     for name, given in _GIVEN.items():
         for module in modules:
             current = getattr(module, name, None)
-            if module is hf_constants or any(current is v or (type(current) is type(v) and current == v) for v in given):
+            held = any(current is v or (type(current) is type(v) and current == v) for v in given)
+            if module is hf_constants or held:
                 monkeypatch.setattr(module, name, values[name])
         given.append(values[name])
 
@@ -226,7 +228,8 @@ def test_default_is_q4_k_m_and_only_that_file_is_fetched(hub, files):
     assert not any("mmproj" in p for p in hub.paths())
 
 
-@pytest.mark.parametrize("name", [f"{GGUF}:q8_0", f"{GGUF}:Q8_0", f"hf.co/{GGUF}:Q8_0", f"https://huggingface.co/{GGUF}:q8_0"])
+@pytest.mark.parametrize("name", [f"{GGUF}:q8_0", f"{GGUF}:Q8_0", f"hf.co/{GGUF}:Q8_0",
+                                  f"https://huggingface.co/{GGUF}:q8_0"])
 def test_the_tag_is_case_insensitive(hub, files, name):
     path = cwhub.resolve_model(name)
     assert Path(path).name == "tiny-Q8_0.gguf" and Path(path).read_bytes() == files["q8"].read_bytes()
@@ -500,7 +503,8 @@ needs_binding = pytest.mark.skipif(
 def test_model_runtime_load_by_hub_name(hub, home, monkeypatch):
     a = cw.ModelRuntime.load(f"{GGUF}:Q8_0", device="cpu")
     b = cw.ModelRuntime.load(GGUF, filename="*Q8_0.gguf", revision="main", device="cpu")
-    assert a.generate(PROMPT, max_tokens=3, temperature=0.0).text == b.generate(PROMPT, max_tokens=3, temperature=0.0).text
+    greedy = dict(max_tokens=3, temperature=0.0)
+    assert a.generate(PROMPT, **greedy).text == b.generate(PROMPT, **greedy).text
     with pytest.raises(cw.UnknownTagError):
         cw.ModelRuntime.load(f"{GGUF}:Q2_K")
     with pytest.raises(cw.UnknownRepositoryError):

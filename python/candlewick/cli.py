@@ -336,8 +336,8 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--special", action="store_true",
                         help="print control tokens (such as <start_of_image>) in the text; left out by default")
     sample.add_argument("--draft-model", default=None, metavar="MODEL",
-                        help="a smaller model (a path or Hub name) with the same tokenizer that drafts tokens (speculative decoding; "
-                             "output unchanged)")
+                        help="a smaller model (a path or Hub name) with the same tokenizer that drafts tokens "
+                             "(speculative decoding; output unchanged)")
     sample.add_argument("--draft-tokens", type=non_negative, default=None, metavar="N",
                         help="most tokens the draft model proposes a step (default 16; 0: off)")
     sample.add_argument("--prompt-lookup", type=non_negative, default=None, metavar="N",
@@ -401,8 +401,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", "-t", type=positive, default=None,
                    help="CPU threads per server (per replica under --ray; default: one per core)")
     v.add_argument("--draft-model", default=None, metavar="MODEL",
-                   help="a smaller model (a path or Hub name) with the same tokenizer that drafts tokens for a request running alone "
-                        "(speculative decoding; output unchanged)")
+                   help="a smaller model (a path or Hub name) with the same tokenizer that drafts tokens for a "
+                        "request running alone (speculative decoding; output unchanged)")
     v.add_argument("--ray", action="store_true", help="serve from replicas under Ray Serve (pip install 'candlewick[ray]')")
     v.add_argument("--replicas", type=int, default=2, help="replicas under --ray")
     v.add_argument("--ray-address", default=None, help="an existing Ray cluster to join (default: start a local one)")
@@ -414,7 +414,7 @@ def parser() -> argparse.ArgumentParser:
     hub_options(u)
     u.set_defaults(func=cmd_pull)
     listing = sub.add_parser("ls", help="the models in the Hugging Face cache (HF_HOME), with their tags and sizes",
-                       formatter_class=fmt)
+                             formatter_class=fmt)
     listing.add_argument("--json", action="store_true", help="each model's name, revision, size, files and path")
     listing.set_defaults(func=cmd_ls)
     return p

@@ -130,7 +130,9 @@ class Engine:
     ) -> None:
         """`model`: a loaded runtime, or what to load: a local path or a Hub name
         (``org/name[:TAG]``, with `filename` and `revision` as ``candlewick.hub.resolve_model``
-        reads them) and `load_options` as ``ModelRuntime.load`` takes them. `prefill_chunk`: prompt tokens a joining request prefills per step while others decode
+        reads them) and `load_options` as ``ModelRuntime.load`` takes them.
+
+        `prefill_chunk`: prompt tokens a joining request prefills per step while others decode
         (a long prompt then delays their next tokens by one chunk's time, not its whole prefill);
         None prefills each prompt whole when it joins. `prefix_cache_bytes`: memory for the keys
         and values of prompt prefixes kept across requests (64-token blocks, least recently used

@@ -394,7 +394,8 @@ def _repo_error(hub: Any, error: BaseException, repo_id: str, filename: Optional
             f"{what} is gated: accept its terms at {_endpoint(hub)}/{repo_id} and set HF_TOKEN to a token of "
             f"that account (or run `hf auth login`)", repo_id, filename)
     if isinstance(error, errors.RepositoryNotFoundError):
-        token = " with the token sent" if hub.get_token() else "; if it is private, set HF_TOKEN to a token that can read it"
+        token = (" with the token sent" if hub.get_token()
+                 else "; if it is private, set HF_TOKEN to a token that can read it")
         return UnknownRepositoryError(
             f"no repository {repo_id} on the Hub ({_endpoint(hub)}){token} (and no local path {repo_id} either)",
             repo_id, filename)

@@ -90,7 +90,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
 
     `model` is a local path or a Hub name (``org/name[:TAG]``, with `filename` and `revision` as
     ``candlewick.hub.resolve_model`` reads them), fetched before the server starts; a Hub name
-    is also the name the server answers to. Each request is cancelled after `request_timeout` seconds (0 or None: never). On SIGTERM
+    is also the name the server answers to.
+
+    Each request is cancelled after `request_timeout` seconds (0 or None: never). On SIGTERM
     the server stops accepting connections, lets the requests in flight finish for up to
     `shutdown_grace` seconds, cancels the rest and returns."""
     import uvicorn
