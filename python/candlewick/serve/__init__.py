@@ -6,9 +6,9 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Optional
 
+from .._options import parse_control_vector, served_name
 from .app import ApiError, Server, build_app
 
 __all__ = ["ApiError", "Server", "build_app", "serve"]
@@ -16,8 +16,6 @@ __all__ = ["ApiError", "Server", "build_app", "serve"]
 
 def load_control_vectors(runtime, specs) -> dict:
     """``NAME=FILE[:SCALE]`` specs as named lists of edits (read with llama.cpp's semantics)."""
-    from ..cli import parse_control_vector
-
     named = {}
     scratch = runtime.fork()
     for spec in specs or []:
@@ -86,8 +84,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
           chat_template: Optional[str] = None, log_level: str = "info", threads: Optional[int] = None,
           request_timeout: Optional[float] = 600.0, shutdown_grace: float = 30.0,
           prefill_chunk: Optional[int] = 128, prefix_cache_bytes: int = 256 << 20,
-          draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None) -> None:
+          draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
+          filename: Optional[str] = None, revision: Optional[str] = None) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
+
+    `model` is a local path or a Hub name (``org/name[:TAG]``, with `filename` and `revision` as
+    ``candlewick.hub.resolve_model`` reads them), fetched before the server starts; a Hub name
+    is also the name the server answers to.
 
     Each request is cancelled after `request_timeout` seconds (0 or None: never). On SIGTERM
     the server stops accepting connections, lets the requests in flight finish for up to
@@ -95,14 +98,17 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     import uvicorn
 
     from .. import ModelRuntime
+    from ..hub import resolve_model
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    log(f"loading {model}")
-    runtime = ModelRuntime.load(model, device=device, threads=threads, draft_model=draft_model,
+    local = resolve_model(model, filename, revision)
+    log(f"loading {local}")
+    runtime = ModelRuntime.load(local, device=device, threads=threads,
+                                draft_model=resolve_model(draft_model) if draft_model else None,
                                 kv_cache_type=kv_cache_type)
-    server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
+    server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                     chat_template=chat_template, log=log, request_timeout=request_timeout,
                     prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)

@@ -14,7 +14,6 @@ prefill of the shared prefix.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 
@@ -23,20 +22,28 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
                 chat_template: Optional[str] = None, num_cpus: Optional[float] = None,
                 threads: Optional[int] = None, request_timeout: Optional[float] = 600.0,
                 prefill_chunk: Optional[int] = 128, prefix_cache_bytes: int = 256 << 20,
-                draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None):
-    """A Ray Serve application serving `model` from `replicas` replicas, with the routes of
-    ``candlewick serve``."""
+                draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
+                filename: Optional[str] = None, revision: Optional[str] = None):
+    """A Ray Serve application serving `model` (a local path, or a Hub name with `filename` and
+    `revision` as ``candlewick.hub.resolve_model`` reads them) from `replicas` replicas, with the
+    routes of ``candlewick serve``."""
     from ray import serve
 
     def build():
-        # Runs on each replica: the model, its engine and the Starlette app live there.
+        # Runs on each replica: the model, its engine and the Starlette app live there. A Hub
+        # name is resolved here, on the replica's machine and into its cache, since a path
+        # resolved by the driver need not exist on another node.
         from .. import ModelRuntime
+        from .._options import served_name
+        from ..hub import resolve_model
         from . import load_control_vectors
         from .app import Server, build_app
 
-        runtime = ModelRuntime.load(model, device=device, threads=threads, draft_model=draft_model,
+        local = resolve_model(model, filename, revision)
+        runtime = ModelRuntime.load(local, device=device, threads=threads,
+                                    draft_model=resolve_model(draft_model) if draft_model else None,
                                     kv_cache_type=kv_cache_type)
-        server = Server(runtime, Path(model).name, api_key=api_key, max_batch_size=max_batch_size,
+        server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                         max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                         chat_template=chat_template, request_timeout=request_timeout,
                         prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
@@ -60,10 +67,16 @@ def run(model: str, host: str = "127.0.0.1", port: int = 8000, address: Optional
     import ray
     from ray import serve
 
+    from .._options import served_name
+    from ..hub import resolve_model
+
+    # Fetched here first: a Hub name's errors show before any replica starts, and replicas on
+    # this machine then find the files in the cache.
+    local = resolve_model(model, options.get("filename"), options.get("revision"))
     ray.init(address=address, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(model, replicas=replicas, **options), route_prefix="/")
-    print(f"serving {Path(model).name} from {replicas} replicas on http://{host}:{port}/v1", flush=True)
+    print(f"serving {served_name(model, local)} from {replicas} replicas on http://{host}:{port}/v1", flush=True)
     try:
         while True:
             time.sleep(3600)
