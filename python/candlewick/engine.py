@@ -130,8 +130,18 @@ class Engine:
         None prefills each prompt whole when it joins. `prefix_cache_bytes`: memory for the keys
         and values of prompt prefixes kept across requests (64-token blocks, least recently used
         evicted first), so a request that starts like an earlier one (a system prompt, few-shot
-        examples, an agent's history) skips computing that part; 0 turns it off."""
-        self.runtime = model if isinstance(model, ModelRuntime) else ModelRuntime.load(model, **load_options)
+        examples, an agent's history) skips computing that part; 0 turns it off. `load_options` go to
+        `ModelRuntime.load` when `model` is a path; with a runtime, loaded already, they are refused
+        (`InvalidOptionError` naming them) rather than dropped."""
+        if isinstance(model, ModelRuntime):
+            if load_options:
+                names = ", ".join(sorted(load_options))
+                raise _native.InvalidOptionError(
+                    f"{names}: load options apply when the Engine loads the model from a path; this runtime is "
+                    "loaded already (pass them to ModelRuntime.load)")
+            self.runtime = model
+        else:
+            self.runtime = ModelRuntime.load(model, **load_options)
         self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes, prefill_chunk,
                                       prefix_cache_bytes)
 
@@ -144,8 +154,14 @@ class Engine:
         **sampling: Any,
     ) -> EngineRequest:
         """Queues a prompt (text, token ids, or chat messages) with sampling keywords and this
-        request's own interventions; a full queue raises ``QueueFullError`` at once."""
+        request's own interventions; a full queue raises ``QueueFullError`` at once.
+        `chat_template` renders chat messages; with a text or token-id prompt, which no template
+        renders, it is refused (`InvalidOptionError`) rather than ignored."""
         chat = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
+        if chat_template is not None and not chat:
+            raise _native.InvalidOptionError(
+                "chat_template: only chat messages (a list of {\"role\", \"content\"} dicts) go through a chat "
+                "template; this prompt is text or token ids")
         native = self._native.submit(
             prompt, interventions=interventions, chat=chat, chat_template=chat_template, **sampling
         )
