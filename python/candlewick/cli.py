@@ -415,7 +415,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             replicas=args.replicas, api_key=args.api_key, max_batch_size=args.max_batch_size,
             max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
             chat_template=template, threads=args.threads, request_timeout=args.request_timeout,
-            kv_cache_type=args.kv_cache_type, **engine_options(args))
+            kv_cache_type=args.kv_cache_type, shutdown_grace=args.shutdown_grace, **engine_options(args))
         return 0
     try:
         from .serve import serve
