@@ -171,3 +171,22 @@ def test_chat_with_tools_returns_parsed_calls(rt):
         pieces = "".join(s)
     assert s.result.finish_reason == "tool_calls" and pieces
     assert [c["function"]["arguments"] for c in s.result.tool_calls] == [c["function"]["arguments"] for c in r.tool_calls]
+
+
+@pytest.mark.parametrize("kw, names", [
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tool_choice="none"), "tool_choice"),
+    (dict(tool_call_format="hermes"), "tool_call_format"),
+    (dict(parallel_tool_calls=False), "parallel_tool_calls"),
+    (dict(tool_choice="auto", tool_call_format="mistral", tools=None), "tool_choice, tool_call_format"),
+])
+def test_tool_options_without_tools_are_refused_naming_them(rt, kw, names):
+    """Without tools, tool_choice, tool_call_format and parallel_tool_calls=False would change
+    nothing: refused before any step, naming each one given, rather than ignored (issue 38)."""
+    from test_server_tools import ASK, TEMPLATE
+
+    for stream in (False, True):
+        with pytest.raises(cw.InvalidOptionError, match=rf"^{names}: only with tools"):
+            rt.chat(ASK, chat_template=TEMPLATE, stream=stream, max_tokens=4, **kw)
+    # The defaults, with or without tools, are what they were.
+    assert rt.chat(ASK, chat_template=TEMPLATE, max_tokens=2, parallel_tool_calls=True).tool_calls is None
