@@ -26,6 +26,25 @@ if "CANDLEWICK_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["CANDLEWICK_CACHE_DIR"], ignore_errors=True)
 
 
+# `benches/llama_cpp_checks.sh` sets this: there the llama.cpp cross-checks must run, so a missing
+# llama-cpp-python fails them instead of skipping (a command that passes having run nothing
+# would prove nothing).
+REQUIRE_LLAMA_CPP = os.environ.get("CANDLEWICK_REQUIRE_LLAMA_CPP") == "1"
+
+
+def llama_cpp_or_skip():
+    """The `llama_cpp` module (llama-cpp-python) for a cross-check marked `llama_cpp`: a skip where
+    it is not installed, as in CI (it must be built from source), a failure where
+    `CANDLEWICK_REQUIRE_LLAMA_CPP=1` asks for the checks to run."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        if REQUIRE_LLAMA_CPP:
+            pytest.fail(f"CANDLEWICK_REQUIRE_LLAMA_CPP=1 but llama-cpp-python does not import: {e}")
+        pytest.skip("llama-cpp-python is not installed (run benches/llama_cpp_checks.sh where it is)")
+    return llama_cpp
+
+
 def rel_l2(a, r):
     """Relative L2 error ‖a − r‖ / ‖r‖ in float64."""
     a = np.asarray(a, dtype=np.float64)

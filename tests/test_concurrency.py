@@ -120,6 +120,43 @@ print(json.dumps({"same": out == alone, "lengths": [len(v) for v in out.values()
 """
 
 
+# Issue 38's held-out scenario: a stream of 30 greedy tokens consumed in one thread while another
+# thread prefills one token 15 times, 2 ms apart. Every trial must end either with the clean run's
+# tokens (no prefill landed between two of its steps) or with SessionError; a stream that ends
+# with other tokens and no error went on over a session someone else moved.
+PREFILL_BESIDE_A_STREAM = r"""
+import json, sys, threading, time
+import candlewick as cw
+rt = cw.ModelRuntime.load(sys.argv[1], device="cpu", max_context=4096)
+prompt = "t3 t4 t5 t6"
+clean = rt.generate(prompt, max_tokens=30, temperature=0.0, ignore_eos=True).token_ids
+counts = {"clean": 0, "session_error": 0, "diverged": 0}
+for trial in range(int(sys.argv[2])):
+    rt.session.reset()
+    stream = rt.stream(prompt, max_tokens=30, temperature=0.0, ignore_eos=True)
+    out = {}
+    def consume(pause=0.001 * (trial % 2)):
+        try:
+            for _ in stream:
+                time.sleep(pause)  # every other trial leaves the prefills room between its steps
+            out["ids"] = stream.result.token_ids
+        except cw.SessionError:
+            out["ids"] = None
+    def prefill():
+        for _ in range(15):
+            rt.prefill([7]).wait()
+            time.sleep(0.002)
+    threads = [threading.Thread(target=consume), threading.Thread(target=prefill)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    key = "session_error" if out["ids"] is None else ("clean" if out["ids"] == clean else "diverged")
+    counts[key] += 1
+print(json.dumps(counts))
+"""
+
+
 def run_child(code, *args, timeout=300):
     try:
         out = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
@@ -220,3 +257,10 @@ def test_the_engine_refuses_bad_prompts_at_submission(rt):
             engine.submit([3] * 300, max_tokens=2)
         assert engine.stats()["submitted"] == 0
         assert np.all(np.asarray(engine.submit([3, 4], max_tokens=2, temperature=0.0).wait().token_ids) >= 0)
+
+
+def test_a_stream_beside_prefills_in_another_thread_never_diverges_silently(tiny_with_tokenizer):
+    got = run_child(PREFILL_BESIDE_A_STREAM, tiny_with_tokenizer, 40, timeout=240)
+    assert got["diverged"] == 0, got
+    # The scenario did what it is for: prefills landed between a stream's steps.
+    assert got["session_error"] > 0, got

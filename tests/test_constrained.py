@@ -53,6 +53,23 @@ def test_json_object_output_parses(rt):
     assert isinstance(json.loads(r.text), dict)
 
 
+def prefix_of_a_match(pattern, text):
+    """Whether `text` can still be completed into a full match of `pattern` (the `regex`
+    package's partial matching: an engine apart from llguidance, whose output is under test)."""
+    import regex
+
+    return regex.fullmatch(pattern, text, partial=True) is not None
+
+
+def test_prefix_of_a_match_tells_a_cut_match_from_a_broken_one():
+    # What the check must tell apart: a match cut at the token limit from text off the pattern
+    # (the old check took "12a" for fine: it only refused a full match followed by more).
+    assert prefix_of_a_match(r"\d{3}-\d{4}", "123-4") and prefix_of_a_match(r"\d{3}-\d{4}", "")
+    assert not prefix_of_a_match(r"\d{3}-\d{4}", "12a")
+    assert not prefix_of_a_match(r"[A-Z][a-z]+", "Ab1")
+    assert not prefix_of_a_match(r"\d{3}-\d{4}", "123-45678")
+
+
 @pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no), because [a-z ]{3,20}\.", r"[A-Z][a-z]+"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_regex_output_matches_whole(rt, pattern, seed):
@@ -61,7 +78,16 @@ def test_regex_output_matches_whole(rt, pattern, seed):
     if r.finish_reason != "length":
         assert re.fullmatch(pattern, r.text), r.text
     else:
-        assert re.fullmatch(pattern, r.text) or re.fullmatch(pattern + ".*", r.text) is None
+        # Cut at the limit, the text is a match not yet complete: some completion must match.
+        assert prefix_of_a_match(pattern, r.text), r.text
+
+
+def test_a_regex_cut_at_the_token_limit_is_a_prefix_of_a_match(rt):
+    # The cases above seldom reach the limit; these always do, under the constraint throughout.
+    for seed in range(3):
+        r = rt.generate("Answer:", max_tokens=6, temperature=0.9, seed=seed, regex=r"[a-z]{10,40}( [a-z]{10,40}){3}")
+        assert r.finish_reason == "length" and r.text
+        assert prefix_of_a_match(r"[a-z]{10,40}( [a-z]{10,40}){3}", r.text), r.text
 
 
 def test_choice_and_lark_grammar(rt):
@@ -145,3 +171,22 @@ def test_chat_with_tools_returns_parsed_calls(rt):
         pieces = "".join(s)
     assert s.result.finish_reason == "tool_calls" and pieces
     assert [c["function"]["arguments"] for c in s.result.tool_calls] == [c["function"]["arguments"] for c in r.tool_calls]
+
+
+@pytest.mark.parametrize("kw, names", [
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tool_choice="none"), "tool_choice"),
+    (dict(tool_call_format="hermes"), "tool_call_format"),
+    (dict(parallel_tool_calls=False), "parallel_tool_calls"),
+    (dict(tool_choice="auto", tool_call_format="mistral", tools=None), "tool_choice, tool_call_format"),
+])
+def test_tool_options_without_tools_are_refused_naming_them(rt, kw, names):
+    """Without tools, tool_choice, tool_call_format and parallel_tool_calls=False would change
+    nothing: refused before any step, naming each one given, rather than ignored (issue 38)."""
+    from test_server_tools import ASK, TEMPLATE
+
+    for stream in (False, True):
+        with pytest.raises(cw.InvalidOptionError, match=rf"^{names}: only with tools"):
+            rt.chat(ASK, chat_template=TEMPLATE, stream=stream, max_tokens=4, **kw)
+    # The defaults, with or without tools, are what they were.
+    assert rt.chat(ASK, chat_template=TEMPLATE, max_tokens=2, parallel_tool_calls=True).tool_calls is None

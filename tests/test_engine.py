@@ -130,3 +130,28 @@ def test_a_long_prompt_joins_a_chunk_per_step_and_answers_as_alone(rt, chunk):
         long = engine.submit(long_prompt, **GREEDY)
         assert long.wait().token_ids == want_long
         assert short.wait().token_ids == want_short
+
+
+def test_load_options_beside_a_loaded_runtime_are_refused_naming_them(rt, tiny_with_tokenizer):
+    """`Engine(path, **load_options)` loads with them; a runtime is loaded already, so they
+    would be dropped: refused instead, before any engine starts."""
+    with pytest.raises(cw.InvalidOptionError, match=r"^max_context, threads: .*ModelRuntime\.load"):
+        cw.Engine(rt, threads=1, max_context=64)
+    with cw.Engine(tiny_with_tokenizer, device="cpu", max_context=64) as engine:
+        assert engine.runtime.session.max_context == 64
+    with cw.Engine(rt) as engine:
+        assert engine.submit([3, 4, 5], **GREEDY).wait().token_ids == rt.generate([3, 4, 5], **GREEDY).token_ids
+
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+@pytest.mark.parametrize("prompt", ["t3 t4 t5", [3, 4, 5]], ids=["text", "ids"])
+def test_a_chat_template_on_a_prompt_no_template_renders_is_refused(rt, prompt):
+    with cw.Engine(rt) as engine:
+        with pytest.raises(cw.InvalidOptionError, match="^chat_template: "):
+            engine.submit(prompt, chat_template=TEMPLATE, **GREEDY)
+        # With chat messages the template is what renders them.
+        chat = engine.submit([{"role": "user", "content": "t3 t4 t5"}], chat_template=TEMPLATE, **GREEDY).wait()
+        rt.session.reset()
+        assert chat.token_ids == rt.generate("t3 t4 t5 ", **GREEDY).token_ids

@@ -11,6 +11,7 @@ MXFP4 on a CPU with the interleaved tiles, which keep their own blocks (exact, a
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -203,3 +204,40 @@ def test_types_with_own_tiles_load_at_their_own_size(tmp_path, qtype):
     got = rt.prefill(tokens, all_logits=True).wait().logits
     ref = cw.ModelRuntime.load(path, device="cpu", dtype="f32").prefill(tokens, all_logits=True).wait().logits
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05
+
+
+def readme_types(after, until):
+    """The ggml type names the README lists between the phrases `after` and `until`."""
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    start = text.index(after) + len(after)
+    part = text[start:text.index(until, start)]
+    return {n for n in re.findall(r"\b[A-Z][A-Z0-9_]*\b", part) if n in T.__members__}
+
+
+def test_the_readme_lists_what_each_gguf_tensor_type_does_at_load(tmp_path):
+    """The README says which tensor types are read and which refused (issue 38: it had claimed
+    "every tensor type llama.cpp writes" while NVFP4 and Q1_0 were refused): every type a GGUF file
+    can name (the `gguf` package's enum) is in exactly one of its lists, and behaves as listed."""
+    read = readme_types("GGUF tensor types read:", "Refused at load")
+    refused = readme_types("naming the tensor and its type:", "Not read either")
+    unread = readme_types("Not read either:", "ggml's intermediate")
+    assert read and refused and unread
+    assert not (read & refused or read & unread or refused & unread)
+    assert read | refused | unread == set(T.__members__), "a type the README does not place"
+    rows = len(default_vocab()["tokens"])
+    for name in sorted(T.__members__):
+        qtype = T[name]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        # Zero bytes are valid blocks of every type (finite scales): what is tested is the type.
+        raw = np.zeros((rows, HIDDEN // block * size), dtype=np.uint8)
+        path = write(tmp_path, qtype, raw)
+        if name in read:
+            cw.ModelRuntime.load(path, device="cpu").close()
+        elif name in refused:
+            with pytest.raises(cw.UnsupportedTensorTypeError, match=rf"token_embd\.weight.*\b{name}\b"):
+                cw.ModelRuntime.load(path, device="cpu")
+        else:
+            with pytest.raises(cw.CandlewickError):
+                cw.ModelRuntime.load(path, device="cpu")

@@ -41,23 +41,70 @@ def _ids(n, seed=0):
     return [int(x) for x in np.random.default_rng(seed).integers(3, 500, n)]
 
 
+# The refusals below are of steps too big for the memory left. What a host has free varies (a
+# 40 GiB request fits on some), so each runs in a child whose address space is capped (RLIMIT_AS)
+# 1 GiB above what it maps once the model is loaded: the runtime counts what is left under such a
+# cap as free (src/memory.rs), so every host looks alike, and a step that was not refused fails
+# its allocation in the child rather than taking the host's memory.
+LITTLE_MEMORY = r"""
+import json, os, resource, sys
+import numpy as np
+import candlewick as cw
+
+rt = cw.ModelRuntime.load(sys.argv[1], device="cpu", max_context=10**9)
+rt.prefill([5, 6]).wait()
+ids = [int(x) for x in np.random.default_rng(0).integers(3, 500, int(sys.argv[3]))]
+req = cw.ObservationRequest.select(["model.layers.0.attention.pattern", "model.layers.2.attention.pattern"])
+calls = {
+    "inspect_prefill": lambda: rt.inspect_prefill(ids, req),
+    "trace": lambda: rt.trace(ids, req),
+    "prefill all rows": lambda: rt.prefill(ids, all_logits=True),
+}
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    calls[sys.argv[2]]()
+    out = {"refused": None}
+except cw.OutOfMemoryError as e:
+    out = {"refused": str(e)}
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+out["after"] = [rt.session.position, rt.cached_tokens()]
+rt.decode([7]).wait()
+print(json.dumps(out))
+"""
+
+
+def with_little_memory(call, tokens):
+    """Runs `call` with `tokens` random ids on the tiny Llama (2 tokens prefilled) in a child
+    that has 1 GiB of address space left; returns its OutOfMemoryError's text (or None) and
+    the session's position and tokens after it."""
+    import json
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the runtime reads what memory is left from /proc (Linux)")
+    r = subprocess.run([sys.executable, "-c", LITTLE_MEMORY, str(MODEL), call, str(tokens)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, f"the step was not refused and failed its allocation: {r.stderr[-2000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return out["refused"], out["after"]
+
+
 @pytest.mark.parametrize("call", ["inspect_prefill", "trace"])
-def test_a_step_that_cannot_fit_is_refused_before_allocating_and_the_session_is_unchanged(long_rt, call):
-    # Every layer's attention pattern of 100,000 tokens: hundreds of GB.
-    req = cw.ObservationRequest.select(["model.layers.0.attention.pattern", "model.layers.2.attention.pattern"])
-    before = (long_rt.session.position, long_rt.cached_tokens())
-    with pytest.raises(cw.OutOfMemoryError, match="100000 tokens"):
-        getattr(long_rt, call)(_ids(100_000), req)
-    assert (long_rt.session.position, long_rt.cached_tokens()) == before
-    long_rt.decode([7]).wait()
+def test_a_step_that_cannot_fit_is_refused_before_allocating_and_the_session_is_unchanged(call):
+    # Two layers' attention patterns of 100,000 tokens: hundreds of GB.
+    refused, after = with_little_memory(call, 100_000)
+    assert refused is not None and "100000 tokens" in refused
+    assert after == [2, [5, 6]]
 
 
-def test_every_row_of_a_huge_prompt_is_refused_with_a_hint(long_rt):
-    # Each chunk would fit; their logits together would not.
-    n = (40 << 30) // (4 * long_rt.model_info["vocab_size"])
-    with pytest.raises(cw.OutOfMemoryError, match="last row"):
-        long_rt.prefill([3] * n, all_logits=True)
-    assert long_rt.session.position == 2
+def test_every_row_of_a_huge_prompt_is_refused_with_a_hint():
+    # Each 512-token chunk fits in the 1 GiB left; 2,000,000 rows of logits (4 GiB) would not.
+    refused, after = with_little_memory("prefill all rows", 2_000_000)
+    assert refused is not None and "last row" in refused
+    assert after == [2, [5, 6]]
 
 
 def test_a_prompt_longer_than_a_chunk_matches_the_one_step_run(long_rt):

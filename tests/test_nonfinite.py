@@ -80,3 +80,17 @@ def test_an_infinite_float_tensor_in_a_gguf_is_an_artifact_error(tmp_path):
     # De-quantized at load, the same check has run on the file's bytes first.
     with pytest.raises(cw.ArtifactError, match=name):
         cw.ModelRuntime.load(path, device="cpu", dtype="f32")
+
+
+def test_the_readme_describes_the_check_it_makes():
+    """The README's "Untrusted files" had said weights were not checked at all (issue 38); it must
+    describe this check as the tests above hold it: finiteness only, at load, the error it raises
+    and the way to skip it."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = " ".join(text.split("## Untrusted files", 1)[1].split("\n## ", 1)[0].split())
+    assert "not checked for plausible values" not in section
+    for fact in ("only finiteness is checked", "GGUF and safetensors", "`ArtifactError` naming the tensor",
+                 "`check_tensors=False` skips it"):
+        assert fact in section, fact

@@ -24,7 +24,7 @@ import pytest
 
 import candlewick as cw
 import gguf_convert
-from conftest import DEVICE, TINY, reference, rel_l2
+from conftest import DEVICE, TINY, llama_cpp_or_skip, reference, rel_l2
 from test_inspection import EDIT_POINTS, points
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gemma2", "olmo2", "smollm3", "granite", "gpt_neox", "gpt2"]
@@ -244,6 +244,7 @@ def test_moe_files_hold_stacked_experts(gguf_file, moe):
 LLAMA_CPP_CASES = [c for c in DENSE if c != "phi3"] + ["qwen3_moe", "mixtral", "granitemoe"]
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("case_", LLAMA_CPP_CASES)
 def test_llama_cpp_reads_the_files_as_the_reference(gguf_file, case_):
     """llama.cpp (llama-cpp-python) on the all-F32 file, with a float32 KV cache, teacher-forced:
@@ -254,7 +255,7 @@ def test_llama_cpp_reads_the_files_as_the_reference(gguf_file, case_):
 def llama_cpp_reads_as_the_reference(path, ref, name):
     """llama.cpp's teacher-forced logits of the all-F32 file `path` within the de-quantized bound
     of `ref`'s (skipped where llama-cpp-python is not installed)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = llama_cpp_or_skip()
     ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()
     f32 = 0  # GGML_TYPE_F32
     llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1, type_k=f32, type_v=f32)
@@ -271,6 +272,7 @@ def llama_cpp_reads_as_the_reference(path, ref, name):
 GPT_OSS_AS_LLAMA_CPP = {"swiglu_limit": 7.0, "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("experts", ["f32", "mxfp4"])
 def test_llama_cpp_agrees_on_gpt_oss(tmp_path, experts):
     """Sinks, biases, alternating windows, clamped SwiGLU experts (and MXFP4 experts, as the
@@ -279,7 +281,7 @@ def test_llama_cpp_agrees_on_gpt_oss(tmp_path, experts):
     top-20 logits of every row. MXFP4 experts: both run them quantized (llama.cpp's MXFP4 dot
     product, candlewick's MXFP4 tiles, or Q8_0 where the CPU has none), the quantized bounds
     (median ≤ 0.05, top-5 overlap ≥ 3)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = llama_cpp_or_skip()
     ref = reference("gpt_oss")
     ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()
     path = gguf_convert.convert(TINY / "gpt_oss", tmp_path / f"gpt_oss.{experts}.gguf", "f32",

@@ -207,6 +207,7 @@ def test_gguf_files_hold_the_shared_expert(gguf_file, case):
     assert reader.fields[f"{arch}.expert_shared_feed_forward_length"].contents() == width
 
 
+@pytest.mark.llama_cpp
 def test_llama_cpp_reads_the_files_as_the_reference(gguf_file, case, ref):
     """The same files through llama.cpp, where it is installed (measured with llama-cpp-python
     0.3.36: top-20 rel L2 max 4.7e-7 on Qwen2-MoE, 2.7e-7 on Granite MoE Shared)."""

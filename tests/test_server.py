@@ -230,6 +230,52 @@ def test_errors_are_openai_shaped_and_the_server_goes_on(server, client, body, s
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    "path,body,param,says",
+    [
+        # OpenAI answers 400 to each: a field that would do nothing is refused, never ignored.
+        ("/v1/completions", {"prompt": "Hi", "stream": True,
+                             "stream_options": {"include_usage": True, "include_obfuscation": False}},
+         "stream_options", "include_obfuscation"),
+        ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options",
+         "stream: true"),
+        ("/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": ["include_usage"]}, "stream_options",
+         "object"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": False, "top_logprobs": 2}, "top_logprobs",
+         "logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "parallel_tool_calls": False}, "parallel_tool_calls", "tools"),
+        ("/v1/completions", {"prompt": "Hi", "user": 42}, "user", "string"),
+        ("/v1/completions", {"prompt": "Hi", "user": "u" * 257}, "user", "256"),
+    ],
+)
+def test_a_field_that_does_nothing_here_or_is_malformed_is_a_400_naming_it(server, path, body, param, says):
+    got, err, _ = post(server, path, {"max_tokens": 2, **body})
+    assert got == 400, err
+    assert err["error"]["param"] == param and says in err["error"]["message"], err
+
+
+def test_the_user_field_is_recorded_in_the_request_log(tmp_path):
+    """OpenAI's `user` identifies the end user for abuse monitoring: the server honours it by
+    writing it, quoted, in the request's log line (a newline in it cannot forge a line)."""
+    proc, base = start_server(tmp_path)
+    try:
+        status, _, _ = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "user": "alice\nGET /forged"})
+        assert status == 200
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1, user="bob-7")
+    finally:
+        stop(proc)
+    lines = proc.stderr.read().splitlines()
+    assert any(l.startswith("POST /v1/completions 200 ") and l.endswith(' user="alice\\nGET /forged"')
+               for l in lines), lines
+    assert any(l.startswith("POST /v1/chat/completions 200 ") and l.endswith(' user="bob-7"') for l in lines), lines
+    assert not any(l.startswith("GET /forged") for l in lines)
+
+
 def test_malformed_wrong_type_and_oversized_bodies(server, client):
     assert post(server, "/v1/completions", None, raw=b"{not json")[0] == 400
     assert post(server, "/v1/completions", None, raw=b"prompt=hi", headers={"Content-Type": "text/plain"})[0] == 415

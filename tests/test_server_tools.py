@@ -98,10 +98,30 @@ def test_streamed_tool_calls_assemble_into_valid_arguments(client):
         jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
 
 
-def test_auto_may_answer_in_text(client):
-    r = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=12, temperature=0.0)
-    m = r.choices[0].message
-    assert m.tool_calls or m.content
+def _turn(i, city):
+    """A past turn that asked for a city's weather, called the tool, and answered from its result."""
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "c"})}}
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": "20 C"},
+            {"role": "assistant", "content": "It is 20 C."}]
+
+
+def test_auto_calls_a_tool_where_the_conversation_leads_to_one(client):
+    """With tool_choice auto (the default) nothing constrains the answer: the model's own text is
+    parsed into calls. After two turns that called get_weather, greedy Gemma 3 270M calls it for
+    Paris; asked cold, it answers in text, which comes back as text with no calls."""
+    history = _turn(0, "London") + _turn(1, "Rome")
+    r = client.chat.completions.create(model=NAME, messages=history + ASK, tools=TOOLS, max_tokens=60,
+                                       temperature=0.0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    check_calls(choice.message.tool_calls, only="get_weather")
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["city"] == "Paris"
+    cold = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=12, temperature=0.0)
+    assert cold.choices[0].message.tool_calls is None and cold.choices[0].message.content
+    assert cold.choices[0].finish_reason == "length"
 
 
 def test_response_format_on_both_endpoints(client):

@@ -487,7 +487,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
             chat_template=template, threads=args.threads, request_timeout=args.request_timeout,
             kv_cache_type=args.kv_cache_type, filename=args.filename, revision=args.revision,
-            **engine_options(args))
+            shutdown_grace=args.shutdown_grace, **engine_options(args))
         return 0
     try:
         from .serve import serve

@@ -137,11 +137,15 @@ class Engine:
         None prefills each prompt whole when it joins. `prefix_cache_bytes`: memory for the keys
         and values of prompt prefixes kept across requests (64-token blocks, least recently used
         evicted first), so a request that starts like an earlier one (a system prompt, few-shot
-        examples, an agent's history) skips computing that part; 0 turns it off."""
+        examples, an agent's history) skips computing that part; 0 turns it off. `load_options`,
+        `filename` and `revision` go to loading when `model` is a path or a Hub name; with a runtime,
+        loaded already, they are refused (`InvalidOptionError` naming them) rather than dropped."""
         if isinstance(model, ModelRuntime):
-            if filename is not None or revision is not None:
-                raise InvalidOptionError("filename= and revision= choose a model to load; this Engine was given "
-                                         "a loaded ModelRuntime")
+            given = sorted(load_options) + [n for n, v in (("filename", filename), ("revision", revision)) if v is not None]
+            if given:
+                raise InvalidOptionError(
+                    f"{', '.join(given)}: load options apply when the Engine loads the model from a path or a Hub "
+                    "name; this runtime is loaded already (pass them to ModelRuntime.load)")
             self.runtime = model
         else:
             from .hub import resolve_model
@@ -159,8 +163,14 @@ class Engine:
         **sampling: Any,
     ) -> EngineRequest:
         """Queues a prompt (text, token ids, or chat messages) with sampling keywords and this
-        request's own interventions; a full queue raises ``QueueFullError`` at once."""
+        request's own interventions; a full queue raises ``QueueFullError`` at once.
+        `chat_template` renders chat messages; with a text or token-id prompt, which no template
+        renders, it is refused (`InvalidOptionError`) rather than ignored."""
         chat = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
+        if chat_template is not None and not chat:
+            raise _native.InvalidOptionError(
+                "chat_template: only chat messages (a list of {\"role\", \"content\"} dicts) go through a chat "
+                "template; this prompt is text or token ids")
         native = self._native.submit(
             prompt, interventions=interventions, chat=chat, chat_template=chat_template, **sampling
         )

@@ -19,9 +19,11 @@ memory cap (RLIMIT_AS) and a per-input timeout; a worker that dies (abort) or do
 - accepted-then-typed: loaded, then its first step failed with a typed error
 - corrupt: loaded, then non-finite logits or an untyped/internal error at the first step
 - silent: a `must_reject` input that was accepted (invalid by construction)
+- setup-failed: the case's own fixture (the model whose tokenizer renders the templates) did not
+  load, so the input was never tried: the family proved nothing, which is a failure too
 
 One summary line is printed; the exit status is 1 if any input was untyped, internal, abort,
-hang, corrupt or silent.
+hang, corrupt, silent or setup-failed.
 """
 
 import argparse
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cases as fuzz_cases  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
-FAILING = ("untyped", "internal", "abort", "hang", "corrupt", "silent")
+FAILING = ("untyped", "internal", "abort", "hang", "corrupt", "silent", "setup-failed")
 MEMORY_CAP = 4 << 30
 
 
@@ -128,7 +130,8 @@ def run(seed=0, long_mode=False, n_random=None, timeout=None, verbose=False, out
         finally:
             worker.close()
     total = sum(counts.values())
-    order = ["typed", "accepted", "accepted-then-typed", "untyped", "internal", "abort", "hang", "corrupt", "silent"]
+    order = ["typed", "accepted", "accepted-then-typed", "untyped", "internal", "abort", "hang", "corrupt", "silent",
+             "setup-failed"]
     figures = " ".join(f"{k}={counts.get(k, 0)}" for k in order)
     extra = " ".join(f"{k}={v}" for k, v in counts.items() if k not in order)
     mode = "long" if long_mode else "quick"

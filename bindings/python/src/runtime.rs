@@ -998,7 +998,8 @@ impl PyModelRuntime {
     ///         to a call whose arguments validate against the function's parameter schema.
     ///     parallel_tool_calls (bool): allow several calls in one answer.
     ///     tool_call_format (str | None): ``"hermes"``, ``"mistral"`` or ``"llama3"``; None detects
-    ///         it from the chat template.
+    ///         it from the chat template. ``tool_choice``, ``tool_call_format`` and
+    ///         ``parallel_tool_calls=False`` without ``tools`` raise ``InvalidOptionError``.
     #[doc = sampling_args_doc!()]
     ///
     /// Returns:
@@ -1069,6 +1070,18 @@ impl PyModelRuntime {
         let mut opts = args.options(slf.get().lock(py)?.defaults())?;
         let tools = tools.filter(|t| !t.is_none());
         let Some(tools) = tools else {
+            // Without tools these would change nothing: refused, naming them, rather than ignored.
+            let stray: Vec<&str> = [
+                ("tool_choice", tool_choice.is_some()),
+                ("tool_call_format", tool_call_format.is_some()),
+                ("parallel_tool_calls", !parallel_tool_calls),
+            ]
+            .into_iter()
+            .filter_map(|(name, given)| given.then_some(name))
+            .collect();
+            if !stray.is_empty() {
+                return Err(invalid_option(py, format!("{}: only with tools, and none were given", stray.join(", "))));
+            }
             let ids = slf.get().chat_ids(py, messages, chat_template)?;
             if stream {
                 return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());

@@ -128,13 +128,39 @@ FIELDS = {
 }
 
 
+# `stream_options` keys the server honours; OpenAI's others (`include_obfuscation`, ...) are a 400.
+STREAM_OPTIONS = {"include_usage"}
+# The longest `user` accepted: it is written to the request log, which a client must not flood.
+MAX_USER_CHARS = 256
+
+
 def check_fields(body: dict, route: str) -> None:
     """Refuses a field the server does not honour (OpenAI's `best_of`, `echo`, `suffix`,
-    `audio`, `prediction`, ...) with a 400 naming it."""
+    `audio`, `prediction`, ...) with a 400 naming it, and a known field given where it would do
+    nothing (`stream_options` without `stream`, an unknown `stream_options` key, `top_logprobs`
+    without `logprobs`, `parallel_tool_calls` without `tools`), as OpenAI refuses them."""
     unknown = sorted(k for k, v in body.items() if v is not None and k not in FIELDS[route])
     if unknown:
         raise ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
                        "this server does not honour it", param=unknown[0], code="unsupported_field")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", param="stream_options")
+        stray = sorted(set(options) - STREAM_OPTIONS)
+        if stray:
+            raise ApiError(400, f"stream_options: unsupported key{'s' if len(stray) > 1 else ''} "
+                           f"{', '.join(map(repr, stray))} (this server honours {sorted(STREAM_OPTIONS)})",
+                           param="stream_options", code="unsupported_field")
+        if not body.get("stream"):
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.get("parallel_tool_calls") is not None and body.get("tools") is None:
+        raise ApiError(400, "parallel_tool_calls is only allowed with tools", param="parallel_tool_calls")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise ApiError(400, f"user must be a string of at most {MAX_USER_CHARS} characters", param="user")
 
 
 SAMPLING = {
@@ -496,8 +522,12 @@ def build_app(server: Server) -> Starlette:
         response.headers["X-Candlewick-Replica"] = str(os.getpid())
         server.metrics.count(route, response.status_code)
         if server.log:
+            # OpenAI's `user` (an end user's id, for abuse monitoring) is honoured by recording it
+            # with the request, JSON-quoted so that no value can forge a log line.
+            user = getattr(request.state, "user", None)
             server.log(f"{request.method} {request.url.path} {response.status_code} "
-                       f"{(time.perf_counter() - started) * 1000:.0f} ms")
+                       f"{(time.perf_counter() - started) * 1000:.0f} ms"
+                       + (f" user={json.dumps(user)}" if user is not None else ""))
         return response
 
     async def completions(request: Request, chat: bool) -> Response:
@@ -509,6 +539,7 @@ def build_app(server: Server) -> Starlette:
         except asyncio.TimeoutError:
             raise ApiError(408, "the request body did not arrive within the server's limit", code="request_timeout")
         check_fields(body, "chat_completions" if chat else "completions")
+        request.state.user = body.get("user")
         if chat:
             prompt = body.get("messages")
             if not isinstance(prompt, list) or not prompt:

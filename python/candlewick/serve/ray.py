@@ -23,21 +23,34 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
                 threads: Optional[int] = None, request_timeout: Optional[float] = 600.0,
                 prefill_chunk: Optional[int] = 128, prefix_cache_bytes: int = 256 << 20,
                 draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
-                filename: Optional[str] = None, revision: Optional[str] = None):
+                filename: Optional[str] = None, revision: Optional[str] = None,
+                shutdown_grace: float = 30.0):
     """A Ray Serve application serving `model` (a local path, or a Hub name with `filename` and
     `revision` as ``candlewick.hub.resolve_model`` reads them) from `replicas` replicas, with the
-    routes of ``candlewick serve``."""
+    routes of ``candlewick serve``. `shutdown_grace` is ``serve --shutdown-grace``: when a replica
+    stops, Ray Serve lets its requests in flight run this many seconds before it is killed (the
+    deployment's ``graceful_shutdown_timeout_s``)."""
     from ray import serve
+
+    if shutdown_grace < 0:
+        raise ValueError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace}")
 
     def build():
         # Runs on each replica: the model, its engine and the Starlette app live there. A Hub
         # name is resolved here, on the replica's machine and into its cache, since a path
         # resolved by the driver need not exist on another node.
+        import sys
+
         from .. import ModelRuntime
         from .._options import served_name
         from ..hub import resolve_model
         from . import load_control_vectors
         from .app import Server, build_app
+
+        def log(line: str) -> None:
+            # One line per request, as `candlewick serve` writes (Ray keeps each replica's stderr
+            # in its logs): the request's `user` is recorded there.
+            print(line, file=sys.stderr, flush=True)
 
         local = resolve_model(model, filename, revision)
         runtime = ModelRuntime.load(local, device=device, threads=threads,
@@ -46,10 +59,10 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
         server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                         max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                         chat_template=chat_template, request_timeout=request_timeout,
-                        prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+                        prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes, log=log)
         return build_app(server)
 
-    options: dict[str, Any] = {"num_replicas": replicas}
+    options: dict[str, Any] = {"num_replicas": replicas, "graceful_shutdown_timeout_s": float(shutdown_grace)}
     if num_cpus is not None:
         options["ray_actor_options"] = {"num_cpus": num_cpus}
 
@@ -61,7 +74,10 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
 
 def run(model: str, host: str = "127.0.0.1", port: int = 8000, address: Optional[str] = None,
         replicas: int = 2, **options) -> None:
-    """Starts (or joins, with `address`) a Ray cluster and serves `model` until interrupted."""
+    """Starts (or joins, with `address`) a Ray cluster and serves `model` until interrupted
+    (Ctrl-C or SIGTERM); the replicas then stop within `shutdown_grace` (see `application`)."""
+    import signal
+    import threading
     import time
 
     import ray
@@ -77,8 +93,20 @@ def run(model: str, host: str = "127.0.0.1", port: int = 8000, address: Optional
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(model, replicas=replicas, **options), route_prefix="/")
     print(f"serving {served_name(model, local)} from {replicas} replicas on http://{host}:{port}/v1", flush=True)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    # SIGTERM (a service manager's stop) shuts the replicas down as Ctrl-C does, so that their
+    # requests in flight get the grace period instead of dying with this process. Signals belong
+    # to the main thread; elsewhere the caller's own handling stands.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupt) if main else None
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         serve.shutdown()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
