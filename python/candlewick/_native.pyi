@@ -373,6 +373,8 @@ class ModelRuntime:
         draft_model: str | PathLike[str] | None = None,
         kv_cache_type: str | None = None,
         prefill_chunk: int | None = None,
+        filename: str | None = None,
+        revision: str | None = None,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
     @property

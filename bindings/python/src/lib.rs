@@ -62,6 +62,7 @@ mod engine;
 mod errors;
 mod generation;
 mod gil;
+mod hub;
 mod intervention;
 mod observation;
 mod runtime;

@@ -17,6 +17,7 @@ use super::errors::{
 };
 use super::generation::{py_repr, run_to_end, Given, PyGenerationResult, PyGenerationStream, SamplingArgs};
 use super::gil::lock_released;
+use super::hub::resolve_model;
 use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
 use super::text::{conversation, template_value, tool_calls_to_py, tool_choice_of, tools_of, PyTokenizer};
@@ -229,8 +230,11 @@ impl PyModelRuntime {
     /// loading).
     ///
     /// Args:
-    ///     path (str | os.PathLike): a GGUF file, or a directory with config.json, safetensors
-    ///         weights and tokenizer.json.
+    ///     path (str | os.PathLike): a GGUF file, a directory with config.json, safetensors
+    ///         weights and tokenizer.json, or a Hugging Face Hub name (``"org/name"``, or
+    ///         ``"org/name:Q4_K_M"`` for a GGUF repository's quantization), fetched through
+    ///         ``huggingface_hub``'s cache (``candlewick.hub.resolve_model``). A local path that
+    ///         exists always wins.
     ///     device (str): ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"metal"`` or ``"auto"`` (the best
     ///         this build has).
     ///     dtype (str | None): ``"f32"``, ``"f16"`` or ``"bf16"``; None keeps a GGUF quantized and
@@ -258,6 +262,10 @@ impl PyModelRuntime {
     ///         vocabulary, BOS and EOS) that proposes tokens for speculative decoding in
     ///         ``generate``, ``stream`` and ``chat``; loaded with the same options. Output and
     ///         sampling distribution are unchanged (``num_draft_tokens`` sets how many a step).
+    ///         A Hub name too.
+    ///     filename (str | None): with a Hub name, the file of the repository to load: a name or
+    ///         a glob (``"*Q8_0.gguf"``), as llama-cpp-python's ``Llama.from_pretrained``.
+    ///     revision (str | None): with a Hub name, the branch, tag or commit to load.
     ///
     /// Returns:
     ///     ModelRuntime: the loaded model with an empty session.
@@ -265,7 +273,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None, prefill_chunk=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None, prefill_chunk=None, filename=None, revision=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -279,7 +287,11 @@ impl PyModelRuntime {
         draft_model: Option<PathBuf>,
         kv_cache_type: Option<String>,
         prefill_chunk: Option<Bound<'_, PyAny>>,
+        filename: Option<String>,
+        revision: Option<String>,
     ) -> PyResult<Self> {
+        let path = resolve_model(py, &path, filename.as_deref(), revision.as_deref())?;
+        let draft_model = draft_model.map(|d| resolve_model(py, &d, None, None)).transpose()?;
         let options = ModelOptions {
             device: device.to_owned(),
             dtype,

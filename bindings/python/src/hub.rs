@@ -1,0 +1,23 @@
+//! Model arguments that name a Hugging Face Hub repository: handed to the Python package's
+//! `candlewick.hub.resolve_model`, which fetches through `huggingface_hub` (its cache, token and
+//! offline mode), so no download code lives in Rust.
+
+use std::path::{Path, PathBuf};
+
+use pyo3::prelude::*;
+
+/// The local path `model` stands for: itself when it exists and nothing names a Hub file or
+/// revision, else what `candlewick.hub.resolve_model` makes of it (a path that is not a Hub name
+/// comes back unchanged, so the loader's own "not found" still answers it).
+pub(crate) fn resolve_model(
+    py: Python<'_>,
+    model: &Path,
+    filename: Option<&str>,
+    revision: Option<&str>,
+) -> PyResult<PathBuf> {
+    if model.exists() && filename.is_none() && revision.is_none() {
+        return Ok(model.to_path_buf());
+    }
+    let resolved = py.import("candlewick.hub")?.getattr("resolve_model")?.call1((model, filename, revision))?;
+    resolved.extract()
+}
