@@ -123,3 +123,21 @@ mod tests {
         }
     }
 }
+
+/// The candle backend bound to one device.
+#[derive(Debug, Clone)]
+pub struct CandleBackend {
+    device: Device,
+}
+
+impl CandleBackend {
+    /// A backend on the device a string names (`cpu`, `cuda[:N]`, `metal[:N]`, `auto`).
+    pub fn new(device: &str) -> Result<Self> {
+        Ok(Self { device: parse_device(device)? })
+    }
+
+    /// The candle device models are prepared on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use super::*;
-use crate::core::{BackendSession, DecodeInput, ModelRuntime, PrefillInput, SnapshotSession};
+use crate::core::{BackendSession, DecodeInput, ModelLoadingBackend, ModelRuntime, PrefillInput, SnapshotSession};
 use session::PrefixCache;
 
 type Rt = ModelRuntime<CandleBackend>;

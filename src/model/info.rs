@@ -86,7 +86,7 @@ impl ModelInfo {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             vocab_size: c.vocab_size,
-            dtype: crate::backend::decoder::layers::dtype_name(decoder.dtype()),
+            dtype: crate::backend::weights::embedding::dtype_name(decoder.dtype()),
             context_length: c.max_position_embeddings,
             max_context: session.max_context(),
             sliding_window: c.layers.iter().find_map(|l| l.sliding_window),

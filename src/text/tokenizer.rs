@@ -277,7 +277,12 @@ impl Tokenizer {
                 return Ok(factory.clone());
             }
         }
-        let env = super::token_bytes::tok_env(self, vocab_size)?;
+        let specials = super::token_bytes::Specials {
+            is_control: &|id| self.is_control(id),
+            eos: self.eos_ids().first().copied(),
+            bos: self.bos_id(),
+        };
+        let env = super::token_bytes::tok_env(self.inner(), specials, vocab_size)?;
         let mut factory = llguidance::ParserFactory::new_simple(&env)
             .map_err(|e| TextError::tokenizer("preparing constrained decoding", e))?;
         // Grammar errors come back as values; nothing is written to stderr.

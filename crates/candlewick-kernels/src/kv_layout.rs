@@ -186,4 +186,3 @@ impl<'a> KvView<'a> {
         Ok((ty.decode(&k, dtype)?, ty.decode(&v, dtype)?))
     }
 }
-

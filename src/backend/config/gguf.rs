@@ -1,11 +1,11 @@
 //! GGUF metadata (llama.cpp's keys) to an `ArchConfig`.
 
+use super::metadata::Metadata;
 use super::{
     check_layer_count, Activation, ArchConfig, Architecture, BlockNorms, ExpertGlu, LayerConfig, MoeConfig, NormKind,
     QkNorm, RopeConfig, RopeScaling, Routing, SharedExpert,
 };
 use crate::backend::error::{CandleError, Result};
-use crate::backend::weights::gguf::Metadata;
 
 /// Reads the architecture; `has_tensor` tells which optional tensors the file carries,
 /// `n_tokens` how many tokens its vocabulary holds (if it has one), `path` names the file in errors.

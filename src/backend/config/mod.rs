@@ -2,6 +2,7 @@
 
 pub mod gguf;
 pub mod hf;
+pub mod metadata;
 
 use crate::backend::error::{CandleError, Result};
 

@@ -4,22 +4,17 @@
 //! normalised, which layers slide, how embeddings are scaled. The observation points of
 //! DESIGN §2 are places in this one forward pass, so every architecture can be inspected.
 
-pub mod activation;
-pub mod attention;
-pub mod hooks;
-pub mod layers;
-pub mod moe;
-pub mod names;
-pub mod rope;
-
 use candle_core::{DType, Device, Tensor};
 
-use attention::{Attention, QkNorms, QkvProj, StepTables};
-use hooks::Hooks;
-use layers::{Embedding, GateUp, Linear, Mlp, Norm};
-use moe::{FeedForward, Moe};
-use names::{Naming, Slot};
-use rope::Rope;
+use crate::backend::blocks::attention::{Attention, QkNorms, QkvProj, StepTables};
+use crate::backend::blocks::hooks::Hooks;
+use crate::backend::blocks::linear::Linear;
+use crate::backend::blocks::mlp::{GateUp, Mlp};
+use crate::backend::blocks::moe::{FeedForward, Moe};
+use crate::backend::blocks::norm::Norm;
+use crate::backend::blocks::rope::Rope;
+use crate::backend::weights::embedding::Embedding;
+use crate::backend::weights::names::{Naming, Slot};
 
 use crate::backend::config::{ArchConfig, ExpertGlu, LayerConfig, NormKind, QkNorm};
 use crate::backend::error::{CandleContext, Result};
@@ -155,7 +150,11 @@ impl Decoder {
                 }),
             };
             let o = linear(Slot::O, i, h, nh * d, c.o_bias)?;
-            let sinks = if c.attn_sinks { Some(w.dense_f32(&moe::sinks_name(naming, arch, i), &[nh])?) } else { None };
+            let sinks = if c.attn_sinks {
+                Some(w.dense_f32(&crate::backend::blocks::moe::sinks_name(naming, arch, i), &[nh])?)
+            } else {
+                None
+            };
             let cache_type = default_cache_type(w.dtype(), w.device(), o.is_quantized());
             let attn = Attention {
                 qkv,
@@ -210,7 +209,7 @@ impl Decoder {
         }
         let head_name = name(Slot::LmHead, 0, "weight");
         let lm_head = if c.tie_word_embeddings {
-            embed.as_linear().ctx(|| format!("tying the output projection to `{embed_name}`"))?
+            Linear::tied(&embed).ctx(|| format!("tying the output projection to `{embed_name}`"))?
         } else {
             Linear::new(w.output(&head_name, c.vocab_size, h)?, None)
         };
@@ -313,7 +312,7 @@ impl Decoder {
             parts.extend(self.lm_head.summary());
         }
         if let Some(p) = &self.positions {
-            parts.push((layers::dtype_name(p.dtype()), p.elem_count()));
+            parts.push((crate::backend::weights::embedding::dtype_name(p.dtype()), p.elem_count()));
         }
         let mut by_type = std::collections::BTreeMap::new();
         for (ty, n) in parts {

@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
-use crate::backend::decoder::hooks::{NoHooks, ReadyEdits, StepHooks};
+use crate::backend::blocks::hooks::{NoHooks, ReadyEdits, StepHooks};
 use crate::backend::decoder::{BatchItem, Decoder, LogitsRows, StepKind};
+use crate::backend::device::CandleBackend;
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::host::to_host_f32;
 use crate::backend::kv_cache::{HeldKv, KvCache};
-use crate::backend::CandleBackend;
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use snapshot::SessionSnapshot;
 

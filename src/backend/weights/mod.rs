@@ -2,8 +2,10 @@
 
 /// The GGUF types candle lacks, de-quantized in the kernels crate.
 pub use candlewick_kernels::extra_types;
+pub mod embedding;
 pub mod finite;
 pub mod gguf;
+pub mod names;
 pub mod quantize;
 pub mod relayout;
 pub mod requant;
@@ -18,8 +20,8 @@ use candle_core::{DType, Device, Tensor};
 
 use quantize::{QuantizeReport, WeightRole};
 
-use crate::backend::decoder::layers::Embedding;
 use crate::backend::error::{CandleContext, CandleError, Result};
+use crate::backend::weights::embedding::Embedding;
 
 /// A checkpoint's named tensors.
 pub trait WeightSource: Send + Sync {

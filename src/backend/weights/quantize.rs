@@ -16,8 +16,8 @@ use candle_core::quantized::{ggml_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
-use crate::backend::decoder::layers::ggml_name;
 use crate::backend::error::{CandleContext, CandleError, Result};
+use crate::backend::weights::embedding::ggml_name;
 
 /// The types `quantize=` accepts, by the names llama.cpp gives them.
 pub const ACCEPTED: [(&str, GgmlDType); 10] = [

@@ -12,11 +12,12 @@
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Tensor};
 
-use super::layers::{GateUp, Linear, Mlp};
-use super::names::Naming;
+use super::linear::Linear;
+use super::mlp::{GateUp, Mlp};
 use crate::backend::config::{Activation, Architecture, MoeConfig, Routing, SharedExpert};
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::kernels::Weight;
+use crate::backend::weights::names::Naming;
 use crate::backend::weights::WeightLoader;
 use crate::core::LayerPoint;
 

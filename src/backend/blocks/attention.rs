@@ -3,7 +3,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::hooks::Hooks;
-use super::layers::{Linear, Norm};
+use super::linear::Linear;
+use super::norm::Norm;
 use super::rope;
 use crate::backend::kernels;
 use crate::backend::kv_cache::{KvType, LayerKv};
