@@ -57,6 +57,43 @@ pub enum CandleError {
         /// The key.
         key: String,
     },
+    /// A part of a split GGUF file (llama.cpp's `gguf-split`: `name-00002-of-00003.gguf` beside
+    /// the first) is not where the first part's name says it is.
+    #[error("part {part} of {count} of the split GGUF file {first} not found at {path}")]
+    MissingSplitPart {
+        /// The first part, the file loaded.
+        first: String,
+        /// The missing part's number, from 1.
+        part: usize,
+        /// The number of parts the first declares (`split.count`).
+        count: usize,
+        /// Where the part was looked for.
+        path: String,
+    },
+    /// A later part of a split GGUF file was given where the first is needed: only the first
+    /// holds the metadata and names the others (llama.cpp refuses it too).
+    #[error("{path} is part {part} of {count} of a split GGUF file; load its first part{}", first_part_hint(.first))]
+    NotFirstSplitPart {
+        /// The file given.
+        path: String,
+        /// Its part number, from 1 (`split.no` + 1).
+        part: usize,
+        /// The number of parts (`split.count`).
+        count: usize,
+        /// The first part's path, where the file name follows `-%05d-of-%05d.gguf`.
+        first: Option<String>,
+    },
+    /// The parts of a split GGUF file do not make one model: a part of another split, out of
+    /// place, a tensor in two parts, or a tensor count other than `split.tensors.count`.
+    #[error("split GGUF file {first}: {path} {reason}")]
+    SplitMismatch {
+        /// The first part, the file loaded.
+        first: String,
+        /// The part at fault (the first itself for what the parts hold together).
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A tensor the architecture needs is not in the checkpoint.
     #[error("tensor `{name}` is missing from the checkpoint")]
     MissingTensor {
@@ -162,6 +199,14 @@ pub enum CandleError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// `NotFirstSplitPart`'s pointer to the first part, where its name is known.
+fn first_part_hint(first: &Option<String>) -> String {
+    match first {
+        Some(first) => format!(", {first}"),
+        None => " (its name does not follow `-%05d-of-%05d.gguf`, so which file that is is unknown)".into(),
+    }
 }
 
 /// Attaches context to candle's errors.

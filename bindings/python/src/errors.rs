@@ -154,6 +154,9 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::Device { .. } => DeviceError::new_err(msg),
         CandleError::MissingFile { .. }
         | CandleError::Malformed { .. }
+        | CandleError::MissingSplitPart { .. }
+        | CandleError::NotFirstSplitPart { .. }
+        | CandleError::SplitMismatch { .. }
         | CandleError::MissingTensor { .. }
         | CandleError::MissingMetadata { .. }
         | CandleError::TensorShape { .. }

@@ -121,10 +121,12 @@ pub struct ExtraTensor {
 
 /// One expert's rows of a 3-D GGUF tensor, a 2-D tensor of their own.
 struct ExpertSlice {
+    /// The part of the file that holds it.
+    part: usize,
     ty: StoredType,
     rows: usize,
     cols: usize,
-    /// Where its blocks start, relative to the data section.
+    /// Where its blocks start, relative to its part's data section.
     offset: u64,
     /// `name[expert]`, for errors.
     what: String,
@@ -502,17 +504,120 @@ fn read_value<R: Read + Seek>(h: &mut Header<R>, ty: u32, key: &str) -> std::res
     })
 }
 
-/// Reads a GGUF file's header, validated (see [`read_header`]).
+/// Reads a GGUF file's header, validated (see [`read_header`]). Of a split file this must be
+/// the first part, which holds the metadata: a later part is refused with the first's name.
 pub fn read_content(path: &Path) -> Result<Content> {
-    read_header(path).map(|(_, content)| content)
+    let (_, content) = read_header(path)?;
+    split_count(path, &SplitKeys::read(path, &content.metadata)?)?;
+    Ok(content)
+}
+
+/// The `split.*` metadata that llama.cpp's `gguf-split` (and the `gguf` package's writer) puts in
+/// every part of a split file: `split.no` (from 0), `split.count`, `split.tensors.count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SplitKeys {
+    no: Option<u64>,
+    count: Option<u64>,
+    tensors: Option<u64>,
+}
+
+impl SplitKeys {
+    fn read(path: &Path, md: &HashMap<String, Value>) -> Result<Self> {
+        let key = |key: &str| -> Result<Option<u64>> {
+            let Some(v) = md.get(key) else { return Ok(None) };
+            let n = match *v {
+                Value::U8(x) => Some(x.into()),
+                Value::U16(x) => Some(x.into()),
+                Value::U32(x) => Some(x.into()),
+                Value::U64(x) => Some(x),
+                Value::I8(x) => u64::try_from(x).ok(),
+                Value::I16(x) => u64::try_from(x).ok(),
+                Value::I32(x) => u64::try_from(x).ok(),
+                Value::I64(x) => u64::try_from(x).ok(),
+                _ => None,
+            };
+            n.map(Some).ok_or_else(|| CandleError::Malformed {
+                what: "GGUF file",
+                path: path.display().to_string(),
+                reason: format!("`{key}` holds {v:?}, not a count"),
+            })
+        };
+        Ok(Self { no: key("split.no")?, count: key("split.count")?, tensors: key("split.tensors.count")? })
+    }
+}
+
+/// The number of parts of the split file whose first part is `path`, `None` for a whole file
+/// (no `split.count`, or 1). A later part is refused, as llama.cpp refuses it: only the first
+/// holds the metadata and names the others.
+fn split_count(path: &Path, keys: &SplitKeys) -> Result<Option<u64>> {
+    let count = match keys.count {
+        Some(count) if count > 1 => count,
+        _ => return Ok(None),
+    };
+    let path_s = || path.display().to_string();
+    let mismatch = |reason: String| CandleError::SplitMismatch { first: path_s(), path: path_s(), reason };
+    match keys.no {
+        None => Err(mismatch(format!("has `split.count` = {count} but no `split.no`"))),
+        Some(no) if no >= count => Err(mismatch(format!("holds `split.no` = {no} of `split.count` = {count}"))),
+        Some(0) => Ok(Some(count)),
+        Some(no) => Err(CandleError::NotFirstSplitPart {
+            path: path_s(),
+            part: (no + 1) as usize,
+            count: count as usize,
+            first: split_prefix(path, no, count)
+                .map(|prefix| split_path(path, &prefix, 0, count).display().to_string()),
+        }),
+    }
+}
+
+/// The name `path`'s file name has before `-%05d-of-%05d.gguf` (part `no` of `count`, from 0),
+/// as llama.cpp's `llama_split_prefix`; `None` where it does not end so.
+fn split_prefix(path: &Path, no: u64, count: u64) -> Option<String> {
+    let name = path.file_name()?.to_str()?;
+    name.strip_suffix(&format!("-{:05}-of-{count:05}.gguf", no + 1)).map(str::to_owned)
+}
+
+/// Part `no` (from 0) of the `count` beside `path`, as llama.cpp's `llama_split_path` names it.
+fn split_path(path: &Path, prefix: &str, no: u64, count: u64) -> PathBuf {
+    path.with_file_name(format!("{prefix}-{:05}-of-{count:05}.gguf", no + 1))
+}
+
+/// One file of a model: a whole GGUF file, or one part of a split file.
+struct Part {
+    path: PathBuf,
+    /// Its header: its tensors of the types candle holds and where its data starts. The metadata
+    /// is the first part's only (a later part's, its `split.*` keys, is dropped once checked).
+    content: Content,
+    /// Its tensors of the types candle lacks, decoded by `extra_types` as they load.
+    extra: HashMap<String, ExtraTensor>,
+}
+
+impl Part {
+    fn file(&self) -> Result<File> {
+        File::open(&self.path).map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })
+    }
+
+    /// Where a tensor whose data starts at `offset` of the data section starts in the file.
+    fn at(&self, offset: u64) -> u64 {
+        self.content.tensor_data_offset + offset
+    }
+
+    fn malformed(&self, name: &str, reason: String) -> CandleError {
+        CandleError::Malformed {
+            what: "GGUF file",
+            path: self.path.display().to_string(),
+            reason: format!("reading tensor `{name}`: {reason}"),
+        }
+    }
 }
 
 /// A GGUF file's tensors: kept quantized for matmuls, or de-quantized at load to a float dtype.
+/// A split file (llama.cpp's `gguf-split`) is read from every part, each tensor from its own.
 pub struct GgufWeights {
-    path: PathBuf,
-    content: Content,
-    /// Tensors of the types candle lacks, decoded by `extra_types` as they load.
-    extra: HashMap<String, ExtraTensor>,
+    /// The file, or the parts of a split file in order; the first holds the metadata.
+    parts: Vec<Part>,
+    /// Which part holds each tensor.
+    part_of: HashMap<String, usize>,
     dequantize: bool,
     /// Tokens in `tokenizer.ggml.tokens`, kept when the vocabulary itself is handed on.
     vocabulary_len: Option<usize>,
@@ -526,11 +631,109 @@ const VOCABULARY_KEYS: [&str; 4] =
 
 impl GgufWeights {
     /// Opens and validates `path`; `dequantize` expands every weight to the model dtype at load.
+    ///
+    /// The first part of a split file (`split.count` > 1 in its metadata) brings every other part
+    /// with it, found beside it by name (`name-00002-of-00003.gguf`, as llama.cpp's
+    /// `llama_split_path`), each checked as a whole file is and against the first: its
+    /// `split.count` the same, its `split.no` its place, no tensor in two parts, and the parts'
+    /// tensors `split.tensors.count` where the first says how many. A later part is refused.
     pub fn open(path: &Path, dequantize: bool) -> Result<Self> {
         let (layout, content) = read_header(path)?;
+        let keys = SplitKeys::read(path, &content.metadata)?;
+        let count = split_count(path, &keys)?;
         let vocabulary_len = Metadata::new(&content.metadata).array_len(VOCABULARY_KEYS[0]);
-        let extra = layout.extra_tensors;
-        Ok(Self { path: path.to_owned(), content, extra, dequantize, vocabulary_len, check_tensors: true })
+        let mut weights =
+            Self { parts: Vec::new(), part_of: HashMap::new(), dequantize, vocabulary_len, check_tensors: true };
+        weights.add_part(path, layout, content)?;
+        let Some(count) = count else {
+            return Ok(weights);
+        };
+        let first = path.display().to_string();
+        let Some(prefix) = split_prefix(path, 0, count) else {
+            return Err(CandleError::SplitMismatch {
+                first: first.clone(),
+                path: first,
+                reason: format!(
+                    "holds part 1 of {count}, but its name does not end in `-00001-of-{count:05}.gguf`, so the \
+                     other parts cannot be found (gguf-split names them `<name>-%05d-of-%05d.gguf`)"
+                ),
+            });
+        };
+        // One part at a time, each checked before the next is looked for: a corrupt count
+        // costs at most one look for a file that is not there.
+        for no in 1..count {
+            let part = split_path(path, &prefix, no, count);
+            let part_s = part.display().to_string();
+            if !part.is_file() {
+                return Err(CandleError::MissingSplitPart {
+                    first,
+                    part: (no + 1) as usize,
+                    count: count as usize,
+                    path: part_s,
+                });
+            }
+            let (layout, mut content) = read_header(&part)?;
+            let theirs = SplitKeys::read(&part, &content.metadata)?;
+            let mismatch = |reason: String| CandleError::SplitMismatch { first: first.clone(), path: part_s, reason };
+            match theirs.count {
+                Some(c) if c == count => {}
+                Some(c) => {
+                    return Err(mismatch(format!(
+                        "says `split.count` = {c} where the first part says {count}: it is a part of another split file"
+                    )))
+                }
+                None => return Err(mismatch("has no `split.count`: it is not a part of a split file".into())),
+            }
+            match theirs.no {
+                Some(n) if n == no => {}
+                Some(n) => {
+                    return Err(mismatch(format!(
+                        "holds `split.no` = {n} (part {} of {count}) where part {} was expected: it is a part of \
+                         another split file, or renamed",
+                        n.saturating_add(1),
+                        no + 1
+                    )))
+                }
+                None => return Err(mismatch("has no `split.no`: it is not a part of a split file".into())),
+            }
+            // Only the first part's metadata is read.
+            content.metadata = HashMap::new();
+            weights.add_part(&part, layout, content)?;
+        }
+        if let Some(n) = keys.tensors {
+            let held = weights.part_of.len() as u64;
+            if held != n {
+                return Err(CandleError::SplitMismatch {
+                    first: first.clone(),
+                    path: first,
+                    reason: format!("says `split.tensors.count` = {n}, but its {count} parts hold {held} tensors"),
+                });
+            }
+        }
+        Ok(weights)
+    }
+
+    /// Adds the next part of the file, its tensors in no part before it.
+    fn add_part(&mut self, path: &Path, layout: GgufLayout, content: Content) -> Result<()> {
+        let index = self.parts.len();
+        for name in content.tensor_infos.keys().chain(layout.extra_tensors.keys()) {
+            // A part's own table holds no name twice (`read_header`); across parts, here.
+            if let Some(&other) = self.part_of.get(name) {
+                return Err(CandleError::SplitMismatch {
+                    first: self.parts[0].path.display().to_string(),
+                    path: path.display().to_string(),
+                    reason: format!("holds tensor `{name}`, which {} holds too", self.parts[other].path.display()),
+                });
+            }
+            self.part_of.insert(name.clone(), index);
+        }
+        self.parts.push(Part { path: path.to_owned(), content, extra: layout.extra_tensors });
+        Ok(())
+    }
+
+    /// The number of files the tensors come from: 1, or the parts of a split file.
+    pub fn part_count(&self) -> usize {
+        self.parts.len()
     }
 
     /// Turns the check for NaN and infinite values off (`false`) or on, as llama.cpp's
@@ -539,9 +742,13 @@ impl GgufWeights {
         self.check_tensors = check;
     }
 
-    /// The file's metadata.
+    /// The file's metadata (a split file's first part's).
     pub fn metadata(&self) -> &HashMap<String, Value> {
-        &self.content.metadata
+        &self.parts[0].content.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut HashMap<String, Value> {
+        &mut self.parts[0].content.metadata
     }
 
     /// Tokens in the file's vocabulary (`tokenizer.ggml.tokens`), whether or not it is still held.
@@ -551,20 +758,22 @@ impl GgufWeights {
 
     /// Forgets the vocabulary arrays (tokens, scores, types, merges): only the tokenizer reads them.
     pub fn drop_vocabulary(&mut self) {
+        let metadata = self.metadata_mut();
         for key in VOCABULARY_KEYS {
-            self.content.metadata.remove(key);
+            metadata.remove(key);
         }
-        self.content.metadata.shrink_to_fit();
+        metadata.shrink_to_fit();
     }
 
     /// What the tokenizer reads, for it to own while the weights load: the vocabulary arrays
     /// (moved out, as `drop_vocabulary` forgets them), the other `tokenizer.*` entries and the
     /// architecture (copied: a few short values).
     pub fn take_tokenizer_metadata(&mut self) -> HashMap<String, Value> {
+        let metadata = self.metadata_mut();
         let mut taken: HashMap<String, Value> =
-            VOCABULARY_KEYS.iter().filter_map(|&key| self.content.metadata.remove_entry(key)).collect();
-        self.content.metadata.shrink_to_fit();
-        for (key, value) in &self.content.metadata {
+            VOCABULARY_KEYS.iter().filter_map(|&key| metadata.remove_entry(key)).collect();
+        metadata.shrink_to_fit();
+        for (key, value) in metadata.iter() {
             if key.starts_with("tokenizer.") || key == "general.architecture" {
                 taken.insert(key.clone(), value.clone());
             }
@@ -575,28 +784,49 @@ impl GgufWeights {
     /// The dominant quantization of the matmul weights (e.g. `Q4_K`), for display.
     pub fn quantization(&self) -> String {
         let mut counts: HashMap<String, usize> = HashMap::new();
-        for info in self.content.tensor_infos.values() {
-            if info.shape.rank() == 2 {
-                *counts.entry(format!("{:?}", info.ggml_dtype)).or_default() += 1;
+        for part in &self.parts {
+            for info in part.content.tensor_infos.values() {
+                if info.shape.rank() == 2 {
+                    *counts.entry(format!("{:?}", info.ggml_dtype)).or_default() += 1;
+                }
             }
-        }
-        for t in self.extra.values().filter(|t| t.shape.len() == 2) {
-            *counts.entry(format!("{:?}", t.ty)).or_default() += 1;
+            for t in part.extra.values().filter(|t| t.shape.len() == 2) {
+                *counts.entry(format!("{:?}", t.ty)).or_default() += 1;
+            }
         }
         // Ties broken by name, so that the display does not change from one load to the next.
         counts.into_iter().max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0))).map(|(d, _)| d).unwrap_or_default()
     }
 
+    /// The part holding `name`.
+    fn part(&self, name: &str) -> Option<&Part> {
+        self.part_of.get(name).map(|&i| &self.parts[i])
+    }
+
+    /// `name` and its part, where it is of a type candle holds.
+    fn info(&self, name: &str) -> Result<(&Part, &gguf_file::TensorInfo)> {
+        self.part(name)
+            .and_then(|part| part.content.tensor_infos.get(name).map(|info| (part, info)))
+            .ok_or_else(|| CandleError::MissingTensor { name: name.to_owned() })
+    }
+
+    /// `name` and its part, where it is of a type candle lacks.
+    fn extra(&self, name: &str) -> Option<(&Part, &ExtraTensor)> {
+        self.part(name).and_then(|part| part.extra.get(name).map(|t| (part, t)))
+    }
+
     fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
-        let (info, file, at) = self.open_tensor(name)?;
+        let (part, info) = self.info(name)?;
+        let file = part.file()?;
         if !device.is_cpu() {
             // candle's reader seeks to the tensor itself.
-            return self
+            return part
                 .content
                 .tensor(&mut BufReader::new(file), name, device)
-                .map_err(|e| self.malformed(name, without_backtrace(e).to_string()));
+                .map_err(|e| part.malformed(name, without_backtrace(e).to_string()));
         }
         let dtype = info.ggml_dtype;
+        let at = part.at(info.offset);
         let fill = |buf: &mut [u8]| {
             read_at(&file, at, buf)?;
             if self.check_tensors {
@@ -604,41 +834,39 @@ impl GgufWeights {
             }
             Ok(())
         };
-        read_blocks(fill, dtype, info.shape.dims()).map_err(|e| self.malformed(name, e))
+        read_blocks(fill, dtype, info.shape.dims()).map_err(|e| part.malformed(name, e))
     }
 
     /// The raw blocks of a tensor of a type candle lacks, checked for non-finite scales.
-    fn extra_bytes(&self, name: &str, t: &ExtraTensor) -> Result<Vec<u8>> {
-        let file = File::open(&self.path)
-            .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
+    fn extra_bytes(&self, part: &Part, name: &str, t: &ExtraTensor) -> Result<Vec<u8>> {
+        let file = part.file()?;
         // The layout check bounded the size by the file's, and the product cannot overflow.
         let elems: usize = t.shape.iter().product();
         let mut bytes = vec![0u8; elems / t.ty.block_values() * t.ty.block_bytes()];
-        read_at(&file, self.content.tensor_data_offset + t.offset, &mut bytes).map_err(|e| self.malformed(name, e))?;
+        read_at(&file, part.at(t.offset), &mut bytes).map_err(|e| part.malformed(name, e))?;
         if self.check_tensors {
-            finite::check_extra(t.ty, &bytes, 0).map_err(|e| self.malformed(name, skip_hint(e)))?;
+            finite::check_extra(t.ty, &bytes, 0).map_err(|e| part.malformed(name, skip_hint(e)))?;
         }
         Ok(bytes)
     }
 
     /// A tensor of a type candle lacks, de-quantized to float32 (bit for bit as `gguf.quants`).
-    fn extra_dense(&self, name: &str, t: &ExtraTensor, device: &Device) -> Result<Tensor> {
-        let values = t.ty.dequantize(&self.extra_bytes(name, t)?).map_err(|e| self.malformed(name, e))?;
+    fn extra_dense(&self, part: &Part, name: &str, t: &ExtraTensor, device: &Device) -> Result<Tensor> {
+        let values = t.ty.dequantize(&self.extra_bytes(part, name, t)?).map_err(|e| part.malformed(name, e))?;
         Tensor::from_vec(values, t.shape.clone(), device).ctx(|| format!("de-quantizing `{name}` ({:?})", t.ty))
     }
 
     /// A matrix of a type candle lacks as the kernels take it: read straight into tiles of its
     /// own format where this device runs them (IQ4_NL, IQ4_XS, MXFP4 at 4.25–4.5 bits a value),
     /// else re-encoded as Q8_0 (`extra_q8_0`); `None` where neither holds its values (float32).
-    fn extra_weight(&self, name: &str, t: &ExtraTensor, device: &Device) -> Result<Option<Weight>> {
+    fn extra_weight(&self, part: &Part, name: &str, t: &ExtraTensor, device: &Device) -> Result<Option<Weight>> {
         if let (Some(format), &[n, k]) = (kernels::repacked_extra_format(t.ty, device), &t.shape[..]) {
-            let at = self.content.tensor_data_offset + t.offset;
             let check = |buf: &[u8], first: usize| finite::check_extra(t.ty, buf, first);
             return self
-                .read_tiles(name, format, [n, k], at, t.ty.block_bytes(), check)
+                .read_tiles(part, name, format, [n, k], part.at(t.offset), t.ty.block_bytes(), check)
                 .map(|w| Some(Weight::Interleaved(w)));
         }
-        self.extra_q8_0(name, t, device)?
+        self.extra_q8_0(part, name, t, device)?
             .map(|q| Weight::prepare(q, device).ctx(|| format!("preparing `{name}` ({:?} as Q8_0)", t.ty)))
             .transpose()
     }
@@ -646,16 +874,16 @@ impl GgufWeights {
     /// A tensor of a type candle lacks, re-encoded as Q8_0 for the int8 kernels (exact or
     /// nearly: `ExtraType::to_q8_0`; rows are whole blocks of 32 or 256 values, so whole Q8_0
     /// blocks); `None` (float32 instead) where no Q8_0 scale reaches its values.
-    fn extra_q8_0(&self, name: &str, t: &ExtraTensor, device: &Device) -> Result<Option<QTensor>> {
-        let bytes = self.extra_bytes(name, t)?;
+    fn extra_q8_0(&self, part: &Part, name: &str, t: &ExtraTensor, device: &Device) -> Result<Option<QTensor>> {
+        let bytes = self.extra_bytes(part, name, t)?;
         let mut conversion = None;
         let q = if device.is_cpu() {
             // Written straight into the tensor's blocks.
             let fill = |out: &mut [u8]| t.ty.to_q8_0(&bytes, out).map(|c| conversion = Some(c));
-            read_blocks(fill, GgmlDType::Q8_0, &t.shape).map_err(|e| self.malformed(name, e))?
+            read_blocks(fill, GgmlDType::Q8_0, &t.shape).map_err(|e| part.malformed(name, e))?
         } else {
             let mut q8 = vec![0u8; t.ty.q8_0_bytes(bytes.len())];
-            conversion = Some(t.ty.to_q8_0(&bytes, &mut q8).map_err(|e| self.malformed(name, e))?);
+            conversion = Some(t.ty.to_q8_0(&bytes, &mut q8).map_err(|e| part.malformed(name, e))?);
             candle_core::quantized::ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &q8, t.shape.clone(), device)
                 .ctx(|| format!("moving `{name}` to {device:?}"))?
         };
@@ -667,82 +895,74 @@ impl GgufWeights {
     }
 
     /// Where expert `expert` of the 3-D tensor `name` lies: an expert's rows are contiguous, so it
-    /// is a 2-D tensor of its own, `[rows, cols]` from `offset` in the data section.
+    /// is a 2-D tensor of its own, `[rows, cols]` from `offset` in its part's data section.
     fn expert_slice(&self, name: &str, expert: usize) -> Result<ExpertSlice> {
-        let (ty, dims, offset) = match (self.extra.get(name), self.content.tensor_infos.get(name)) {
+        let Some(&index) = self.part_of.get(name) else {
+            return Err(CandleError::MissingTensor { name: name.to_owned() });
+        };
+        let part = &self.parts[index];
+        let (ty, dims, offset) = match (part.extra.get(name), part.content.tensor_infos.get(name)) {
             (Some(t), _) => (StoredType::Extra(t.ty), t.shape.clone(), t.offset),
             (None, Some(info)) => (StoredType::Candle(info.ggml_dtype), info.shape.dims().to_vec(), info.offset),
             (None, None) => return Err(CandleError::MissingTensor { name: name.to_owned() }),
         };
         let [experts, rows, cols] = dims[..] else {
-            return Err(self.malformed(name, format!("expected 3 dimensions, found {dims:?}")));
+            return Err(part.malformed(name, format!("expected 3 dimensions, found {dims:?}")));
         };
         if expert >= experts {
-            return Err(self.malformed(name, format!("no expert {expert} among {experts}")));
+            return Err(part.malformed(name, format!("no expert {expert} among {experts}")));
         }
         // The layout check found whole blocks in every row, and the sizes fit the file.
         let (values, bytes) = ty.block();
         let size = (rows * cols) as u64 / values * bytes;
-        Ok(ExpertSlice { ty, rows, cols, offset: offset + expert as u64 * size, what: format!("{name}[{expert}]") })
+        Ok(ExpertSlice {
+            part: index,
+            ty,
+            rows,
+            cols,
+            offset: offset + expert as u64 * size,
+            what: format!("{name}[{expert}]"),
+        })
     }
 
     /// The blocks of a slice of a type candle holds, read straight into a tensor of their own.
     fn slice_blocks(&self, s: &ExpertSlice, qtype: GgmlDType) -> Result<QTensor> {
-        let file = File::open(&self.path)
-            .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
+        let part = &self.parts[s.part];
+        let file = part.file()?;
         let fill = |buf: &mut [u8]| {
-            read_at(&file, self.content.tensor_data_offset + s.offset, buf)?;
+            read_at(&file, part.at(s.offset), buf)?;
             if self.check_tensors {
                 finite::check(qtype, buf, 0).map_err(skip_hint)?;
             }
             Ok(())
         };
-        read_blocks(fill, qtype, &[s.rows, s.cols]).map_err(|e| self.malformed(&s.what, e))
-    }
-
-    /// `name`'s description, its file, and where its data starts in the file.
-    fn open_tensor(&self, name: &str) -> Result<(&gguf_file::TensorInfo, File, u64)> {
-        let Some(info) = self.content.tensor_infos.get(name) else {
-            return Err(CandleError::MissingTensor { name: name.to_owned() });
-        };
-        let file = File::open(&self.path)
-            .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
-        Ok((info, file, self.content.tensor_data_offset + info.offset))
-    }
-
-    fn malformed(&self, name: &str, reason: String) -> CandleError {
-        CandleError::Malformed {
-            what: "GGUF file",
-            path: self.path.display().to_string(),
-            reason: format!("reading tensor `{name}`: {reason}"),
-        }
+        read_blocks(fill, qtype, &[s.rows, s.cols]).map_err(|e| part.malformed(&s.what, e))
     }
 
     /// A matrix read straight into `interleaved`'s tiles when this device repacks its type;
     /// `None` for other types and devices.
     fn interleaved(&self, name: &str, device: &Device) -> Result<Option<Arc<Interleaved>>> {
-        let Some(info) = self.content.tensor_infos.get(name) else {
-            return Err(CandleError::MissingTensor { name: name.to_owned() });
-        };
+        let (part, info) = self.info(name)?;
         let dtype = info.ggml_dtype;
         let (Some(format), &[n, k]) = (kernels::repacked_format(dtype, device), info.shape.dims()) else {
             return Ok(None);
         };
         if k % dtype.block_size() != 0 {
             return Err(
-                self.malformed(name, format!("rows of {k} values are not whole blocks of {}", dtype.block_size()))
+                part.malformed(name, format!("rows of {k} values are not whole blocks of {}", dtype.block_size()))
             );
         }
-        let at = self.content.tensor_data_offset + info.offset;
         let check = |buf: &[u8], first: usize| finite::check(dtype, buf, first);
-        self.read_tiles(name, format, [n, k], at, dtype.type_size(), check).map(Some)
+        self.read_tiles(part, name, format, [n, k], part.at(info.offset), dtype.type_size(), check).map(Some)
     }
 
     /// The `[n, k]` matrix whose `format` blocks (`block_bytes` each) start at byte `at` of the
-    /// file, read into tiles, each piece checked by `check(bytes, index of its first block)`
-    /// as it arrives.
+    /// part's file, read into tiles, each piece checked by `check(bytes, index of its first
+    /// block)` as it arrives.
+    #[allow(clippy::too_many_arguments)]
     fn read_tiles(
         &self,
+        part: &Part,
         name: &str,
         format: kernels::interleaved::Format,
         [n, k]: [usize; 2],
@@ -750,8 +970,7 @@ impl GgufWeights {
         block_bytes: usize,
         check: impl Fn(&[u8], usize) -> std::result::Result<(), String> + Sync,
     ) -> Result<Arc<Interleaved>> {
-        let file = File::open(&self.path)
-            .map_err(|source| CandleError::Io { path: self.path.display().to_string(), source })?;
+        let file = part.file()?;
         let read = |offset: usize, buf: &mut [u8]| {
             read_at(&file, at + offset as u64, buf)?;
             if self.check_tensors {
@@ -759,7 +978,7 @@ impl GgufWeights {
             }
             Ok(())
         };
-        Interleaved::read(format, n, k, read).map(Arc::new).map_err(|e| self.malformed(name, e))
+        Interleaved::read(format, n, k, read).map(Arc::new).map_err(|e| part.malformed(name, e))
     }
 }
 
@@ -862,19 +1081,20 @@ fn zeroed<T: candle_core::quantized::k_quants::GgmlType>(n: usize) -> std::resul
 
 impl WeightSource for GgufWeights {
     fn names(&self) -> Vec<String> {
-        self.content.tensor_infos.keys().chain(self.extra.keys()).cloned().collect()
+        self.part_of.keys().cloned().collect()
     }
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        match self.extra.get(name) {
+        let part = self.part(name)?;
+        match part.extra.get(name) {
             Some(t) => Some(t.shape.clone()),
-            None => self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec()),
+            None => part.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec()),
         }
     }
 
     fn dense(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
-        if let Some(t) = self.extra.get(name) {
-            return convert(self.extra_dense(name, t, device)?, name, dtype);
+        if let Some((part, t)) = self.extra(name) {
+            return convert(self.extra_dense(part, name, t, device)?, name, dtype);
         }
         let t = self.qtensor(name, device)?.dequantize(device).ctx(|| format!("de-quantizing `{name}`"))?;
         convert(t, name, dtype)
@@ -884,8 +1104,8 @@ impl WeightSource for GgufWeights {
         if self.dequantize {
             return Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?)));
         }
-        if let Some(t) = self.extra.get(name) {
-            return match self.extra_weight(name, t, device)? {
+        if let Some((part, t)) = self.extra(name) {
+            return match self.extra_weight(part, name, t, device)? {
                 Some(w) => Ok(w),
                 None => Ok(Weight::Candle(QMatMul::Tensor(self.dense(name, dtype, device)?))),
             };
@@ -904,12 +1124,13 @@ impl WeightSource for GgufWeights {
         let qtype = match slice.ty {
             // A type candle lacks (gpt-oss's MXFP4 experts): as `matmul` prepares a whole one.
             StoredType::Extra(ty) => {
+                let part = &self.parts[slice.part];
                 let one = ExtraTensor { ty, shape: vec![slice.rows, slice.cols], offset: slice.offset };
-                let w = if self.dequantize { None } else { self.extra_weight(what, &one, device)? };
+                let w = if self.dequantize { None } else { self.extra_weight(part, what, &one, device)? };
                 return match w {
                     Some(w) => Ok(w),
                     None => Ok(Weight::Candle(QMatMul::Tensor(convert(
-                        self.extra_dense(what, &one, device)?,
+                        self.extra_dense(part, what, &one, device)?,
                         what,
                         dtype,
                     )?))),
@@ -941,7 +1162,7 @@ impl WeightSource for GgufWeights {
         let t = match slice.ty {
             StoredType::Extra(ty) => {
                 let one = ExtraTensor { ty, shape: vec![slice.rows, slice.cols], offset: slice.offset };
-                self.extra_dense(&slice.what, &one, device)?
+                self.extra_dense(&self.parts[slice.part], &slice.what, &one, device)?
             }
             StoredType::Candle(qtype) => self
                 .slice_blocks(&slice, qtype)?
@@ -952,8 +1173,8 @@ impl WeightSource for GgufWeights {
     }
 
     fn embedding(&self, name: &str, dtype: DType, device: &Device) -> Result<Embedding> {
-        if let Some(t) = self.extra.get(name) {
-            let w = if self.dequantize { None } else { self.extra_weight(name, t, device)? };
+        if let Some((part, t)) = self.extra(name) {
+            let w = if self.dequantize { None } else { self.extra_weight(part, name, t, device)? };
             return match w {
                 Some(w) => Ok(super::embedding_of(w)),
                 None => Ok(Embedding::Dense(self.dense(name, dtype, device)?)),
@@ -1172,5 +1393,184 @@ mod tests {
         assert!(md.token_id("wide").is_err());
         assert_eq!(md.token_id("ok").unwrap(), Some(5));
         assert!(md.usize("size").is_err());
+    }
+
+    /// A directory of its own for the split files of test `name`.
+    fn split_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("candlewick-split-{}-{name}", std::process::id()));
+        std::fs::remove_dir_all(&dir).ok();
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// The `split.*` metadata of part `no` (from 0) of `count`, as gguf-split writes it.
+    fn split_kv(no: u16, count: u16, tensors: i32) -> Vec<(&'static str, u32, Vec<u8>)> {
+        vec![
+            ("split.no", 2, no.to_le_bytes().to_vec()),
+            ("split.count", 2, count.to_le_bytes().to_vec()),
+            ("split.tensors.count", 5, tensors.to_le_bytes().to_vec()),
+        ]
+    }
+
+    /// A part holding one F32 tensor `name` of 8 values, `value`, `value` + 1, ….
+    fn part(kv: &[(&str, u32, Vec<u8>)], name: &str, value: f32) -> Vec<u8> {
+        let mut b = gguf(kv, &[(name, &[8], 0, 0)], 32);
+        let n = b.len();
+        for (i, v) in b[n - 32..].chunks_exact_mut(4).enumerate() {
+            v.copy_from_slice(&(value + i as f32).to_le_bytes());
+        }
+        b
+    }
+
+    /// Writes `parts` as `m-0000i-of-0000n.gguf` in `dir`; returns their paths.
+    fn write_parts(dir: &Path, parts: &[Vec<u8>]) -> Vec<PathBuf> {
+        let n = parts.len();
+        parts
+            .iter()
+            .enumerate()
+            .map(|(i, bytes)| {
+                let path = dir.join(format!("m-{:05}-of-{n:05}.gguf", i + 1));
+                std::fs::write(&path, bytes).unwrap();
+                path
+            })
+            .collect()
+    }
+
+    /// Three good parts: `a` in the first (with the metadata), `b` and `c` in the others.
+    fn three_parts() -> Vec<Vec<u8>> {
+        let mut first = split_kv(0, 3, 3);
+        first.push(("general.architecture", 8, [5u64.to_le_bytes().to_vec(), b"llama".to_vec()].concat()));
+        vec![part(&first, "a", 10.0), part(&split_kv(1, 3, 3), "b", 20.0), part(&split_kv(2, 3, 3), "c", 30.0)]
+    }
+
+    #[test]
+    fn split_names_follow_llama_cpp() {
+        let p = Path::new("/x/model-q4-00002-of-00003.gguf");
+        assert_eq!(split_prefix(p, 1, 3).as_deref(), Some("model-q4"));
+        assert_eq!(split_prefix(p, 0, 3), None);
+        assert_eq!(split_prefix(p, 1, 4), None);
+        assert_eq!(split_path(p, "model-q4", 0, 3), Path::new("/x/model-q4-00001-of-00003.gguf"));
+        // More parts than five digits hold are written in full, as `%05d` writes them.
+        assert_eq!(split_path(p, "m", 99_999, 100_000), Path::new("/x/m-100000-of-100000.gguf"));
+    }
+
+    #[test]
+    fn every_part_of_a_split_file_is_read_from_its_own_file() {
+        let dir = split_dir("read");
+        let paths = write_parts(&dir, &three_parts());
+        let w = GgufWeights::open(&paths[0], false).unwrap();
+        assert_eq!(w.part_count(), 3);
+        let mut names = w.names();
+        names.sort();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert!(matches!(w.metadata().get("general.architecture"), Some(Value::String(s)) if s == "llama"));
+        for (name, first) in [("a", 10.0f32), ("b", 20.0), ("c", 30.0)] {
+            let t = w.dense(name, DType::F32, &Device::Cpu).unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(t, (0..8).map(|i| first + i as f32).collect::<Vec<_>>(), "{name}");
+        }
+        // A whole file with `split.count` = 1 is read as one.
+        std::fs::write(dir.join("one.gguf"), part(&split_kv(0, 1, 1), "a", 1.0)).unwrap();
+        assert_eq!(GgufWeights::open(&dir.join("one.gguf"), false).unwrap().part_count(), 1);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_later_part_names_the_first() {
+        let dir = split_dir("later");
+        let paths = write_parts(&dir, &three_parts());
+        let e = GgufWeights::open(&paths[1], false).err().unwrap();
+        let first = paths[0].display().to_string();
+        assert!(
+            matches!(&e, CandleError::NotFirstSplitPart { part: 2, count: 3, first: Some(f), .. } if *f == first),
+            "{e}"
+        );
+        assert!(e.to_string().contains(&first), "{e}");
+        // The tokenizer's reader refuses it too.
+        assert!(matches!(read_content(&paths[2]), Err(CandleError::NotFirstSplitPart { part: 3, .. })));
+        assert!(read_content(&paths[0]).is_ok());
+        // Renamed, its first part cannot be named.
+        let renamed = dir.join("renamed.gguf");
+        std::fs::copy(&paths[1], &renamed).unwrap();
+        let e = GgufWeights::open(&renamed, false).err().unwrap();
+        assert!(matches!(e, CandleError::NotFirstSplitPart { first: None, .. }), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn parts_that_do_not_make_one_model_are_refused() {
+        let dir = split_dir("refused");
+        let open = |parts: &[Vec<u8>]| {
+            for f in std::fs::read_dir(&dir).unwrap() {
+                std::fs::remove_file(f.unwrap().path()).unwrap();
+            }
+            let paths = write_parts(&dir, parts);
+            let e = GgufWeights::open(&paths[0], false).err().expect("refused");
+            (e, paths)
+        };
+        let good = three_parts();
+        let path_of = |p: &PathBuf| p.display().to_string();
+
+        // A missing part, named.
+        let paths = write_parts(&dir, &good);
+        std::fs::remove_file(&paths[2]).unwrap();
+        let e = GgufWeights::open(&paths[0], false).err().unwrap();
+        assert!(
+            matches!(&e, CandleError::MissingSplitPart { part: 3, count: 3, path, .. } if *path == path_of(&paths[2])),
+            "{e}"
+        );
+
+        // A part of another split: its count differs.
+        let (e, paths) = open(&[good[0].clone(), good[1].clone(), part(&split_kv(2, 4, 4), "c", 0.0)]);
+        assert!(
+            matches!(&e, CandleError::SplitMismatch { path, reason, .. }
+                if *path == path_of(&paths[2]) && reason.contains("another split")),
+            "{e}"
+        );
+        // Out of place, or no part at all.
+        let (e, _) = open(&[good[0].clone(), part(&split_kv(2, 3, 3), "b", 0.0), good[2].clone()]);
+        assert!(e.to_string().contains("`split.no` = 2"), "{e}");
+        let (e, _) = open(&[good[0].clone(), part(&[], "b", 0.0), good[2].clone()]);
+        assert!(e.to_string().contains("no `split.count`"), "{e}");
+
+        // A tensor in two parts, both named.
+        let (e, paths) = open(&[good[0].clone(), good[1].clone(), part(&split_kv(2, 3, 3), "a", 0.0)]);
+        assert!(
+            matches!(&e, CandleError::SplitMismatch { path, reason, .. }
+                if *path == path_of(&paths[2]) && reason.contains("tensor `a`") && reason.contains(&path_of(&paths[0]))),
+            "{e}"
+        );
+
+        // Fewer tensors than `split.tensors.count` says.
+        let (e, _) = open(&[part(&split_kv(0, 3, 4), "a", 0.0), good[1].clone(), good[2].clone()]);
+        assert!(e.to_string().contains("`split.tensors.count` = 4"), "{e}");
+
+        // A truncated part: the layout check names it.
+        let mut cut = good[1].clone();
+        cut.truncate(cut.len() - 4);
+        let (e, paths) = open(&[good[0].clone(), cut, good[2].clone()]);
+        assert!(
+            matches!(&e, CandleError::Malformed { path, reason, .. }
+                if *path == path_of(&paths[1]) && reason.contains("needs bytes up to")),
+            "{e}"
+        );
+
+        // A first part whose name does not say where the others are.
+        let renamed = dir.join("model.gguf");
+        std::fs::write(&renamed, &good[0]).unwrap();
+        let e = GgufWeights::open(&renamed, false).err().unwrap();
+        assert!(
+            matches!(&e, CandleError::SplitMismatch { reason, .. } if reason.contains("-00001-of-00003.gguf")),
+            "{e}"
+        );
+
+        // Split keys that are not counts, or a first part without its number.
+        let text = [1u64.to_le_bytes().to_vec(), b"3".to_vec()].concat();
+        std::fs::write(&renamed, part(&[("split.count", 8, text)], "a", 0.0)).unwrap();
+        assert!(matches!(GgufWeights::open(&renamed, false), Err(CandleError::Malformed { .. })));
+        let mut no_number = split_kv(0, 3, 3);
+        no_number.remove(0);
+        let (e, _) = open(&[part(&no_number, "a", 0.0), good[1].clone(), good[2].clone()]);
+        assert!(e.to_string().contains("no `split.no`"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
