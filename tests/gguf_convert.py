@@ -365,13 +365,20 @@ def _minimal_vocab(w, cfg):
             add(v)
 
 
-def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None):
+def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split_max_tensors=0,
+            small_first_shard=False):
     """Writes `dest`, the GGUF file llama.cpp's converter makes of the checkpoint directory `src`
     with `--outtype` `outtype` (`"f32"` or `"q8_0"`); returns `dest`.
 
     `config` overrides keys of the checkpoint's config.json (the same weights, another model);
     `experts="mxfp4"` stores the 3-D expert tensors in MXFP4 where their rows are whole blocks,
-    as gpt-oss's converter keeps the checkpoint's MXFP4 experts."""
+    as gpt-oss's converter keeps the checkpoint's MXFP4 experts.
+
+    `split_max_tensors` > 0 writes a split file instead, as the converter's `--split-max-tensors`
+    does (the `gguf` package's split writer, whose parts llama.cpp's gguf-split also writes):
+    `{stem}-00001-of-0000N.gguf` and so on beside `dest`, at most that many tensors in each, the
+    metadata in the first; `small_first_shard` (`--no-tensor-first-split`) leaves the first with
+    none. `dest` itself is then not written; the parts are returned, in order."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -389,7 +396,7 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None):
     qtype = {F32: gguf.GGMLQuantizationType.F32, Q8_0: gguf.GGMLQuantizationType.Q8_0}[outtype]
     ftype = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
 
-    w = gguf.GGUFWriter(str(dest), arch)
+    w = gguf.GGUFWriter(str(dest), arch, split_max_tensors=split_max_tensors, small_first_shard=small_first_shard)
     for hf_name, t in _tensors(cfg, model_type, weights, n_layers, arch):
         if hf_name.startswith("="):
             new_name = hf_name[1:]
@@ -425,4 +432,6 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:
+        return w.format_shard_names(dest)
     return dest
