@@ -76,6 +76,22 @@ def test_a_split_file_gives_the_whole_files_logits(root, whole, outtype, parts, 
     assert split_text == whole_text
 
 
+@pytest.mark.parametrize("case,outtype,experts", [("qwen3_moe", gguf_convert.Q8_0, None),
+                                                   ("gpt_oss", gguf_convert.Q8_0, "mxfp4")])
+def test_split_mixtures_give_the_whole_files_logits(tmp_path, case, outtype, experts):
+    """Experts read one at a time from their part (`expert_matmul`), Q8_0's and MXFP4's (a type
+    candle lacks, read into its own tiles or re-encoded as Q8_0)."""
+    src = TINY / case
+    one = gguf_convert.convert(src, tmp_path / "whole.gguf", outtype, experts=experts)
+    n = len(gguf.GGUFReader(str(one)).tensors)
+    parts = gguf_convert.convert(src, tmp_path / "split.gguf", outtype, experts=experts, split_max_tensors=-(-n // 3))
+    assert len(parts) == 3
+    exps = [t.tensor_type.name for f in parts[1:] for t in gguf.GGUFReader(str(f)).tensors if "_exps" in t.name]
+    assert exps and (experts is None or "MXFP4" in exps), exps
+    np.testing.assert_array_equal(logits(parts[0]), logits(one))
+    np.testing.assert_array_equal(logits(parts[0], dtype="f32"), logits(one, dtype="f32"))
+
+
 @pytest.fixture
 def broken(root, whole, tmp_path):
     """A fresh copy of the three-part float32 split, to break."""
@@ -152,3 +168,16 @@ def test_a_renamed_first_part_cannot_find_the_others(broken, tmp_path):
     renamed = broken[0].rename(tmp_path / "tiny.gguf")
     with pytest.raises(cw.ArtifactError, match=r"does not end in `-00001-of-00003\.gguf`"):
         cw.ModelRuntime.load(renamed, device="cpu")
+
+
+def test_a_non_finite_weight_names_its_part(broken):
+    # A NaN in the last part's first tensor: the check that runs as tensors are read names the
+    # file it came from.
+    t = gguf.GGUFReader(str(broken[2])).tensors[0]
+    data = bytearray(broken[2].read_bytes())
+    data[t.data_offset:t.data_offset + 4] = np.array([np.nan], dtype=np.float32).tobytes()
+    broken[2].write_bytes(bytes(data))
+    with pytest.raises(cw.ArtifactError, match="check_tensors=False") as e:
+        cw.ModelRuntime.load(broken[0], device="cpu")
+    assert f"malformed GGUF file {broken[2]}" in str(e.value) and t.name in str(e.value)
+    cw.ModelRuntime.load(broken[0], device="cpu", check_tensors=False)
