@@ -488,7 +488,7 @@ def test_engine_takes_a_hub_name(hub):
         text = engine.submit(PROMPT, max_tokens=3, temperature=0.0).wait().text
     assert text and downloaded(hub) == {"tiny-Q8_0.gguf"}
     rt = cw.ModelRuntime.load(cwhub.resolve_model(f"{GGUF}:Q8_0"), device="cpu")
-    with pytest.raises(cw.InvalidOptionError, match="filename="):
+    with pytest.raises(cw.InvalidOptionError, match="filename"):
         cw.Engine(rt, filename="*Q8_0.gguf")
 
 
