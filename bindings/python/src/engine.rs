@@ -7,11 +7,13 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
+use super::convert::Given;
 use super::errors::{catch_panic, model_err, CandlewickError, InternalError};
-use super::generation::{logprobs_to_py, to_result, Given, SamplingArgs};
 use super::gil::lock_released;
 use super::intervention::{edits_of, PyIntervention};
+use super::result::{logprobs_to_py, to_result};
 use super::runtime::PyModelRuntime;
+use super::sampling::SamplingArgs;
 use candlewick::engine::{Engine, EngineError, EngineEvent, EngineOptions, RequestHandle};
 
 pyo3::create_exception!(
