@@ -10,6 +10,7 @@ use pyo3::types::PyAny;
 use super::convert::{count_option, py_repr};
 use super::errors::{backend_err, catch_panic, model_err};
 use super::runtime::PyModelRuntime;
+use candlewick::backend::device::parse_device;
 use candlewick::backend::session::SessionSnapshot;
 use candlewick::core::{BackendProvider, BackendSession, SnapshotSession};
 
@@ -249,8 +250,13 @@ impl PySessionSnapshot {
     ///     >>> rt.session.restore(SessionSnapshot.load("s.cwsnap"))
     #[staticmethod]
     fn load(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
-        let snap =
-            py.detach(|| catch_panic(|| SessionSnapshot::load(&path, &candle_core::Device::Cpu).map_err(backend_err)))?;
+        let snap = py.detach(|| {
+            catch_panic(|| {
+                // A snapshot file is read into host memory.
+                let cpu = parse_device("cpu").map_err(backend_err)?;
+                SessionSnapshot::load(&path, &cpu).map_err(backend_err)
+            })
+        })?;
         Ok(Self { inner: Arc::new(snap) })
     }
 
