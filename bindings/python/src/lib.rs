@@ -6,10 +6,11 @@
 //! The files form layers, listed bottom up; a file imports (`use super::…`) only files listed
 //! before it, so the import graph between binding files has no circle:
 //!
-//! 1. `errors`: the exception classes and the mapping of the runtime's errors onto them.
+//! 1. `errors`: the exception classes and the mapping of the runtime's errors onto them
+//!    (`engine_err` included).
 //! 2. `gil`: locks waited for with the GIL released.
 //! 3. `hub`: Hub names handed to the Python package's `candlewick.hub`.
-//! 4. `convert` (imports `errors`): the conversions every file shares (token ids, counts,
+//! 4. `convert` (`errors`): the conversions every file shares (token ids, counts,
 //!    numbers, prompts, JSON, `Given`, `py_repr`).
 //! 5. `build_info` (`errors`): `build_info()`, `supported_architectures()`.
 //! 6. `observation` (`errors`, `convert`): `ObservationRequest`, `ObservationSet`.
@@ -133,7 +134,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::PySessionSnapshot>()?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyEngineRequest>()?;
-    m.add("QueueFullError", m.py().get_type::<engine::QueueFullError>())?;
+    // Registered here, not in `errors::register`, to keep the module's `__all__` order.
+    m.add("QueueFullError", m.py().get_type::<errors::QueueFullError>())?;
     m.add_function(wrap_pyfunction!(intervention::save_control_vector, m)?)?;
     m.add_function(wrap_pyfunction!(sampling::generation_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(build_info::build_info, m)?)?;
