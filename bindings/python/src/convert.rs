@@ -2,7 +2,7 @@
 //! numbers, prompts, JSON), and strings into Python's reprs. Nothing here decides anything: an
 //! argument of the wrong kind or out of range is an error that names it.
 //!
-//! Below every binding file but `errors` (lib.rs lists the order).
+//! It imports `errors` only, and every file above it may import it (lib.rs lists the order).
 
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyBool, PyInt};
