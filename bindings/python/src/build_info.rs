@@ -3,6 +3,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::errors::invalid_option;
 use candlewick::backend::config::Architecture;
 use candlewick::backend::device;
 use candlewick::backend::kernels::{self, int8_gemm};
@@ -64,10 +65,7 @@ pub fn supported_architectures(py: Python<'_>, format: Option<&str>) -> PyResult
         None | Some("hf") => false,
         Some("gguf") => true,
         Some(other) => {
-            return Err(crate::errors::invalid_option(
-                py,
-                format!("format must be \"hf\", \"gguf\" or None, not {other:?}"),
-            ))
+            return Err(invalid_option(py, format!("format must be \"hf\", \"gguf\" or None, not {other:?}")))
         }
     };
     Ok(Architecture::ALL

@@ -7,28 +7,14 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
-use super::errors::{catch_panic, model_err, CandlewickError, InternalError};
-use super::generation::{logprobs_to_py, to_result, Given, SamplingArgs};
+use super::convert::Given;
+use super::errors::{catch_panic, engine_err, InternalError};
 use super::gil::lock_released;
 use super::intervention::{edits_of, PyIntervention};
+use super::result::{logprobs_to_py, to_result};
 use super::runtime::PyModelRuntime;
+use super::sampling::SamplingArgs;
 use candlewick::engine::{Engine, EngineError, EngineEvent, EngineOptions, RequestHandle};
-
-pyo3::create_exception!(
-    candlewick,
-    QueueFullError,
-    CandlewickError,
-    "The engine's queue is full: the request was refused; retry later."
-);
-
-/// The Python exception for an engine error.
-pub fn engine_err(e: EngineError) -> PyErr {
-    match e {
-        EngineError::QueueFull { .. } => QueueFullError::new_err(e.to_string()),
-        EngineError::Closed => CandlewickError::new_err(e.to_string()),
-        EngineError::Model(e) => model_err(e),
-    }
-}
 
 const _: () = assert!(candlewick::engine::DEFAULT_PREFILL_CHUNK == 128, "update Engine's text_signature");
 const _: () = assert!(candlewick::engine::DEFAULT_PREFIX_CACHE_BYTES == 268_435_456, "update Engine's text_signature");

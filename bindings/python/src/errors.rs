@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 
 use candlewick::backend::CandleError;
 use candlewick::core::{InterventionError, ModelLoadError, ObservationError, RuntimeError};
+use candlewick::engine::EngineError;
 use candlewick::generation::GenerationError;
 use candlewick::model::ModelError;
 
@@ -93,6 +94,12 @@ pyo3::create_exception!(
     InternalError,
     CandlewickError,
     "A failure inside candlewick or candle (a bug: please report it)."
+);
+pyo3::create_exception!(
+    candlewick,
+    QueueFullError,
+    CandlewickError,
+    "The engine's queue is full: the request was refused; retry later."
 );
 
 /// `InvalidOptionError(CandlewickError, ValueError)`: a bad option value is both a candlewick
@@ -243,6 +250,15 @@ pub fn load_err(e: ModelLoadError<CandleError>) -> PyErr {
         }
         ModelLoadError::Backend { source, .. } => backend_err(source),
         ModelLoadError::Runtime(e) => runtime_err(e),
+    }
+}
+
+/// The Python exception for an engine error.
+pub fn engine_err(e: EngineError) -> PyErr {
+    match e {
+        EngineError::QueueFull { .. } => QueueFullError::new_err(e.to_string()),
+        EngineError::Closed => CandlewickError::new_err(e.to_string()),
+        EngineError::Model(e) => model_err(e),
     }
 }
 

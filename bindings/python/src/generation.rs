@@ -1,359 +1,401 @@
-//! Text generation for Python: `generate`, `stream` and `chat`, with the GIL released and Ctrl-C honoured.
+//! Text generation for Python: `ModelRuntime.generate`, `stream`, `chat` and `generate_batch`,
+//! and `GenerationStream`, with the GIL released and Ctrl-C honoured.
 
 use std::sync::Mutex;
 
 use pyo3::exceptions::PyStopIteration;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyAny, PyDict};
 
-use super::errors::{catch_panic, generation_err, invalid_option, model_err, GenerationOptionError, InternalError};
+use super::convert::{prompt_of, Given};
+use super::errors::{
+    catch_panic, generation_err, invalid_option, model_err, text_err, GenerationOptionError, InternalError,
+};
 use super::gil::lock_released;
+use super::result::{logprobs_to_py, to_result, PyGenerationResult};
 use super::runtime::PyModelRuntime;
-use candlewick::generation::{ConstraintSpec, GenerateOptions, Generation, GenerationResult, TokenLogprobs};
-
-/// An `InvalidOptionError` (a `ValueError` too) naming the argument.
-fn value_err(arg: &str, why: &str) -> PyErr {
-    Python::attach(|py| invalid_option(py, format!("{arg}: {why}")))
-}
-
-fn type_err(arg: &str, want: &str, v: &Bound<'_, PyAny>) -> PyErr {
-    let got = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-    pyo3::exceptions::PyTypeError::new_err(format!("{arg} must be {want}, not {got}"))
-}
-
-fn count(arg: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let n: i64 = v.extract().map_err(|_| int_err(arg, v))?;
-    usize::try_from(n).map_err(|_| value_err(arg, &format!("must be >= 0, got {n}")))
-}
-
-/// The error for a value that is not an int of 64 bits: out of range if it is an int at all.
-fn int_err(arg: &str, v: &Bound<'_, PyAny>) -> PyErr {
-    if v.is_instance_of::<pyo3::types::PyInt>() {
-        value_err(arg, &format!("{v} is out of range"))
-    } else {
-        type_err(arg, "an int", v)
-    }
-}
-
-fn number(arg: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
-    v.extract::<f64>().map(|x| x as f32).map_err(|_| type_err(arg, "a number", v))
-}
-
-/// A keyword argument as given, told apart from one left out: `max_tokens=None` means "until
-/// the context is full", while leaving it out means the model's default.
-pub enum Given<'py> {
-    /// Not passed.
-    Omitted,
-    /// Passed (possibly `None`).
-    Value(Bound<'py, PyAny>),
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        Ok(Given::Value(obj.to_owned()))
-    }
-}
-
-/// The sampling keywords `generate`, `stream`, `chat`, `generate_batch` and `Engine.submit`
-/// share, as Python passed them; `None` (or left out) keeps the model's default.
-pub struct SamplingArgs<'py> {
-    /// The most tokens; `None`: until the context is full.
-    pub max_tokens: Given<'py>,
-    /// Softmax temperature; 0 is greedy.
-    pub temperature: Option<Bound<'py, PyAny>>,
-    /// Keep the k most likely tokens (0: all).
-    pub top_k: Option<Bound<'py, PyAny>>,
-    /// Nucleus sampling mass.
-    pub top_p: Option<Bound<'py, PyAny>>,
-    /// Drop tokens below this fraction of the most likely one's probability.
-    pub min_p: Option<Bound<'py, PyAny>>,
-    /// llama.cpp's repeat penalty.
-    pub repetition_penalty: Option<Bound<'py, PyAny>>,
-    /// OpenAI's presence penalty.
-    pub presence_penalty: Option<Bound<'py, PyAny>>,
-    /// OpenAI's frequency penalty.
-    pub frequency_penalty: Option<Bound<'py, PyAny>>,
-    /// `{token_id: bias}` added to the logits.
-    pub logit_bias: Option<Bound<'py, PyAny>>,
-    /// A string or strings that end generation.
-    pub stop: Option<Bound<'py, PyAny>>,
-    /// A seed; `None` or -1: random.
-    pub seed: Option<Bound<'py, PyAny>>,
-    /// Keep going past end-of-sequence tokens.
-    pub ignore_eos: bool,
-    /// `N`: each token's log-probability and the N most likely alternatives.
-    pub logprobs: Option<Bound<'py, PyAny>>,
-    /// Leave control tokens out of the generated text.
-    pub skip_special_tokens: bool,
-    /// OpenAI's `response_format` dict.
-    pub response_format: Option<Bound<'py, PyAny>>,
-    /// A Lark grammar.
-    pub grammar: Option<String>,
-    /// A regular expression.
-    pub regex: Option<String>,
-    /// Strings, one of which is the output.
-    pub choice: Option<Vec<String>>,
-    /// Draft tokens per step from prompt lookup (n-gram speculation); `None` or 0: off.
-    pub prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
-    /// Tokens the draft model proposes per step; `None`: the default; 0: off.
-    pub num_draft_tokens: Option<Bound<'py, PyAny>>,
-}
-
-impl SamplingArgs<'_> {
-    /// The options these arguments ask for, over the model's `defaults`; a value of the wrong
-    /// kind or range names its argument.
-    pub fn options(&self, defaults: &GenerateOptions) -> PyResult<GenerateOptions> {
-        let mut o = defaults.clone();
-        match &self.max_tokens {
-            Given::Omitted => {}
-            // As in llama-cpp-python: until the context is full.
-            Given::Value(v) if v.is_none() => o.max_tokens = usize::MAX,
-            Given::Value(v) => o.max_tokens = count("max_tokens", v)?,
-        }
-        let s = &mut o.sampling;
-        let set = |slot: &mut f32, name: &str, v: &Option<Bound<'_, PyAny>>| -> PyResult<()> {
-            if let Some(v) = v.as_ref().filter(|v| !v.is_none()) {
-                *slot = number(name, v)?;
-            }
-            Ok(())
-        };
-        set(&mut s.temperature, "temperature", &self.temperature)?;
-        set(&mut s.top_p, "top_p", &self.top_p)?;
-        set(&mut s.min_p, "min_p", &self.min_p)?;
-        set(&mut s.repetition_penalty, "repetition_penalty", &self.repetition_penalty)?;
-        set(&mut s.presence_penalty, "presence_penalty", &self.presence_penalty)?;
-        set(&mut s.frequency_penalty, "frequency_penalty", &self.frequency_penalty)?;
-        if let Some(v) = self.top_k.as_ref().filter(|v| !v.is_none()) {
-            s.top_k = count("top_k", v)?;
-        }
-        if let Some(v) = self.seed.as_ref().filter(|v| !v.is_none()) {
-            let n: i64 = v.extract().map_err(|_| int_err("seed", v))?;
-            s.seed = match n {
-                -1 => None,
-                n if n >= 0 => Some(n as u64),
-                n => return Err(value_err("seed", &format!("must be >= 0 or -1 (random), got {n}"))),
-            };
-        }
-        if let Some(v) = self.logit_bias.as_ref().filter(|v| !v.is_none()) {
-            let d = v.cast::<PyDict>().map_err(|_| type_err("logit_bias", "a dict {token_id: bias}", v))?;
-            s.logit_bias = Vec::new();
-            for (id, bias) in d.iter() {
-                let id: i64 = id.extract().map_err(|_| int_err("logit_bias key", &id))?;
-                let id = u32::try_from(id).map_err(|_| value_err("logit_bias", &format!("{id} is not a token id")))?;
-                s.logit_bias.push((id, number("logit_bias value", &bias)?));
-            }
-        }
-        if let Some(v) = self.stop.as_ref().filter(|v| !v.is_none()) {
-            o.stop = if let Ok(one) = v.extract::<String>() {
-                vec![one]
-            } else {
-                v.extract::<Vec<String>>().map_err(|_| type_err("stop", "a string or a list of strings", v))?
-            };
-        }
-        o.ignore_eos = o.ignore_eos || self.ignore_eos;
-        if let Some(v) = self.logprobs.as_ref().filter(|v| !v.is_none()) {
-            o.logprobs = if let Ok(b) = v.cast::<pyo3::types::PyBool>() {
-                b.is_true().then_some(0)
-            } else {
-                Some(count("logprobs", v)?)
-            };
-        }
-        o.skip_special_tokens = self.skip_special_tokens;
-        o.constraint = self.constraint()?;
-        if let Some(v) = self.prompt_lookup_num_tokens.as_ref().filter(|v| !v.is_none()) {
-            o.prompt_lookup = count("prompt_lookup_num_tokens", v)?;
-        }
-        if let Some(v) = self.num_draft_tokens.as_ref().filter(|v| !v.is_none()) {
-            o.draft_tokens = Some(count("num_draft_tokens", v)?);
-        }
-        o.sampling.validate().map_err(GenerationOptionError::new_err)?;
-        Ok(o)
-    }
-}
-
-impl SamplingArgs<'_> {
-    /// The one output constraint these arguments ask for, if any.
-    fn constraint(&self) -> PyResult<Option<ConstraintSpec>> {
-        let format = match &self.response_format {
-            Some(v) if !v.is_none() => response_format(v)?,
-            _ => None,
-        };
-        let given: Vec<(&str, ConstraintSpec)> = [
-            ("response_format", format),
-            ("grammar", self.grammar.clone().map(ConstraintSpec::Lark)),
-            ("regex", self.regex.clone().map(ConstraintSpec::Regex)),
-            ("choice", self.choice.clone().map(ConstraintSpec::Choice)),
-        ]
-        .into_iter()
-        .filter_map(|(name, spec)| spec.map(|s| (name, s)))
-        .collect();
-        match given.len() {
-            0 => Ok(None),
-            1 => Ok(given.into_iter().next().map(|(_, s)| s)),
-            _ => {
-                let names: Vec<&str> = given.iter().map(|(n, _)| *n).collect();
-                Err(GenerationOptionError::new_err(format!(
-                    "give one output constraint at most, not {}",
-                    names.join(" and ")
-                )))
-            }
-        }
-    }
-}
-
-/// OpenAI's `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}` (llama.cpp's
-/// server also takes a `schema` there), `{"type": "json_schema", "json_schema": {"name", "schema",
-/// "strict"}}`.
-pub fn response_format(v: &Bound<'_, PyAny>) -> PyResult<Option<ConstraintSpec>> {
-    let text: String = v.py().import("json")?.call_method1("dumps", (v,))?.extract()?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| value_err("response_format", &e.to_string()))?;
-    let bad = |why: &str| Err(GenerationOptionError::new_err(format!("response_format: {why}")));
-    let Some(kind) = value.get("type").and_then(|t| t.as_str()) else {
-        return bad("a dict with a \"type\" (\"text\", \"json_object\" or \"json_schema\")");
-    };
-    match kind {
-        "text" => Ok(None),
-        "json_object" => Ok(Some(match value.get("schema") {
-            Some(schema) if !schema.is_null() => ConstraintSpec::JsonSchema(schema.clone()),
-            _ => ConstraintSpec::JsonObject,
-        })),
-        "json_schema" => match value.get("json_schema").and_then(|j| j.get("schema")) {
-            Some(schema) if schema.is_object() || schema.is_boolean() => {
-                Ok(Some(ConstraintSpec::JsonSchema(schema.clone())))
-            }
-            _ => bad("\"json_schema\" needs {\"name\", \"schema\"} with the schema an object"),
-        },
-        other => bad(&format!("unknown type {other:?} (\"text\", \"json_object\" or \"json_schema\")")),
-    }
-}
-
-/// The generation defaults every API uses where a caller passes none (llama-cpp-python's), as
-/// a dict; the CLI shows these.
-///
-/// Returns:
-///     dict: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
-///     ``repetition_penalty``, ``presence_penalty`` and ``frequency_penalty``.
-///
-/// Example:
-///     >>> candlewick._native.generation_defaults()["max_tokens"]
-///     256
-#[pyfunction]
-pub fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let o = GenerateOptions::default();
-    let d = PyDict::new(py);
-    d.set_item("max_tokens", o.max_tokens)?;
-    d.set_item("temperature", o.sampling.temperature)?;
-    d.set_item("top_k", o.sampling.top_k)?;
-    d.set_item("top_p", o.sampling.top_p)?;
-    d.set_item("min_p", o.sampling.min_p)?;
-    d.set_item("repetition_penalty", o.sampling.repetition_penalty)?;
-    d.set_item("presence_penalty", o.sampling.presence_penalty)?;
-    d.set_item("frequency_penalty", o.sampling.frequency_penalty)?;
-    Ok(d)
-}
-
-/// Python's `repr` of a string, so reprs read as Python, not Rust.
-pub fn py_repr(py: Python<'_>, s: &str) -> String {
-    pyo3::types::PyString::new(py, s).repr().map(|r| r.to_string()).unwrap_or_else(|_| format!("{s:?}"))
-}
-
-/// A finished generation: text, ids, why it ended and what it cost.
-#[pyclass(name = "GenerationResult", module = "candlewick._native", frozen, get_all)]
-pub struct PyGenerationResult {
-    /// The generated text (cut before any stop string).
-    text: String,
-    /// The generated token ids.
-    token_ids: Vec<u32>,
-    /// `stop`, `length`, `eos`, `tool_calls` (with tools), or `cancelled` for a stream closed early.
-    finish_reason: &'static str,
-    /// Token counts and timings.
-    usage: Py<PyDict>,
-    /// With `logprobs=N`: per generated token a dict `{"token", "logprob", "top_logprobs": [(id, logprob)]}`.
-    logprobs: Option<Vec<Py<PyDict>>>,
-    /// With `chat(..., tools=...)`: the calls the model made, as OpenAI's `tool_calls`
-    /// entries; None otherwise (and `text` holds the text outside them).
-    tool_calls: Option<Vec<Py<PyDict>>>,
-}
+use super::sampling::SamplingArgs;
+use super::text::{conversation, template_value, tool_calls_to_py, tool_choice_of, tools_of};
+use candlewick::generation::{GenerateOptions, Generation};
+use candlewick::text::ToolChoice;
 
 #[pymethods]
-impl PyGenerationResult {
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!(
-            "GenerationResult(finish_reason={}, tokens={}, text={})",
-            py_repr(py, self.finish_reason),
-            self.token_ids.len(),
-            py_repr(py, &self.text)
-        )
-    }
-}
-
-/// Per-token log-probabilities as Python dicts: `{"token", "logprob", "top_logprobs": [(id, logprob)]}`.
-pub fn logprobs_to_py(py: Python<'_>, steps: Vec<TokenLogprobs>) -> PyResult<Vec<Py<PyDict>>> {
-    steps
-        .into_iter()
-        .map(|t| {
-            let e = PyDict::new(py);
-            e.set_item("token", t.token)?;
-            e.set_item("logprob", t.logprob)?;
-            e.set_item("top_logprobs", t.top)?;
-            Ok(e.unbind())
-        })
-        .collect()
-}
-
-/// Converts a Rust result into its Python form.
-pub fn to_result(py: Python<'_>, r: GenerationResult) -> PyResult<PyGenerationResult> {
-    let u = r.usage;
-    let d = PyDict::new(py);
-    d.set_item("prompt_tokens", u.prompt_tokens)?;
-    d.set_item("cached_tokens", u.cached_tokens)?;
-    d.set_item("completion_tokens", u.completion_tokens)?;
-    d.set_item("total_tokens", u.prompt_tokens + u.completion_tokens)?;
-    d.set_item("time_to_first_token", u.time_to_first_token)?;
-    d.set_item("prefill_seconds", u.prefill_seconds)?;
-    d.set_item("decode_seconds", u.decode_seconds)?;
-    d.set_item("prefill_tokens_per_second", u.prefill_tokens_per_second())?;
-    d.set_item("decode_tokens_per_second", u.decode_tokens_per_second())?;
-    if u.constraint_compile_seconds > 0.0 || u.constraint_seconds_p50 > 0.0 {
-        d.set_item("constraint_compile_seconds", u.constraint_compile_seconds)?;
-        d.set_item("constraint_seconds_p50", u.constraint_seconds_p50)?;
-        d.set_item("constraint_seconds_p99", u.constraint_seconds_p99)?;
-        d.set_item("constraint_masks", u.constraint_masks)?;
-    }
-    if u.draft_tokens > 0 {
-        d.set_item("draft_tokens", u.draft_tokens)?;
-        d.set_item("accepted_draft_tokens", u.accepted_draft_tokens)?;
-    }
-    let logprobs = r.logprobs.map(|steps| logprobs_to_py(py, steps)).transpose()?;
-    Ok(PyGenerationResult {
-        text: r.text,
-        token_ids: r.token_ids,
-        finish_reason: r.finish_reason.as_str(),
-        usage: d.unbind(),
-        logprobs,
-        tool_calls: None,
-    })
-}
-
-impl PyGenerationResult {
-    /// This result with the model's tool calls split out of its text (when it made any).
-    pub fn with_tool_calls(mut self, text: String, calls: Vec<Py<PyDict>>) -> Self {
-        if !calls.is_empty() {
-            self.text = text;
-            self.finish_reason = "tool_calls";
-            self.tool_calls = Some(calls);
-        } else {
-            self.tool_calls = Some(Vec::new());
+impl PyModelRuntime {
+    #[doc = concat!("generate($self, prompt, *, stream=False, ", sampling_signature!(), ")\n--\n")]
+    /// Generates text from a prompt; a new prompt that shares a prefix with what the session
+    /// holds prefills only the rest. Ctrl-C stops it within one step.
+    ///
+    /// Args:
+    ///     prompt (str | Sequence[int]): text (encoded with the model's special tokens) or ids.
+    ///     stream (bool): return a ``GenerationStream`` of text pieces instead of the result.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     GenerationResult: ``text``, ``token_ids``, ``finish_reason``, ``usage`` and
+    ///     ``logprobs`` (or a ``GenerationStream`` with ``stream=True``).
+    ///
+    /// Example:
+    ///     >>> r = rt.generate("The capital of France is", max_tokens=16, temperature=0.7, seed=1)
+    ///     >>> r.finish_reason, r.usage["completion_tokens"]
+    ///     ('length', 16)
+    #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
+        top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate<'py>(
+        slf: &Bound<'py, Self>,
+        prompt: &Bound<'py, PyAny>,
+        stream: bool,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
+        prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+            skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
+            prompt_lookup_num_tokens,
+            num_draft_tokens,
+        };
+        let py = slf.py();
+        let opts = args.options(slf.get().lock(py)?.defaults())?;
+        let ids = slf.get().prompt_ids(py, prompt)?;
+        if stream {
+            return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
         }
-        self
+        Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any())
     }
 
-    /// The generated token ids.
-    pub fn ids(&self) -> &[u32] {
-        &self.token_ids
+    #[doc = concat!("stream($self, prompt, *, ", sampling_signature!(), ")\n--\n")]
+    /// Generates from a prompt, yielding text pieces as they become final.
+    ///
+    /// Args:
+    ///     prompt (str | Sequence[int]): text (encoded with the model's special tokens) or ids.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     GenerationStream: an iterator of ``str`` pieces; ``.logprobs`` holds the last piece's
+    ///     log-probabilities, ``.result`` the whole generation once it ends or is closed.
+    ///
+    /// Example:
+    ///     >>> for piece in rt.stream("def fibonacci(n):", max_tokens=64, stop=["\n\n"]):
+    ///     ...     print(piece, end="", flush=True)
+    #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
+        top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn stream<'py>(
+        slf: &Bound<'py, Self>,
+        prompt: &Bound<'py, PyAny>,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
+        prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<PyGenerationStream> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+            skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
+            prompt_lookup_num_tokens,
+            num_draft_tokens,
+        };
+        let py = slf.py();
+        let opts = args.options(slf.get().lock(py)?.defaults())?;
+        let ids = slf.get().prompt_ids(py, prompt)?;
+        PyGenerationStream::start(py, slf, ids, opts)
+    }
+
+    #[doc = concat!(
+        "chat($self, messages, *, stream=False, chat_template=None, tools=None, tool_choice=None, ",
+        "parallel_tool_calls=True, tool_call_format=None, ",
+        sampling_signature!(),
+        ")\n--\n"
+    )]
+    /// Answers a conversation through the model's chat template (base models such as the
+    /// default Gemma 3 270M ship none: pass ``chat_template``, or use an instruction-tuned model).
+    ///
+    /// Args:
+    ///     messages (Sequence[dict]): ``{"role", "content"}`` dicts; a content may be a string
+    ///         or a list of ``{"type": "text", "text": ...}`` parts, as OpenAI clients send it.
+    ///     stream (bool): return a ``GenerationStream`` of text pieces instead of the result.
+    ///     chat_template (str | None): a Jinja template to use instead of the model's.
+    ///     tools (list[dict] | None): OpenAI tool objects, rendered by the template; the answer's
+    ///         calls come back parsed in ``result.tool_calls`` (``finish_reason`` ``"tool_calls"``).
+    ///     tool_choice (str | dict | None): ``"auto"`` (the default), ``"none"``, ``"required"`` or
+    ///         ``{"type": "function", "function": {"name": ...}}``; the last two constrain the output
+    ///         to a call whose arguments validate against the function's parameter schema.
+    ///     parallel_tool_calls (bool): allow several calls in one answer.
+    ///     tool_call_format (str | None): ``"hermes"``, ``"mistral"`` or ``"llama3"``; None detects
+    ///         it from the chat template. ``tool_choice``, ``tool_call_format`` and
+    ///         ``parallel_tool_calls=False`` without ``tools`` raise ``InvalidOptionError``.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     GenerationResult: the assistant's answer (or a ``GenerationStream`` with ``stream=True``,
+    ///     whose ``result.tool_calls`` holds the calls once it ends).
+    ///
+    /// Example:
+    ///     >>> rt.chat([{"role": "user", "content": "Hi!"}], max_tokens=32).text
+    #[pyo3(text_signature = None, signature = (messages, *, stream=false, chat_template=None, tools=None,
+        tool_choice=None, parallel_tool_calls=true, tool_call_format=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+        presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
+        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn chat<'py>(
+        slf: &Bound<'py, Self>,
+        messages: &Bound<'py, PyAny>,
+        stream: bool,
+        chat_template: Option<&str>,
+        tools: Option<Bound<'py, PyAny>>,
+        tool_choice: Option<Bound<'py, PyAny>>,
+        parallel_tool_calls: bool,
+        tool_call_format: Option<&str>,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
+        prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+            skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
+            prompt_lookup_num_tokens,
+            num_draft_tokens,
+        };
+        let py = slf.py();
+        let mut opts = args.options(slf.get().lock(py)?.defaults())?;
+        let tools = tools.filter(|t| !t.is_none());
+        let Some(tools) = tools else {
+            // Without tools these would change nothing: refused, naming them, rather than ignored.
+            let stray: Vec<&str> = [
+                ("tool_choice", tool_choice.is_some()),
+                ("tool_call_format", tool_call_format.is_some()),
+                ("parallel_tool_calls", !parallel_tool_calls),
+            ]
+            .into_iter()
+            .filter_map(|(name, given)| given.then_some(name))
+            .collect();
+            if !stray.is_empty() {
+                return Err(invalid_option(py, format!("{}: only with tools, and none were given", stray.join(", "))));
+            }
+            let ids = slf.get().chat_ids(py, messages, chat_template)?;
+            if stream {
+                return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
+            }
+            return Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any());
+        };
+        let tool_values = tools_of(&tools)?;
+        let choice = tool_choice_of(tool_choice.as_ref())?;
+        let rt = slf.get();
+        let (format, ids) = {
+            let messages = conversation("messages", messages)?;
+            let tools_value = template_value("tools", &tools)?;
+            py.detach(|| {
+                catch_panic(|| {
+                    let model = rt.lock_detached()?;
+                    let tokenizer = model.tokenizer().map_err(model_err)?;
+                    let format = tokenizer.tool_call_format(tool_call_format, chat_template).map_err(text_err)?;
+                    let grammar = tokenizer
+                        .tool_call_grammar(format, &tool_values, &choice, parallel_tool_calls)
+                        .map_err(text_err)?;
+                    if let Some(g) = grammar {
+                        if opts.constraint.is_some() {
+                            return Err(GenerationOptionError::new_err(
+                                "tool_choice \"required\" or a named function constrains the output already: give no other constraint",
+                            ));
+                        }
+                        opts.constraint = Some(candlewick::generation::ConstraintSpec::Lark(g));
+                    }
+                    let ids = model.chat_ids_with(&messages, chat_template, Some(("tools", tools_value))).map_err(model_err)?;
+                    Ok((format, ids))
+                })
+            })?
+        };
+        if stream {
+            let s = PyGenerationStream::start(py, slf, ids, opts)?;
+            let s = if choice == ToolChoice::None { s } else { s.with_tool_calls(format) };
+            return Ok(Bound::new(py, s)?.into_any());
+        }
+        let result = run_to_end(py, rt, ids, opts)?;
+        if choice == ToolChoice::None {
+            return Ok(Bound::new(py, result)?.into_any());
+        }
+        let (text, calls) = {
+            let model = rt.lock(py)?;
+            model.tokenizer().map_err(model_err)?.parse_tool_calls(format, result.ids()).map_err(text_err)?
+        };
+        let calls = tool_calls_to_py(py, &calls)?;
+        Ok(Bound::new(py, result.with_tool_calls(text, calls))?.into_any())
+    }
+
+    #[doc = concat!("generate_batch($self, prompts, *, ", sampling_signature!(), ")\n--\n")]
+    /// Generates from every prompt at once, the unfinished ones decoding together in one
+    /// batched step. Each gets what ``generate`` would give it alone; the session is left as it
+    /// was.
+    ///
+    /// Args:
+    ///     prompts (Sequence[str | Sequence[int]]): texts or token lists.
+    #[doc = sampling_args_doc!()]
+    ///
+    /// Returns:
+    ///     list[GenerationResult]: one per prompt.
+    ///
+    /// Example:
+    ///     >>> [r.text for r in rt.generate_batch(["Hello", "Bonjour"], max_tokens=4, temperature=0)]
+    #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
+        top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate_batch<'py>(
+        &self,
+        py: Python<'py>,
+        prompts: Vec<Bound<'py, PyAny>>,
+        max_tokens: Given<'py>,
+        temperature: Option<Bound<'py, PyAny>>,
+        top_k: Option<Bound<'py, PyAny>>,
+        top_p: Option<Bound<'py, PyAny>>,
+        min_p: Option<Bound<'py, PyAny>>,
+        repetition_penalty: Option<Bound<'py, PyAny>>,
+        presence_penalty: Option<Bound<'py, PyAny>>,
+        frequency_penalty: Option<Bound<'py, PyAny>>,
+        logit_bias: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+        seed: Option<Bound<'py, PyAny>>,
+        ignore_eos: bool,
+        logprobs: Option<Bound<'py, PyAny>>,
+        skip_special_tokens: bool,
+        response_format: Option<Bound<'py, PyAny>>,
+        grammar: Option<String>,
+        regex: Option<String>,
+        choice: Option<Vec<String>>,
+        prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
+        num_draft_tokens: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<PyGenerationResult>> {
+        let args = SamplingArgs {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            stop,
+            seed,
+            ignore_eos,
+            logprobs,
+            skip_special_tokens,
+            response_format,
+            grammar,
+            regex,
+            choice,
+            prompt_lookup_num_tokens,
+            num_draft_tokens,
+        };
+        let opts = args.options(self.lock(py)?.defaults())?;
+        let prompts = prompts.iter().map(|p| prompt_of("prompts[i]", p)).collect::<PyResult<Vec<_>>>()?;
+        let results =
+            py.detach(|| catch_panic(|| self.lock_detached()?.generate_batch(&prompts, opts).map_err(model_err)))?;
+        results.into_iter().map(|r| to_result(py, r)).collect()
     }
 }
 
@@ -455,13 +497,9 @@ impl PyGenerationStream {
             if let Some(format) = self.tool_format {
                 let (text, calls) = {
                     let model = self.runtime.get().lock(py)?;
-                    model
-                        .tokenizer()
-                        .map_err(model_err)?
-                        .parse_tool_calls(format, result.ids())
-                        .map_err(super::errors::text_err)?
+                    model.tokenizer().map_err(model_err)?.parse_tool_calls(format, result.ids()).map_err(text_err)?
                 };
-                result = result.with_tool_calls(text, super::text::tool_calls_to_py(py, &calls)?);
+                result = result.with_tool_calls(text, tool_calls_to_py(py, &calls)?);
             }
             *self.result.lock().map_err(poisoned)? = Some(Py::new(py, result)?);
         }
@@ -517,7 +555,7 @@ impl PyGenerationStream {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let mut state = lock_released(py, &self.state).map_err(poisoned)?;
         if let Some(generation) = state.as_mut() {
-            generation.cancel().map_err(super::errors::text_err)?;
+            generation.cancel().map_err(text_err)?;
         }
         self.finish(py, &mut state)
     }

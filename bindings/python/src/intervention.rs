@@ -2,8 +2,8 @@
 
 use pyo3::prelude::*;
 
-use super::errors::invalid_option;
-use super::generation::py_repr;
+use super::convert::py_repr;
+use super::errors::{invalid_option, ArtifactError};
 
 use candlewick::core::{EditOp, Intervention};
 
@@ -204,5 +204,5 @@ pub fn save_control_vector(
     model_hint: &str,
 ) -> PyResult<()> {
     candlewick::model::control_vector::save(&path, &directions, model_hint)
-        .map_err(|e| super::errors::ArtifactError::new_err(e.to_string()))
+        .map_err(|e| ArtifactError::new_err(e.to_string()))
 }

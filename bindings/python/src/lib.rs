@@ -1,4 +1,41 @@
-//! The PyO3 layer: a thin binding of the core, one file per domain.
+//! The PyO3 layer: a thin binding of the runtime, one file per domain, that converts arguments
+//! and results and calls the model layer (`candlewick::model`, `candlewick::engine`).
+//!
+//! # Which file may import which
+//!
+//! The files form layers, listed bottom up; a file imports (`use super::…`) only files listed
+//! before it, so the import graph between binding files has no circle:
+//!
+//! 1. `errors`: the exception classes and the mapping of the runtime's errors onto them
+//!    (`engine_err` included).
+//! 2. `gil`: locks waited for with the GIL released.
+//! 3. `hub`: Hub names handed to the Python package's `candlewick.hub`.
+//! 4. `convert` (`errors`): the conversions every file shares (token ids, counts,
+//!    numbers, prompts, JSON, `Given`, `py_repr`).
+//! 5. `build_info` (`errors`): `build_info()`, `supported_architectures()`.
+//! 6. `observation` (`errors`, `convert`): `ObservationRequest`, `ObservationSet`.
+//! 7. `intervention` (`errors`, `convert`): `Intervention`, `save_control_vector()`.
+//! 8. `text` (`errors`, `convert`): `Tokenizer`, chat data and tool calls.
+//! 9. `sampling` (`errors`, `convert`): the sampling keywords, `generation_defaults()`.
+//! 10. `result` (`convert`): `GenerationResult`, log-probabilities.
+//! 11. `runtime` (`errors`, `gil`, `hub`, `convert`, `intervention`, `text`): the `ModelRuntime`
+//!     class and its lock; `load`, `close`, `model_info`, `tokenizer`, `prefill`, `decode`;
+//!     `StepOutput`, `Submission`.
+//! 12. `session` (`errors`, `convert`, `runtime`): `backend`, `session`, `capabilities`, `fork`;
+//!     `Backend`, `Session`, `SessionCapabilities`, `SessionSnapshot`.
+//! 13. `inspection` (`errors`, `convert`, `observation`, `intervention`, `runtime`):
+//!     `inspect_prefill`, `inspect_decode`, `trace`, `trace_batch`, `observe_output`, `unembed`;
+//!     `InspectedOutput`.
+//! 14. `steering` (`errors`, `convert`, `intervention`, `runtime`): `interventions`, `intervene`,
+//!     `load_control_vector`; `InterventionScope`.
+//! 15. `generation` (`errors`, `gil`, `convert`, `text`, `sampling`, `result`, `runtime`):
+//!     `generate`, `stream`, `chat`, `generate_batch`; `GenerationStream`.
+//! 16. `engine` (`errors`, `gil`, `convert`, `intervention`, `sampling`, `result`, `runtime`):
+//!     `Engine`, `EngineRequest`.
+//!
+//! `ModelRuntime` is defined in `runtime` and its methods are spread over 11-15, one
+//! `#[pymethods]` block per domain (pyo3's `multiple-pymethods` feature), so that a domain's
+//! methods sit beside its classes and import the class, never the other way round.
 
 /// The sampling keywords of `generate`, `stream`, `chat`, `generate_batch` and `Engine.submit`
 /// as their text signatures show them; `None` keeps the model's default (`generation_defaults()`).
@@ -58,14 +95,20 @@ macro_rules! sampling_args_doc {
 }
 
 mod build_info;
+mod convert;
 mod engine;
 mod errors;
 mod generation;
 mod gil;
 mod hub;
+mod inspection;
 mod intervention;
 mod observation;
+mod result;
 mod runtime;
+mod sampling;
+mod session;
+mod steering;
 mod text;
 
 use pyo3::prelude::*;
@@ -75,25 +118,26 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<runtime::PyModelRuntime>()?;
-    m.add_class::<runtime::PyBackend>()?;
-    m.add_class::<runtime::PySession>()?;
-    m.add_class::<runtime::PySessionCapabilities>()?;
+    m.add_class::<session::PyBackend>()?;
+    m.add_class::<session::PySession>()?;
+    m.add_class::<session::PySessionCapabilities>()?;
     m.add_class::<runtime::PyStepOutput>()?;
     m.add_class::<runtime::PySubmission>()?;
-    m.add_class::<runtime::PyInspectedOutput>()?;
+    m.add_class::<inspection::PyInspectedOutput>()?;
     m.add_class::<observation::PyObservationRequest>()?;
     m.add_class::<observation::PyObservationSet>()?;
     m.add_class::<text::PyTokenizer>()?;
-    m.add_class::<generation::PyGenerationResult>()?;
+    m.add_class::<result::PyGenerationResult>()?;
     m.add_class::<generation::PyGenerationStream>()?;
     m.add_class::<intervention::PyIntervention>()?;
-    m.add_class::<runtime::PyInterventionScope>()?;
-    m.add_class::<runtime::PySessionSnapshot>()?;
+    m.add_class::<steering::PyInterventionScope>()?;
+    m.add_class::<session::PySessionSnapshot>()?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyEngineRequest>()?;
-    m.add("QueueFullError", m.py().get_type::<engine::QueueFullError>())?;
+    // Registered here, not in `errors::register`, to keep the module's `__all__` order.
+    m.add("QueueFullError", m.py().get_type::<errors::QueueFullError>())?;
     m.add_function(wrap_pyfunction!(intervention::save_control_vector, m)?)?;
-    m.add_function(wrap_pyfunction!(generation::generation_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(sampling::generation_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(build_info::build_info, m)?)?;
     m.add_function(wrap_pyfunction!(build_info::supported_architectures, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

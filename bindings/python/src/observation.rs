@@ -3,10 +3,9 @@
 use numpy::ndarray::{ArrayD, IxDyn};
 use numpy::PyArray;
 use pyo3::prelude::*;
-
-use super::generation::py_repr;
 use pyo3::types::{PyDict, PyList};
 
+use super::convert::py_repr;
 use super::errors::{observation_err, InternalError};
 use candlewick::core::{self, ObservationSelector, ObservationValue};
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
+use super::convert::json_of;
 use super::errors::{invalid_option, text_err};
 use candlewick::text::{ChatRenderOptions, ChatTemplate, TemplateValue, TextError, Tokenizer, ToolCall, ToolChoice};
 
@@ -85,12 +86,6 @@ pub fn conversation(what: &str, messages: &Bound<'_, PyAny>) -> PyResult<Templat
         )));
     }
     template_value(what, messages)
-}
-
-/// A Python value (dicts, lists, strings, numbers) as JSON, through Python's own `json`.
-pub fn json_of(what: &str, v: &Bound<'_, PyAny>) -> PyResult<serde_json::Value> {
-    let text: String = v.py().import("json")?.call_method1("dumps", (v,))?.extract()?;
-    serde_json::from_str(&text).map_err(|e| invalid_option(v.py(), format!("{what}: {e}")))
 }
 
 /// OpenAI's `tool_choice`: `"auto"`, `"none"`, `"required"` or `{"type": "function",
@@ -366,7 +361,7 @@ impl PyTokenizer {
             if batched { conversation.try_iter()?.collect::<PyResult<_>>()? } else { vec![conversation.clone()] };
         let mut out = Vec::with_capacity(conversations.len());
         for c in &conversations {
-            let messages = super::text::conversation("conversation", c)?;
+            let messages = self::conversation("conversation", c)?;
             // Rendering runs code from the model file, bounded by fuel but possibly for a second:
             // other Python threads keep running meanwhile.
             let text = py

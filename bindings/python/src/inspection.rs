@@ -1,0 +1,236 @@
+//! Inspection for Python: the `ModelRuntime` methods that return observation points with a step
+//! (`inspect_prefill`, `inspect_decode`), on a fresh context (`trace`, `trace_batch`) or from an
+//! output (`observe_output`), the logit lens (`unembed`), and `InspectedOutput`.
+
+use numpy::ndarray::{ArrayD, IxDyn};
+use numpy::{PyArray, PyReadonlyArray2};
+use pyo3::prelude::*;
+use pyo3::types::PyAny;
+
+use super::convert::extract_ids;
+use super::errors::{backend_err, catch_panic, runtime_err, InternalError, SessionError};
+use super::intervention::{edits_of, PyIntervention};
+use super::observation::{to_python, PyObservationRequest, PyObservationSet};
+use super::runtime::{PyModelRuntime, PyStepOutput};
+use candlewick::backend::StepOutput;
+use candlewick::core::{DecodeInput, InspectedOutput, ObservationRequest, PrefillInput};
+
+impl PyModelRuntime {
+    /// An inspected step's output and observations, as Python objects.
+    fn inspected(&self, py: Python<'_>, r: InspectedOutput<StepOutput>) -> PyResult<PyInspectedOutput> {
+        let output = Py::new(py, PyStepOutput { inner: r.output, runtime_id: self.id })?;
+        let observations = Py::new(py, to_python(py, r.observations)?)?;
+        Ok(PyInspectedOutput { output, observations })
+    }
+}
+
+/// The request a caller passed, or every point (as the docstrings say) where it passed none.
+fn request_of(request: Option<PyRef<'_, PyObservationRequest>>) -> ObservationRequest {
+    request.map(|r| r.inner.clone()).unwrap_or_else(ObservationRequest::all)
+}
+
+#[pymethods]
+impl PyModelRuntime {
+    /// Brings an output of this runtime to the host as an observation set.
+    ///
+    /// Args:
+    ///     output (StepOutput): an output of this runtime.
+    ///
+    /// Returns:
+    ///     ObservationSet: ``{"model.logits": array}``.
+    ///
+    /// Example:
+    ///     >>> rt.observe_output(rt.decode([9079]).wait())["model.logits"].shape
+    ///     (1, 262144)
+    fn observe_output(&self, py: Python<'_>, output: &Bound<'_, PyStepOutput>) -> PyResult<PyObservationSet> {
+        let output = output.get();
+        if output.runtime_id != self.id {
+            return Err(SessionError::new_err("this output was produced by another runtime"));
+        }
+        let set = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.runtime().observe_output(&output.inner).map_err(runtime_err))
+        })?;
+        to_python(py, set)
+    }
+
+    /// A prefill that also returns the requested observation points.
+    ///
+    /// Args:
+    ///     tokens (Sequence[int]): token ids to append.
+    ///     request (ObservationRequest | None): which points; None: all of them.
+    ///     all_logits (bool): return every position's logits.
+    ///     interventions (Sequence[Intervention] | None): edits for this step only.
+    ///
+    /// Returns:
+    ///     InspectedOutput: ``.output`` and ``.observations`` (path -> numpy array).
+    ///
+    /// Example:
+    ///     >>> r = rt.inspect_prefill([2, 651], candlewick.ObservationRequest.select(["model.layers.1"]))
+    ///     >>> r.observations["model.layers.1.output"].shape
+    ///     (2, 640)
+    #[pyo3(signature = (tokens, request=None, all_logits=false, interventions=None))]
+    fn inspect_prefill(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        request: Option<PyRef<'_, PyObservationRequest>>,
+        all_logits: bool,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+    ) -> PyResult<PyInspectedOutput> {
+        let input = PrefillInput::new(extract_ids("tokens", tokens)?)
+            .all_logits(all_logits)
+            .with_interventions(edits_of(interventions));
+        let req = request_of(request);
+        let r = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.runtime_mut().inspect_prefill(input, &req).map_err(runtime_err))
+        })?;
+        self.inspected(py, r)
+    }
+
+    /// A decode that also returns the requested observation points.
+    ///
+    /// Args:
+    ///     tokens (Sequence[int]): token ids to append.
+    ///     request (ObservationRequest | None): which points; None: all of them.
+    ///     interventions (Sequence[Intervention] | None): edits for this step only.
+    ///
+    /// Returns:
+    ///     InspectedOutput: ``.output`` and ``.observations``.
+    ///
+    /// Example:
+    ///     >>> rt.inspect_decode([9079]).observations["model.norm"].shape
+    ///     (1, 640)
+    #[pyo3(signature = (tokens, request=None, interventions=None))]
+    fn inspect_decode(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        request: Option<PyRef<'_, PyObservationRequest>>,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+    ) -> PyResult<PyInspectedOutput> {
+        let input = DecodeInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
+        let req = request_of(request);
+        let r = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.runtime_mut().inspect_decode(input, &req).map_err(runtime_err))
+        })?;
+        self.inspected(py, r)
+    }
+
+    /// Runs ``tokens`` on a fresh context with the kept interventions plus ``interventions``,
+    /// leaving the session as it was.
+    ///
+    /// Args:
+    ///     tokens (Sequence[int]): the whole input.
+    ///     request (ObservationRequest | None): which points; None: all of them.
+    ///     interventions (Sequence[Intervention] | None): edits for this run only.
+    ///
+    /// Returns:
+    ///     InspectedOutput: every row's logits and the requested points.
+    ///
+    /// Example:
+    ///     >>> r = rt.trace([2, 651, 6037], interventions=[iv.scale("model.layers.3.attention.heads", [2], 0.0)])
+    ///     >>> rt.unembed(r.observations["model.layers.5.output"]).shape
+    ///     (3, 262144)
+    #[pyo3(signature = (tokens, request=None, interventions=None))]
+    fn trace(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        request: Option<PyRef<'_, PyObservationRequest>>,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+    ) -> PyResult<PyInspectedOutput> {
+        let input = PrefillInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
+        let req = request_of(request);
+        let r =
+            py.detach(|| catch_panic(|| self.lock_detached()?.runtime().trace(input, &req).map_err(runtime_err)))?;
+        self.inspected(py, r)
+    }
+
+    /// Runs each token list on a fresh context of its own, as ``trace`` does; the session is
+    /// left as it was.
+    ///
+    /// Args:
+    ///     prompts (Sequence[Sequence[int]]): one token list per run.
+    ///     request (ObservationRequest | None): which points; None: all of them.
+    ///     interventions (Sequence[Intervention] | None): edits for every run.
+    ///
+    /// Returns:
+    ///     list[InspectedOutput]: one per token list.
+    ///
+    /// Example:
+    ///     >>> [r.output.num_tokens for r in rt.trace_batch([[2, 651], [2, 651, 6037]])]
+    ///     [2, 3]
+    #[pyo3(signature = (prompts, request=None, interventions=None))]
+    fn trace_batch(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Bound<'_, PyAny>>,
+        request: Option<PyRef<'_, PyObservationRequest>>,
+        interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+    ) -> PyResult<Vec<PyInspectedOutput>> {
+        let edits = edits_of(interventions);
+        let inputs = prompts
+            .iter()
+            .map(|p| Ok(PrefillInput::new(extract_ids("prompts[i]", p)?).with_interventions(edits.clone())))
+            .collect::<PyResult<Vec<_>>>()?;
+        let req = request_of(request);
+        let outs = py.detach(|| {
+            catch_panic(|| {
+                let model = self.lock_detached()?;
+                inputs
+                    .into_iter()
+                    .map(|i| model.runtime().trace(i, &req).map_err(runtime_err))
+                    .collect::<PyResult<Vec<_>>>()
+            })
+        })?;
+        outs.into_iter().map(|r| self.inspected(py, r)).collect()
+    }
+
+    /// The logit lens: the final norm, the output projection and any soft-capping applied to
+    /// hidden states, on the model's own (quantized) weights.
+    ///
+    /// Args:
+    ///     x (numpy.ndarray): float32 ``[T, hidden]``, e.g. a residual-stream observation.
+    ///
+    /// Returns:
+    ///     numpy.ndarray: float32 logits ``[T, vocab]``.
+    ///
+    /// Example:
+    ///     >>> rt.unembed(r.observations["model.layers.5.output"]).argmax(-1)
+    fn unembed<'py>(
+        &self,
+        py: Python<'py>,
+        x: PyReadonlyArray2<'py, f32>,
+    ) -> PyResult<Bound<'py, PyArray<f32, IxDyn>>> {
+        let array = x.as_array();
+        let shape = array.shape().to_vec();
+        let data = array.iter().copied().collect::<Vec<f32>>();
+        let (shape, data) = py.detach(|| {
+            catch_panic(|| self.lock_detached()?.runtime().session().unembed(&shape, data).map_err(backend_err))
+        })?;
+        let arr = ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(|e| InternalError::new_err(e.to_string()))?;
+        Ok(PyArray::from_owned_array(py, arr))
+    }
+}
+
+/// A step's output with the observation points that were asked for.
+#[pyclass(name = "InspectedOutput", module = "candlewick._native", frozen)]
+pub struct PyInspectedOutput {
+    output: Py<PyStepOutput>,
+    observations: Py<PyObservationSet>,
+}
+
+#[pymethods]
+impl PyInspectedOutput {
+    /// The ordinary output.
+    #[getter]
+    fn output(&self, py: Python<'_>) -> Py<PyStepOutput> {
+        self.output.clone_ref(py)
+    }
+
+    /// The requested observation points.
+    #[getter]
+    fn observations(&self, py: Python<'_>) -> Py<PyObservationSet> {
+        self.observations.clone_ref(py)
+    }
+}
