@@ -148,9 +148,7 @@ class Engine:
                     "name; this runtime is loaded already (pass them to ModelRuntime.load)")
             self.runtime = model
         else:
-            from .hub import resolve_model
-
-            self.runtime = ModelRuntime.load(resolve_model(model, filename, revision), **load_options)
+            self.runtime = ModelRuntime.load(model, filename=filename, revision=revision, **load_options)
         self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes, prefill_chunk,
                                       prefix_cache_bytes)
 

@@ -6,18 +6,15 @@ use std::path::{Path, PathBuf};
 
 use pyo3::prelude::*;
 
-/// The local path `model` stands for: itself when it exists and nothing names a Hub file or
-/// revision, else what `candlewick.hub.resolve_model` makes of it (a path that is not a Hub name
-/// comes back unchanged, so the loader's own "not found" still answers it).
+/// The local path `model` stands for, as `candlewick.hub.resolve_model` decides it (a local path
+/// comes back unchanged, as does one that is not a Hub name, so the loader's own "not found"
+/// still answers it).
 pub(crate) fn resolve_model(
     py: Python<'_>,
     model: &Path,
     filename: Option<&str>,
     revision: Option<&str>,
 ) -> PyResult<PathBuf> {
-    if model.exists() && filename.is_none() && revision.is_none() {
-        return Ok(model.to_path_buf());
-    }
     let resolved = py.import("candlewick.hub")?.getattr("resolve_model")?.call1((model, filename, revision))?;
     resolved.extract()
 }

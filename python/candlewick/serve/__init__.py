@@ -106,7 +106,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     local = resolve_model(model, filename, revision)
     log(f"loading {local}")
     runtime = ModelRuntime.load(local, device=device, threads=threads,
-                                draft_model=resolve_model(draft_model) if draft_model else None,
+                                draft_model=draft_model,
                                 kv_cache_type=kv_cache_type)
     server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),

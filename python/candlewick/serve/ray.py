@@ -54,7 +54,7 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
 
         local = resolve_model(model, filename, revision)
         runtime = ModelRuntime.load(local, device=device, threads=threads,
-                                    draft_model=resolve_model(draft_model) if draft_model else None,
+                                    draft_model=draft_model,
                                     kv_cache_type=kv_cache_type)
         server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                         max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),

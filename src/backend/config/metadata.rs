@@ -8,7 +8,7 @@ use candle_core::quantized::gguf_file::Value;
 use crate::backend::error::{CandleError, Result};
 
 /// Any integer value, widened so that no width or sign is lost.
-fn integer(v: &Value) -> Option<i128> {
+pub(crate) fn integer(v: &Value) -> Option<i128> {
     Some(match v {
         Value::U8(x) => (*x).into(),
         Value::I8(x) => (*x).into(),

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::extra_types::ExtraType;
 use super::{convert, finite, WeightSource};
-use crate::backend::config::metadata::Metadata;
+use crate::backend::config::metadata::{integer, Metadata};
 use crate::backend::error::{without_backtrace, CandleContext, CandleError, Result};
 use crate::backend::kernels::{self, interleaved::Interleaved, Weight};
 use crate::backend::weights::embedding::Embedding;
@@ -525,17 +525,7 @@ impl SplitKeys {
     fn read(path: &Path, md: &HashMap<String, Value>) -> Result<Self> {
         let key = |key: &str| -> Result<Option<u64>> {
             let Some(v) = md.get(key) else { return Ok(None) };
-            let n = match *v {
-                Value::U8(x) => Some(x.into()),
-                Value::U16(x) => Some(x.into()),
-                Value::U32(x) => Some(x.into()),
-                Value::U64(x) => Some(x),
-                Value::I8(x) => u64::try_from(x).ok(),
-                Value::I16(x) => u64::try_from(x).ok(),
-                Value::I32(x) => u64::try_from(x).ok(),
-                Value::I64(x) => u64::try_from(x).ok(),
-                _ => None,
-            };
+            let n = integer(v).and_then(|x| u64::try_from(x).ok());
             n.map(Some).ok_or_else(|| CandleError::Malformed {
                 what: "GGUF file",
                 path: path.display().to_string(),
