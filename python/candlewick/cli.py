@@ -149,10 +149,24 @@ def prompt_of(args: argparse.Namespace) -> str:
     return text
 
 
+def check_images(args: argparse.Namespace) -> None:
+    """Reads each --image before the model loads, so a bad one is a usage error at once."""
+    from .images import ImageError, load_image
+
+    for i, path in enumerate(args.image or []):
+        try:
+            load_image(path, index=i)
+        except ImageError as e:
+            print(f"candlewick: error: --image {path}: {e.reason}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = prompt_of(args)
+    check_images(args)
     rt = load(args)
-    stream = rt.stream(prompt, **sampling(args))
+    extra = {"images": args.image} if args.image else {}
+    stream = rt.stream(prompt, **sampling(args), **extra)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -165,12 +179,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    check_images(args)
     rt = load(args)
     template = Path(args.chat_template).read_text() if args.chat_template else None
     if template is None and rt.tokenizer.chat_template is None:
         print("this model ships no chat template; pass --chat-template FILE (a Jinja template)", file=sys.stderr)
         return 2
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
+    images = list(args.image or [])
     if args.system:
         messages.append({"role": "system", "content": args.system})
     try:
@@ -191,7 +207,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
+        if images:  # the first message carries the images, as content parts the template places
+            messages.append({"role": "user", "content": [{"type": "image", "path": p} for p in images]
+                             + [{"type": "text", "text": line}]})
+            images = []
+        else:
+            messages.append({"role": "user", "content": line})
         try:
             stream = rt.chat(messages, stream=True, chat_template=template, **sampling(args))
             for piece in stream:
@@ -351,6 +372,8 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", parents=[common, sample], help="continue a prompt", formatter_class=fmt)
+    g.add_argument("--image", action="append", metavar="PATH", default=None,
+                   help="an image for a vision-language model (repeatable, in the prompt's order)")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt (or -p; - or a pipe reads standard input)")
     g.add_argument("--prompt", "-p", dest="prompt_flag", metavar="TEXT", default=None,
                    help="the prompt; - reads standard input")
@@ -358,6 +381,8 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", parents=[common, sample], help="interactive chat through the chat template",
                        formatter_class=fmt)
     c.add_argument("--system", default=None)
+    c.add_argument("--image", action="append", metavar="PATH", default=None,
+                   help="an image given with the first message (repeatable)")
     c.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
     c.set_defaults(func=cmd_chat)
     i = sub.add_parser("info", parents=[common], help="architecture, size, quantization, context, tokenizer",
@@ -403,6 +428,12 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a smaller model (a path or Hub name) with the same tokenizer that drafts tokens for a "
                         "request running alone (speculative decoding; output unchanged)")
+    v.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs in chat requests (default: data: URLs only)")
+    v.add_argument("--image-url-max-mb", type=positive, default=20, metavar="MiB",
+                   help="the largest image fetched with --allow-image-urls")
+    v.add_argument("--image-url-timeout", type=non_negative_seconds, default=10.0, metavar="SECONDS",
+                   help="how long one image fetch may take with --allow-image-urls")
     v.add_argument("--ray", action="store_true", help="serve from replicas under Ray Serve (pip install 'candlewick[ray]')")
     v.add_argument("--replicas", type=int, default=2, help="replicas under --ray")
     v.add_argument("--ray-address", default=None, help="an existing Ray cluster to join (default: start a local one)")
@@ -498,7 +529,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           device=args.device, chat_template=template, threads=args.threads,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace,
           kv_cache_type=args.kv_cache_type, filename=args.filename, revision=args.revision,
-          **engine_options(args))
+          allow_image_urls=args.allow_image_urls, image_url_max_bytes=args.image_url_max_mb << 20,
+          image_url_timeout=args.image_url_timeout or None, **engine_options(args))
     return 0
 
 

@@ -85,7 +85,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
           request_timeout: Optional[float] = 600.0, shutdown_grace: float = 30.0,
           prefill_chunk: Optional[int] = 128, prefix_cache_bytes: int = 256 << 20,
           draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
-          filename: Optional[str] = None, revision: Optional[str] = None) -> None:
+          filename: Optional[str] = None, revision: Optional[str] = None,
+          allow_image_urls: bool = False, image_url_max_bytes: int = 20 << 20,
+          image_url_timeout: float = 10.0) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
 
     `model` is a local path or a Hub name (``org/name[:TAG]``, with `filename` and `revision` as
@@ -94,10 +96,14 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
 
     Each request is cancelled after `request_timeout` seconds (0 or None: never). On SIGTERM
     the server stops accepting connections, lets the requests in flight finish for up to
-    `shutdown_grace` seconds, cancels the rest and returns."""
+    `shutdown_grace` seconds, cancels the rest and returns.
+
+    Chat image parts are taken as data: URLs; http(s) image URLs are fetched only with
+    `allow_image_urls`, each up to `image_url_max_bytes` and `image_url_timeout` seconds."""
     import uvicorn
 
     from .. import ModelRuntime
+    from .images import ImagePolicy
     from ..hub import resolve_model
 
     def log(line: str) -> None:
@@ -111,7 +117,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                     chat_template=chat_template, log=log, request_timeout=request_timeout,
-                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
+                    image_policy=ImagePolicy(allow_image_urls, image_url_max_bytes, image_url_timeout))
     log(f"serving {server.model_name} on http://{host}:{port}/v1")
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False,
                             limit_concurrency=connection_limit(max_batch_size, max_queue))

@@ -41,6 +41,8 @@ from .. import (
     TokenOutOfRangeError,
 )
 from .. import interventions as iv
+from ..images import ImageError
+from .images import ImagePolicy, request_images
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -72,6 +74,8 @@ def api_error_of(e: Exception) -> ApiError:
         # `openai` client read it (retry, after the delay the header gives).
         return ApiError(503, f"the server is at capacity ({e}); retry later", "server_error", code="queue_full",
                         headers={"Retry-After": "1"})
+    if isinstance(e, ImageError):  # a bad, missing or unfetchable image: the client's to fix
+        return ApiError(400, str(e), param="messages", code="invalid_image")
     if isinstance(e, ContextFullError):
         return ApiError(400, str(e), param="max_tokens", code="context_length_exceeded")
     if isinstance(e, (GenerationOptionError, InvalidInterventionError, TokenOutOfRangeError, ObservationError,
@@ -189,7 +193,7 @@ class Server:
                  max_batch_size: int = 8, max_queue: int = 64,
                  control_vectors: Optional[dict[str, list]] = None, chat_template: Optional[str] = None, log=None,
                  request_timeout: Optional[float] = 600.0, prefill_chunk: Optional[int] = 128,
-                 prefix_cache_bytes: int = 256 << 20):
+                 prefix_cache_bytes: int = 256 << 20, image_policy: Optional[ImagePolicy] = None):
         if request_timeout is not None and request_timeout < 0:
             raise ValueError("request_timeout must be positive, or 0 or None for none")
         self.request_timeout = request_timeout or None
@@ -207,6 +211,8 @@ class Server:
         # a request answered (or abandoned) leaves it by itself.
         self.inflight: weakref.WeakSet = weakref.WeakSet()
         self.shutting_down = False
+        # Chat image parts: data: URLs always, http(s) URLs only as the policy allows.
+        self.image_policy = image_policy or ImagePolicy()
 
     def cancel_all(self) -> None:
         """Cancels every request in flight, at the end of a shutdown's grace period: each is
@@ -416,7 +422,7 @@ class Server:
 
     # -- generation ------------------------------------------------------------------------
 
-    def submit_all(self, prompt: Any, chat: bool, kw: dict, edits: list, n: int) -> list:
+    def submit_all(self, prompt: Any, chat: bool, kw: dict, edits: list, n: int, images: Optional[list] = None) -> list:
         """Submits the `n` choices of one request; if one is refused (a full queue), those
         already queued are cancelled, so a refused request holds no slot."""
         reqs = []
@@ -427,6 +433,8 @@ class Server:
                     k["seed"] = k["seed"] + i
                 if chat:
                     k["chat_template"] = self.chat_template
+                if images:
+                    k["images"] = images
                 reqs.append(self.engine.submit(prompt, interventions=edits, **k))
                 self.inflight.add(reqs[-1])
         except BaseException:
@@ -544,6 +552,12 @@ def build_app(server: Server) -> Starlette:
             prompt = body.get("messages")
             if not isinstance(prompt, list) or not prompt:
                 raise ApiError(400, "messages must be a non-empty list", param="messages")
+            # Image parts become the template's {"type": "image"}; the images go to the engine.
+            prompt, images = await request_images(prompt, server.image_policy)
+            for field_ in ("tools", "observe"):
+                if images and body.get(field_) is not None:
+                    raise ApiError(400, f"{field_} cannot be given with images yet", param=field_,
+                                   code="unsupported_field")
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -561,7 +575,7 @@ def build_app(server: Server) -> Starlette:
         if tools is not None:
             # The prompt is rendered here, with the tools; the engine gets its ids.
             prompt, chat = tools.prompt, False
-        reqs = server.submit_all(prompt, chat, kw, edits, n)
+        reqs = server.submit_all(prompt, chat, kw, edits, n, images=images if chat else None)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
