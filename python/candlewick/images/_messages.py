@@ -33,7 +33,8 @@ def messages_with_images(messages: list) -> tuple:
     model's image placeholder there), and its source (a URL string, path, bytes, PIL image or
     array, not yet loaded) joins the returned list, in order. Returns ``(messages, images)``;
     the messages given are not changed, and messages without images come back equal."""
-    out, images = [], []
+    out: list = []
+    images: list = []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):

@@ -87,7 +87,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
           draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
           filename: Optional[str] = None, revision: Optional[str] = None,
           allow_image_urls: bool = False, image_url_max_bytes: int = 20 << 20,
-          image_url_timeout: float = 10.0) -> None:
+          image_url_timeout: Optional[float] = 10.0) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
 
     `model` is a local path or a Hub name (``org/name[:TAG]``, with `filename` and `revision` as

@@ -11,7 +11,7 @@ import asyncio
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from ..images import ImageError, load_image, messages_with_images
 
@@ -23,7 +23,7 @@ class ImagePolicy:
 
     allow_urls: bool = False
     max_bytes: int = 20 << 20
-    timeout: float = 10.0
+    timeout: Optional[float] = 10.0  # None: no limit
 
 
 def fetch(url: str, index: int, policy: ImagePolicy) -> bytes:
