@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cases as fuzz_cases  # noqa: E402
+from image_cases import image_cases  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 FAILING = ("untyped", "internal", "abort", "hang", "corrupt", "silent", "setup-failed")
@@ -103,6 +104,8 @@ def generate(seed, long_mode, n_random, scratch):
     yield from fuzz_cases.nonfinite_cases(rng, scratch, archs, n_random)
     yield from fuzz_cases.api_cases(rng, scratch, n_random)
     yield from fuzz_cases.thread_cases(rng, scratch, n_random)
+    # Issue 39: image bytes (PNG, JPEG, GIF) through candlewick.images.
+    yield from image_cases(rng, scratch, n_random)
 
 
 def run(seed=0, long_mode=False, n_random=None, timeout=None, verbose=False, out=sys.stdout):

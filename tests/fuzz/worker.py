@@ -182,6 +182,19 @@ def run_threads(cw, req):
     return {"result": "accepted"}
 
 
+def run_image(cw, req):
+    """Reads a (mutated) image file with `load_image`, then runs a small Gemma 3 processor over
+    it: an ImageError is typed, any other exception untyped."""
+    from candlewick.images import load_image, processor_for
+
+    try:
+        img = load_image(req["path"])
+        processor_for("gemma3", {"size": {"height": 16, "width": 16}}, {}).preprocess([img])
+    except BaseException as e:  # noqa: BLE001 - anything but ImageError is a finding
+        return {"result": classify_exception(cw, e), "error": f"{type(e).__name__}: {e}"[:400]}
+    return {"result": "accepted"}
+
+
 def main():
     import candlewick as cw
 
@@ -196,6 +209,8 @@ def main():
             res = run_call(cw, req)
         elif req["kind"] == "threads":
             res = run_threads(cw, req)
+        elif req["kind"] == "image":
+            res = run_image(cw, req)
         else:
             res = {"result": "untyped", "error": f"unknown request kind {req['kind']}"}
         print(json.dumps(res), flush=True)
