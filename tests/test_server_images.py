@@ -104,10 +104,13 @@ def served(runtime):
 class Images(http.server.BaseHTTPRequestHandler):
     """A loopback image host: /ok.png, /big.png (a large file), /slow.png (answers late)."""
 
+    # Encoded once, before any request: encoding it per request could itself pass the timeout.
+    big = png(400, 300) * 8  # 8 PNGs back to back: well over the 4 KiB cap below
+
     def do_GET(self):
         if self.path == "/slow.png":
             time.sleep(1.5)
-        data = png(4000, 3000) if self.path == "/big.png" else png(8, 6)
+        data = self.big if self.path == "/big.png" else png(8, 6)
         if self.path == "/missing.png":
             self.send_response(404)
             self.end_headers()
