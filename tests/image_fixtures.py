@@ -96,6 +96,10 @@ CASES = {
     "llava_crop_pads": ("llava", {"size": {"shortest_edge": 16}, "crop_size": {"height": 20, "width": 28}},
                         {"patch_size": 4, "vision_feature_select_strategy": "full", "num_additional_image_tokens": 1},
                         {}, ["rgb_wide", "rgb_tall", "grey"], True),
+    "llava_pad_to_square": ("llava", {"image_processor_type": "LlavaImageProcessor", "do_pad": True,
+                                      "size": {"shortest_edge": 20}, "crop_size": {"height": 20, "width": 20}},
+                            {"patch_size": 5, "vision_feature_select_strategy": "default",
+                             "num_additional_image_tokens": 1}, {}, ["rgb_wide", "rgb_tall", "rgba", "tiny_2x3"], True),
     "idefics3_small": ("idefics3", {"size": {"longest_edge": 64}, "max_image_size": {"longest_edge": 16}},
                        {"image_seq_len": 4}, {}, SMALL, True),
     "idefics3_no_split": ("idefics3", {"size": {"longest_edge": 48}, "max_image_size": {"longest_edge": 16},
@@ -161,7 +165,8 @@ def _processor(model_type, ip_cfg, proc_cfg):
         ip = tf.Gemma3ImageProcessor(**ip_cfg)
         return ip, tf.Gemma3Processor(image_processor=ip, tokenizer=tok, **proc_cfg)
     if model_type == "llava":
-        ip = tf.CLIPImageProcessor(**ip_cfg)
+        kind = ip_cfg.pop("image_processor_type", "CLIPImageProcessor")
+        ip = getattr(tf, kind)(**ip_cfg)
         return ip, tf.LlavaProcessor(image_processor=ip, tokenizer=tok, **proc_cfg)
     if model_type in ("idefics3", "smolvlm"):
         ip = (tf.Idefics3ImageProcessor if model_type == "idefics3" else tf.SmolVLMImageProcessor)(**ip_cfg)
@@ -190,7 +195,7 @@ def generate() -> None:
     images = draw_images()
     index = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": {}}
     for name, (model_type, ip_cfg, proc_cfg, model_cfg, names, full) in CASES.items():
-        ip, proc = _processor(model_type, ip_cfg, proc_cfg)
+        ip, proc = _processor(model_type, dict(ip_cfg), proc_cfg)
         imgs = [reference_input(images[n]) for n in names]
         kw = {"return_row_col_info": True} if model_type in ("idefics3", "smolvlm") else {}
         out = ip(imgs, return_tensors="pt", **kw)

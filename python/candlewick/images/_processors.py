@@ -246,7 +246,9 @@ class Gemma3ImageProcessor(ImageProcessor):
 class ClipImageProcessor(ImageProcessor):
     """LLaVA-1.5 (CLIPImageProcessor): the shortest edge resized to ``size.shortest_edge``
     (bicubic), a centre crop of ``crop_size``, CLIP's mean and std; ``<image>`` repeated once
-    per patch (+ ``num_additional_image_tokens``, - 1 for the "default" feature strategy)."""
+    per patch (+ ``num_additional_image_tokens``, - 1 for the "default" feature strategy).
+    With ``image_processor_type: LlavaImageProcessor`` and ``do_pad``, each image is first
+    padded to a square with the mean colour, as that processor does."""
 
     defaults = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224}, "resample": 3,
                 "do_center_crop": True, "image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD}
@@ -262,6 +264,22 @@ class ClipImageProcessor(ImageProcessor):
             "vision_feature_select_strategy", "default")
         # CLIP's encoder adds one class token; LLaVA's processors write this count down.
         self.additional = int(self.config.get("num_additional_image_tokens", 1))
+        # Only LlavaImageProcessor pads to a square (CLIPImageProcessor's `do_pad` would pad a
+        # batch to its largest image instead, which a centre crop makes moot).
+        self.pad_square = (str(self.config.get("image_processor_type", "")).startswith("LlavaImageProcessor")
+                           and bool(self.config.get("do_pad", False)))
+
+    def _pad_square(self, a: np.ndarray) -> np.ndarray:
+        """LlavaImageProcessor's `pad_to_square`: centred, the rest filled with the mean colour."""
+        h, w = a.shape[:2]
+        if h == w:
+            return a
+        side = max(h, w)
+        top, left = (side - h) // 2, (side - w) // 2
+        out = np.empty((side, side, 3), dtype=np.uint8)
+        out[:] = np.asarray([int(x * 255) for x in self.image_mean], dtype=np.uint8)
+        out[top:top + h, left:left + w] = a
+        return out
 
     def _out_size(self, h: int, w: int) -> tuple:
         if "shortest_edge" in self.size:
@@ -288,6 +306,8 @@ class ClipImageProcessor(ImageProcessor):
     def preprocess(self, images: list) -> ProcessedImages:
         frames, tokens = [], []
         for a in self._load(images):
+            if self.pad_square:
+                a = self._pad_square(a)
             if self.do_resize:
                 a = self._resize(a, *self._out_size(*a.shape[:2]))
             if self.do_center_crop:
