@@ -220,7 +220,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
-            messages.pop()
+            popped = messages.pop()
+            if isinstance(popped["content"], list):  # its images go with the next message instead
+                images = [p["path"] for p in popped["content"] if p["type"] == "image"]
             continue
         result = stream.result
         assert result is not None
