@@ -87,25 +87,25 @@ def _weights(in_size: int, out_size: int, kind: str) -> tuple[np.ndarray, np.nda
     return starts, ints, precision
 
 
-def _pass(img: np.ndarray, out_size: int, axis: int, kind: str) -> np.ndarray:
-    """One separable pass along `axis` (0: height, 1: width) of an HxWxC uint8 array."""
-    in_size = img.shape[axis]
+def _pass(img: np.ndarray, out_size: int, kind: str) -> np.ndarray:
+    """One separable pass along axis 0 of a uint8 array (N x ... ): gathering whole rows keeps
+    the memory reads contiguous, so the width pass runs on the transposed image."""
+    in_size = img.shape[0]
     starts, ints, precision = _weights(in_size, out_size, kind)
+    shape = (out_size,) + img.shape[1:]
     # int32 holds every sum: |weights| < 2**15 and their sum stays near 2**precision <= 2**22.
-    src = img.astype(np.int32)
-    out_shape = list(img.shape)
-    out_shape[axis] = out_size
-    acc = np.full(out_shape, 1 << (precision - 1) if precision > 0 else 0, dtype=np.int32)
+    acc = np.full(shape, 1 << (precision - 1) if precision > 0 else 0, dtype=np.int32)
+    term = np.empty_like(acc)
     for k in range(ints.shape[1]):
-        w = ints[:, k]
+        w = ints[:, k].astype(np.int32)
         if not w.any():
             continue
-        idx = np.minimum(starts + k, in_size - 1)
-        taken = np.take(src, idx, axis=axis)
-        shape = [1, 1, 1]
-        shape[axis] = out_size
-        acc += taken * w.reshape(shape).astype(np.int32)
-    return np.clip(acc >> precision, 0, 255).astype(np.uint8)
+        rows = img[np.minimum(starts + k, in_size - 1)]
+        np.multiply(rows, w.reshape((-1,) + (1,) * (img.ndim - 1)), out=term, dtype=np.int32)
+        acc += term
+    # An arithmetic shift floors, as torch's `>>` on int32 does.
+    np.right_shift(acc, precision, out=acc)
+    return np.clip(acc, 0, 255).astype(np.uint8)
 
 
 def resize_uint8(img: np.ndarray, height: int, width: int, kind: str) -> np.ndarray:
@@ -116,7 +116,7 @@ def resize_uint8(img: np.ndarray, height: int, width: int, kind: str) -> np.ndar
     if (h, w) == (height, width):
         return img
     if w != width:
-        img = _pass(img, width, 1, kind)
+        img = _pass(np.ascontiguousarray(img.transpose(1, 0, 2)), width, kind).transpose(1, 0, 2)
     if h != height:
-        img = _pass(img, height, 0, kind)
-    return img
+        img = _pass(np.ascontiguousarray(img), height, kind)
+    return np.ascontiguousarray(img)
