@@ -181,6 +181,9 @@ pub enum CandleError {
     /// An intervention the model cannot apply; none of its list was applied.
     #[error(transparent)]
     Intervention(#[from] InterventionError),
+    /// A sparse autoencoder cannot be loaded or attached.
+    #[error(transparent)]
+    Sae(#[from] crate::backend::weights::sae::SaeError),
     /// A tensor operation failed inside candle.
     #[error("{context}: {source}")]
     Candle {

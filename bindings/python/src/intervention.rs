@@ -136,7 +136,7 @@ impl PyIntervention {
             EditOp::Add { vector, .. } => Some(vector.clone()),
             EditOp::Set { values } => Some(values.clone()),
             EditOp::ProjectOut { direction } => Some(direction.clone()),
-            EditOp::Scale { .. } => None,
+            EditOp::Scale { .. } | EditOp::Sae { .. } => None,
         }
     }
 
@@ -173,6 +173,7 @@ impl PyIntervention {
             EditOp::Set { values } => format!("values=<{} values>", values.len()),
             EditOp::Scale { index, factor } => format!("index={index:?}, factor={factor:?}"),
             EditOp::ProjectOut { direction } => format!("direction=<{} values>", direction.len()),
+            EditOp::Sae { edit, .. } => format!("{edit:?}"),
         };
         format!("Intervention.{}({}, {detail}{pos})", self.inner.op.name(), py_repr(py, &self.inner.point))
     }
