@@ -208,3 +208,27 @@ def test_saelens_agrees_where_it_installs(sae_paths, ref):
         want, recon, _ = fx.np_run(name, ref[fx.point_of(name)])
         assert np.abs(f - want).max() <= 1e-4
         assert np.abs(sae.decode(torch.from_numpy(f)).detach().numpy() - recon).max() <= 1e-4
+
+
+def test_server_sae_edits_per_request(rt, edit_ref):
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from candlewick.serve.app import Server, build_app
+
+    data, meta = edit_ref
+    prompt = " ".join(f"t{i}" for i in data["sequence_ids"][: meta["prompt_tokens"]])
+    edit = edit_of(meta["cases"]["clamp"])
+    rt.session.reset()
+    with rt.intervene([edit]):
+        alone = rt.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True).text
+    plain = rt.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True).text
+    assert alone != plain
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    sae_edit = {"sae": "jumprelu", "op": "clamp", "features": [3, 40], "value": 2.5}
+    with TestClient(build_app(Server(rt, "tiny"))) as client:
+        r = client.post("/v1/completions", json={**body, "sae_edits": [sae_edit]})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == plain
+        bad = client.post("/v1/completions", json={**body, "sae_edits": [{**sae_edit, "sae": "nope"}]})
+        assert bad.status_code == 400 and "nope" in bad.text

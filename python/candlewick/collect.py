@@ -119,7 +119,7 @@ def collect(
 
     rt = _runtime(model_or_engine)
     request = ObservationRequest.exact(points + [f"sae.{s}.features" for s in saes])
-    limit = int(max_tokens or rt.max_context)
+    limit = int(max_tokens or rt.session.max_context)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     index_path = out / "index.json"
@@ -190,3 +190,53 @@ def collect(
     if progress:
         print(file=sys.stderr)
     return index
+
+
+def _documents(path: str):
+    """One document per line of a text file, or per record of a JSON-lines file (its ``text``
+    field, or a list of token ids); ``-`` reads standard input."""
+    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    try:
+        for line in stream:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if path.endswith((".jsonl", ".json")):
+                record = json.loads(line)
+                yield record if isinstance(record, list) else record["text"]
+            else:
+                yield line
+    finally:
+        if stream is not sys.stdin:
+            stream.close()
+
+
+def add_command(sub, common, fmt, load) -> None:
+    """``candlewick collect``: the CLI of `collect` (`load` turns the common options into a runtime)."""
+
+    def run(args) -> int:
+        rt = load(args)
+        for spec in args.sae or []:
+            name, _, rest = spec.partition("=")
+            path, _, point = rest.partition("@")
+            if not name or not path:
+                raise SystemExit(f"--sae wants NAME=PATH[@POINT], got {spec!r}")
+            rt.attach_sae(path, point=point or None, name=name)
+        index = collect(rt, _documents(args.input), points=args.point or [], out=args.out, dtype=args.out_dtype,
+                        shard_size=args.shard_size, sae_features=[s.partition("=")[0] for s in args.sae or []],
+                        batch_tokens=args.batch_tokens, max_tokens=args.max_doc_tokens, progress=not args.quiet)
+        print(f"{index['rows']} rows of {index['documents']} documents in {len(index['shards'])} shards under {args.out}")
+        return 0
+
+    c = sub.add_parser("collect", parents=[common], formatter_class=fmt,
+                       help="write a corpus's activations (and SAE features) to safetensors shards")
+    c.add_argument("input", help="a text file (a document per line), a .jsonl file (text or token ids), or -")
+    c.add_argument("--point", action="append", help="a point to record, e.g. model.layers.12.output (repeatable)")
+    c.add_argument("--sae", action="append", metavar="NAME=PATH[@POINT]",
+                   help="attach an SAE and record its features (repeatable)")
+    c.add_argument("--out", required=True, help="the dataset's directory (rerun to resume)")
+    c.add_argument("--out-dtype", default="float16", choices=["float16", "float32"], help="dtype of the stored activations")
+    c.add_argument("--shard-size", type=int, default=65536, help="rows per shard (documents are not split)")
+    c.add_argument("--batch-tokens", type=int, default=4096, help="tokens run together in one step")
+    c.add_argument("--max-doc-tokens", type=int, default=None, help="truncate each document (default: the context)")
+    c.set_defaults(func=run)
