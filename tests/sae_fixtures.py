@@ -123,7 +123,7 @@ def np_features(name: str, x: np.ndarray):
         x, scale = x * factor, 1.0 / factor
     elif norm == "layer_norm":
         mean = x.mean(-1, keepdims=True)
-        std = (x - mean).std(-1, keepdims=True)
+        std = (x - mean).std(-1, keepdims=True, ddof=1)  # torch's std, as SAELens takes it
         x, scale = (x - mean) / (std + 1e-5), std
     if apply_b_dec:
         x = x - w["b_dec"]
@@ -236,5 +236,39 @@ def main(arch: str = "llama") -> None:
     (DATA / arch / "edits.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
+def saelens_check(arch: str = "llama") -> None:
+    """sae-lens's own `SAE.load_from_disk`, `encode` and forward (decode of the encoding) on the
+    SAELens files, beside `np_run`, on transformers' activations: the largest differences go to
+    tests/data/sae/<arch>/saelens.json (where sae-lens installs into the reference venv)."""
+    import tempfile
+
+    import sae_lens
+    import torch
+    from safetensors.numpy import load_file
+
+    ref = load_file(str(TINY / arch / "reference.safetensors"))
+    paths = materialise(Path(tempfile.mkdtemp()))
+    out = {}
+    for name, spec in SAES.items():
+        if spec[0] != "saelens":
+            continue
+        sae = sae_lens.SAE.load_from_disk(str(paths[name]), device="cpu")
+        x = torch.from_numpy(ref[point_of(name)])
+        with torch.no_grad():
+            f = sae.encode(x).numpy()
+            recon = sae.decode(sae.encode(x)).numpy()
+        want_f, want_r, _ = np_run(name, ref[point_of(name)])
+        out[name] = dict(cls=type(sae).__name__, features=float(np.abs(f - want_f).max()),
+                         reconstruction=float(np.abs(recon - want_r).max()))
+    meta = dict(sae_lens=sae_lens.__version__, max_abs_difference_from_np_run=out)
+    (DATA / arch / "saelens.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    try:
+        import sae_lens  # noqa: F401
+    except ImportError:
+        print("sae-lens is not installed: no saelens.json", file=sys.stderr)
+    else:
+        saelens_check(*sys.argv[1:])

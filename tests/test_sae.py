@@ -197,17 +197,14 @@ def test_features_during_decode_and_top_features(rt, ref):
     assert "sae.standard.features" in rt.observation_points()
 
 
-def test_saelens_agrees_where_it_installs(sae_paths, ref):
-    """sae-lens's own loader on the same files (only where it is installed)."""
-    sae_lens = pytest.importorskip("sae_lens")
-    torch = pytest.importorskip("torch")
-    for name in ("standard", "jumprelu", "topk", "gated"):
-        sae = sae_lens.SAE.load_from_disk(str(sae_paths[name]), device="cpu")
-        x = torch.from_numpy(ref[fx.point_of(name)])
-        f = sae.encode(x).detach().numpy()
-        want, recon, _ = fx.np_run(name, ref[fx.point_of(name)])
-        assert np.abs(f - want).max() <= 1e-4
-        assert np.abs(sae.decode(torch.from_numpy(f)).detach().numpy() - recon).max() <= 1e-4
+def test_saelens_agrees_with_the_numpy_reference():
+    """sae-lens's `SAE.load_from_disk` / `encode` / `decode` on the same SAELens files, beside the
+    numpy reference the features are checked against, as sae_fixtures.py recorded them in the
+    reference venv (sae-lens and torch are not test dependencies)."""
+    recorded = json.loads((EDITS / "saelens.json").read_text())["max_abs_difference_from_np_run"]
+    assert set(recorded) == {n for n, s in fx.SAES.items() if s[0] == "saelens"}
+    for name, d in recorded.items():
+        assert d["features"] <= 1e-5 and d["reconstruction"] <= 1e-5, (name, d)
 
 
 def test_server_sae_edits_per_request(rt, edit_ref):

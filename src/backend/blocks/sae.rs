@@ -91,10 +91,11 @@ impl Sae {
                 Ok((x.broadcast_mul(&factor)?, Denorm { scale: Some(factor.recip()?), mean: None }))
             }
             SaeNorm::LayerNorm => {
-                // SAELens: (x − μ) / (σ + 1e-5), σ the biased standard deviation; back as y·σ + μ.
+                // SAELens: (x − μ) / (σ + 1e-5), σ torch's (unbiased) standard deviation; back as y·σ + μ.
                 let mean = x.mean_keepdim(D::Minus1)?;
                 let centred = x.broadcast_sub(&mean)?;
-                let std = centred.sqr()?.mean_keepdim(D::Minus1)?.sqrt()?;
+                let n = x.dim(D::Minus1)?;
+                let std = (centred.sqr()?.sum_keepdim(D::Minus1)? / (n.saturating_sub(1).max(1) as f64))?.sqrt()?;
                 let normed = centred.broadcast_div(&(&std + 1e-5)?)?;
                 Ok((normed, Denorm { scale: Some(std), mean: Some(mean) }))
             }
