@@ -36,6 +36,7 @@ SAES = {
     "rescale": ("saelens", "blocks.0.hook_resid_post", "standard", "constant_norm_rescale", True, 106),
     "scope": ("gemma-scope", None, "jumprelu", "none", False, 107),
     "sparsify": ("sparsify", "layers.1", "topk", "none", True, 108),
+    "hookz": ("saelens", "blocks.1.attn.hook_z", "standard", "none", True, 109),
 }
 SCOPE_POINT = "model.layers.1.output"
 POINTS = {
@@ -46,6 +47,7 @@ POINTS = {
     "blocks.2.hook_resid_post": "model.layers.2.output",
     "blocks.0.hook_resid_post": "model.layers.0.output",
     "layers.1": "model.layers.1.output",
+    "blocks.1.attn.hook_z": "model.layers.1.attention.heads",
 }
 
 
@@ -112,11 +114,21 @@ def materialise(root: Path) -> dict:
     return out
 
 
+def activations(arch: str = "llama") -> dict:
+    """transformers' activations of the fixture's prompt: every point of reference.safetensors, and
+    `attention.heads` / `mlp.hidden` from interventions.safetensors."""
+    from safetensors.numpy import load_file
+
+    out = load_file(str(TINY / arch / "interventions.safetensors"))
+    out.update(load_file(str(TINY / arch / "reference.safetensors")))
+    return out
+
+
 def np_features(name: str, x: np.ndarray):
-    """Features of float32 rows `x` [T, d_in], and how the reconstruction is scaled back."""
+    """Features of float32 rows `x` [T, d_in] (heads read flat), and how the reconstruction is scaled back."""
     _, _, arch, norm, apply_b_dec, _ = SAES[name]
     w = weights(name)
-    x = x.astype(np.float64)
+    x = x.reshape(len(x), -1).astype(np.float64)
     scale, mean = np.ones((len(x), 1)), np.zeros((len(x), 1))
     if norm == "constant_norm_rescale":
         factor = np.sqrt(D_IN) / np.linalg.norm(x, axis=-1, keepdims=True)
@@ -148,7 +160,7 @@ def np_run(name: str, x: np.ndarray):
     w = weights(name)
     f, scale, mean = np_features(name, x)
     recon = (f @ w["W_dec"] + w["b_dec"]) * scale + mean
-    return f, recon, x.astype(np.float64) - recon
+    return f, recon, x.reshape(len(x), -1).astype(np.float64) - recon
 
 
 # Edit cases: name -> (SAE, edit as candlewick.interventions takes it). Built on llama's tiny
@@ -161,6 +173,7 @@ CASES = {
     "clamp_scope": ("scope", ("sae_clamp", dict(features=[7], value=-1.0))),
     "clamp_sparsify": ("sparsify", ("sae_clamp", dict(features=[0, 9, 77], value=1.5))),
     "clamp_layernorm": ("layernorm", ("sae_clamp", dict(features=[11, 12], value=3.0))),
+    "clamp_heads": ("hookz", ("sae_clamp", dict(features=[2, 5, 60], value=2.0))),
 }
 
 
@@ -203,7 +216,7 @@ def main(arch: str = "llama") -> None:
     case_dir = TINY / arch
     model = gi.load(case_dir)
     ids, n_prompt = gi.seq_of(case_dir)
-    ref = load_file(str(case_dir / "reference.safetensors"))
+    ref = activations(arch)
     out, cases = {}, {}
     for case, (sae, (op, args)) in CASES.items():
         args = dict(args)
@@ -214,7 +227,9 @@ def main(arch: str = "llama") -> None:
         edits.hooks = []
         layer = model.model.layers[int(point_of(sae).split(".")[2])]
         what = ".".join(point_of(sae).split(".")[3:])
-        if what == "input":
+        if what == "attention.heads":
+            edits.hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(gi.Edits.pre(fn)))
+        elif what == "input":
             edits.hooks.append(layer.register_forward_pre_hook(lambda _m, a, fn=fn: (fn(a[0][0])[None],) + tuple(a[1:])))
         else:
             src = {"output": layer, "mlp.output": layer.mlp, "attention.output": layer.self_attn}[what]
@@ -246,17 +261,17 @@ def saelens_check(arch: str = "llama") -> None:
     import torch
     from safetensors.numpy import load_file
 
-    ref = load_file(str(TINY / arch / "reference.safetensors"))
+    ref = activations(arch)
     paths = materialise(Path(tempfile.mkdtemp()))
     out = {}
     for name, spec in SAES.items():
         if spec[0] != "saelens":
             continue
         sae = sae_lens.SAE.load_from_disk(str(paths[name]), device="cpu")
-        x = torch.from_numpy(ref[point_of(name)])
+        x = torch.from_numpy(ref[point_of(name)])  # hook_z as [T, heads, head_dim]: SAELens flattens it
         with torch.no_grad():
-            f = sae.encode(x).numpy()
-            recon = sae.decode(sae.encode(x)).numpy()
+            f = sae.encode(x).numpy().reshape(len(x), -1)
+            recon = sae.decode(sae.encode(x)).numpy().reshape(len(x), -1)
         want_f, want_r, _ = np_run(name, ref[point_of(name)])
         out[name] = dict(cls=type(sae).__name__, features=float(np.abs(f - want_f).max()),
                          reconstruction=float(np.abs(recon - want_r).max()))

@@ -33,7 +33,7 @@ def sae_paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref():
-    return load_file(str(TINY / "reference.safetensors"))
+    return fx.activations()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,8 @@ def test_features_reconstruction_error_match_numpy(rt, ref, name):
         np.testing.assert_array_equal(idx, np.nonzero(dense[i])[0])
         np.testing.assert_array_equal(vals, dense[i][idx])
     for got, want in ((obs[f"sae.{name}.reconstruction"], recon), (obs[f"sae.{name}.error"], err)):
-        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+        assert got.shape == x.shape
+        assert np.abs(got.reshape(len(x), -1) - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
     # x = reconstruction + error, on our own activations.
     own = rt.trace(ids, request=cw.ObservationRequest.exact([fx.point_of(name)])).observations[fx.point_of(name)]
     np.testing.assert_allclose(obs[f"sae.{name}.reconstruction"] + obs[f"sae.{name}.error"], own, atol=1e-5)
