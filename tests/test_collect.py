@@ -120,3 +120,15 @@ def test_cli_collect(tiny_with_tokenizer, tmp_path):
     assert index["documents"] == 3 and rows["model.layers.1.output"].shape == (index["rows"], 64)
     rt = cw.ModelRuntime.load(str(tiny_with_tokenizer))
     np.testing.assert_array_equal(rows["token_ids"][:4], rt.tokenizer.encode("t5 t6 t7 t8"))
+
+
+def test_long_documents_run_in_chunks(tiny_with_tokenizer, rt):
+    """Documents longer than the runtime's chunk run in steps of it, shorter ones leave the batch
+    early, and every row is what one pass over the document gives."""
+    chunked = cw.ModelRuntime.load(str(tiny_with_tokenizer), prefill_chunk=4)
+    docs = corpus(5)
+    req = cw.ObservationRequest.exact(POINTS)
+    for got, d in zip(chunked.collect_batch(docs, req), docs):
+        want = rt.trace(d, request=req).observations
+        for p in POINTS:
+            np.testing.assert_allclose(got[p], want[p], rtol=1e-5, atol=1e-5)

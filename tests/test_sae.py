@@ -58,6 +58,7 @@ def test_features_reconstruction_error_match_numpy(rt, ref, name):
     assert (f > 0).any() and (f == 0).any(), "the fixture's SAE should fire on some features only"
     # Per position: the indices that fired and their values.
     dense = feats.toarray()
+    np.testing.assert_array_equal(np.asarray(feats), dense)
     assert np.abs(dense - f).max() <= 1e-5 * max(1.0, np.abs(f).max())
     for i in (0, len(ids) - 1):
         idx, vals = feats[i]

@@ -61,5 +61,10 @@ class SparseFeatures:
         out[rows, self.flat_indices.astype(np.int64)] = self.flat_values
         return out
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """``np.asarray(feats)`` is the dense array (what the server's ``observe`` sends)."""
+        a = self.toarray()
+        return a if dtype is None else a.astype(dtype)
+
     def __repr__(self) -> str:
         return f"SparseFeatures(shape={self.shape}, nnz={self.nnz})"

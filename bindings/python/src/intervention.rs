@@ -14,7 +14,8 @@ pub struct PyIntervention {
     pub(crate) inner: Intervention,
 }
 
-fn positions_of(positions: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
+/// Absolute positions from Python integers (a negative one is an `InvalidOptionError`).
+pub(crate) fn positions_of(positions: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
     positions
         .map(|ps| {
             ps.into_iter()

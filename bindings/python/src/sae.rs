@@ -7,7 +7,7 @@ use pyo3::types::{PyAny, PyDict, PyList};
 
 use super::convert::{extract_ids, prompt_of};
 use super::errors::{backend_err, catch_panic, model_err, runtime_err};
-use super::intervention::PyIntervention;
+use super::intervention::{positions_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
 use super::runtime::PyModelRuntime;
 use candlewick::backend::session::sae::SaeInfo;
@@ -206,25 +206,12 @@ fn sae_edit(sae: String, edit: SaeEdit, positions: Option<Vec<usize>>) -> PyInte
     PyIntervention { inner: Intervention { point: format!("sae.{sae}"), op: EditOp::Sae { sae, edit }, positions } }
 }
 
-fn positions_of(positions: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
-    positions
-        .map(|ps| {
-            ps.into_iter()
-                .map(|p| {
-                    usize::try_from(p).map_err(|_| {
-                        super::convert::value_err("positions", &format!("{p} is not a valid position"))
-                    })
-                })
-                .collect()
-        })
-        .transpose()
-}
-
 fn features_of(features: Vec<i64>) -> PyResult<Vec<usize>> {
     features
         .into_iter()
         .map(|f| {
-            usize::try_from(f).map_err(|_| super::convert::value_err("features", &format!("{f} is not a feature index")))
+            usize::try_from(f)
+                .map_err(|_| super::convert::value_err("features", &format!("{f} is not a feature index")))
         })
         .collect()
 }

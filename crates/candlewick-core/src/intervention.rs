@@ -278,7 +278,11 @@ fn validate_sae(e: &Intervention, edit: &SaeEdit, width: usize, max_context: usi
         return Err(InterventionError::IndexOutOfRange { point: e.point.clone(), index: f, units: width });
     }
     if !number.is_finite() {
-        return Err(InterventionError::Invalid { point: e.point.clone(), op, reason: "the value is not finite".into() });
+        return Err(InterventionError::Invalid {
+            point: e.point.clone(),
+            op,
+            reason: "the value is not finite".into(),
+        });
     }
     Ok(())
 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::backend::error::{CandleContext, Result};
 use crate::backend::blocks::sae::Sae;
+use crate::backend::error::{CandleContext, Result};
 use crate::backend::host::to_host_f32;
 use crate::core::{
     EditOp, InterventionSet, LayerPoint, ObservationRequest, ObservationSet, ObservationValue, Point, SaeEdit, SaePoint,
@@ -206,8 +206,13 @@ impl<'a> StepHooks<'a> {
                 let entry = match self.sae_values.iter().position(|(p, _)| *p == path) {
                     Some(i) => &mut self.sae_values[i].1,
                     None => {
-                        let empty =
-                            ObservationValue::Sparse { rows: 0, width, offsets: vec![0], indices: vec![], values: vec![] };
+                        let empty = ObservationValue::Sparse {
+                            rows: 0,
+                            width,
+                            offsets: vec![0],
+                            indices: vec![],
+                            values: vec![],
+                        };
                         self.sae_values.push((path, empty));
                         &mut self.sae_values.last_mut().expect("just pushed").1
                     }

@@ -40,7 +40,8 @@ struct Denorm {
 impl Sae {
     /// Moves `w` onto `device` as the SAE `name` at `point`, whose per-position shape is `shape`.
     pub fn new(name: String, point: Point, shape: Vec<usize>, w: SaeWeights, device: &Device) -> Result<Self> {
-        let to = |t: &Tensor, what: &str| t.to_device(device).ctx(|| format!("moving SAE `{name}`'s {what} to the device"));
+        let to =
+            |t: &Tensor, what: &str| t.to_device(device).ctx(|| format!("moving SAE `{name}`'s {what} to the device"));
         let encoder = match &w.encoder {
             SaeEncoder::JumpRelu(th) => SaeEncoder::JumpRelu(to(th, "threshold")?),
             SaeEncoder::Gated { b_gate, w_mag, b_mag } => SaeEncoder::Gated {

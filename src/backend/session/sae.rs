@@ -44,7 +44,8 @@ impl CandleSession {
         let default_name = point.to_string();
         let name = name.map(str::to_owned).unwrap_or_else(|| default_name.trim_start_matches("model.").to_owned());
         let readable = !matches!(point, Point::Logits | Point::Layer(_, LayerPoint::AttentionPattern));
-        let shape = self.decoder.point_shape(point).filter(|_| readable).ok_or_else(|| bad_point(&default_name, &name))?;
+        let shape =
+            self.decoder.point_shape(point).filter(|_| readable).ok_or_else(|| bad_point(&default_name, &name))?;
         let width: usize = shape.iter().product();
         if width != weights.d_in() {
             return Err(SaeError::WidthMismatch { name, point: default_name, d_in: weights.d_in(), width }.into());
@@ -119,30 +120,40 @@ impl CandleSession {
         let last = self.last_layer_needed(request);
         let saes: Arc<Vec<Arc<Sae>>> = self.decoder.saes().current();
         let edits = self.edits.ready.clone();
-        let mut caches: Vec<_> = documents.iter().map(|d| self.decoder.new_cache(d.len())).collect();
-        let mut items: Vec<BatchItem<'_, StepHooks<'_>>> = documents
+        let mut caches: Vec<_> = documents
             .iter()
-            .zip(caches.iter_mut())
-            .map(|(d, cache)| BatchItem {
-                ids: d,
-                cache,
-                hooks: StepHooks::new(Some(request), &edits, 0, d.len()).with_saes(&saes),
+            .map(|d| {
+                let mut c = self.decoder.new_cache(d.len());
+                c.reserve(d.len());
+                c
             })
             .collect();
-        self.decoder.forward_batch_until(&mut items, LogitsRows::Last, StepKind::Prompt, last).map_err(|source| {
-            CandleError::Candle {
-                context: format!("collecting activations of {} documents", documents.len()),
-                source: crate::backend::error::without_backtrace(source),
+        let mut hooks: Vec<StepHooks<'_>> =
+            documents.iter().map(|d| StepHooks::new(Some(request), &edits, 0, d.len()).with_saes(&saes)).collect();
+        // Documents longer than the session's chunk run in steps of it, as a long prompt does, so
+        // a step's attention scores are a chunk's; shorter ones leave the batch when done.
+        let chunk = self.prefill_chunk;
+        let longest = documents.iter().map(Vec::len).max().unwrap_or(0);
+        for from in (0..longest).step_by(chunk.max(1)) {
+            let mut items: Vec<BatchItem<'_, &mut StepHooks<'_>>> = documents
+                .iter()
+                .zip(caches.iter_mut())
+                .zip(hooks.iter_mut())
+                .filter(|((d, _), _)| d.len() > from)
+                .map(|((d, cache), h)| BatchItem { ids: &d[from..(from + chunk).min(d.len())], cache, hooks: h })
+                .collect();
+            let lens: Vec<usize> = items.iter().map(|it| it.ids.len()).collect();
+            self.decoder.forward_batch_until(&mut items, LogitsRows::Last, StepKind::Prompt, last).map_err(
+                |source| CandleError::Candle {
+                    context: format!("collecting activations of {} documents at position {from}", documents.len()),
+                    source: crate::backend::error::without_backtrace(source),
+                },
+            )?;
+            for (it, t) in items.iter_mut().zip(lens) {
+                it.hooks.end_step(t)?;
             }
-        })?;
-        items
-            .into_iter()
-            .zip(documents)
-            .map(|(mut it, d)| {
-                it.hooks.end_step(d.len())?;
-                it.hooks.finish()
-            })
-            .collect()
+        }
+        hooks.into_iter().map(StepHooks::finish).collect()
     }
 }
 

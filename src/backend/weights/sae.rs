@@ -196,7 +196,8 @@ fn saelens(dir: &Path) -> Result<SaeWeights, SaeError> {
         "gated" => {
             let w_enc = take(&mut t, &path, "W_enc", &[d_in, d_sae])?;
             let r_mag = take(&mut t, &path, "r_mag", &[d_sae])?;
-            let w_mag = r_mag.exp().and_then(|e| w_enc.broadcast_mul(&e)).map_err(|e| malformed(&path, e.to_string()))?;
+            let w_mag =
+                r_mag.exp().and_then(|e| w_enc.broadcast_mul(&e)).map_err(|e| malformed(&path, e.to_string()))?;
             t.insert("W_enc".into(), w_enc);
             SaeEncoder::Gated {
                 b_gate: take(&mut t, &path, "b_gate", &[d_sae])?,
@@ -215,10 +216,8 @@ fn saelens(dir: &Path) -> Result<SaeWeights, SaeError> {
     let hook = match cfg.get("hook_name").and_then(|v| v.as_str()) {
         Some(h) => Some((
             h.to_string(),
-            point_of_hook(h).ok_or_else(|| SaeError::UnknownHook {
-                path: cfg_path.display().to_string(),
-                hook: h.to_string(),
-            })?,
+            point_of_hook(h)
+                .ok_or_else(|| SaeError::UnknownHook { path: cfg_path.display().to_string(), hook: h.to_string() })?,
         )),
         None => None,
     };
