@@ -70,6 +70,13 @@ def test_rows_equal_each_documents_trace(rt, tmp_path):
     np.testing.assert_allclose(dense[at[4]:at[5]], obs["sae.res1.features"].toarray(), rtol=1e-5, atol=1e-5)
 
 
+def test_an_engine_collects_through_its_runtime(rt, tmp_path):
+    docs = corpus(3)
+    with cw.Engine(rt) as engine:
+        index = cw.collect(engine, docs, points=POINTS[:1], out=tmp_path / "e", progress=False)
+    assert index["rows"] == sum(map(len, docs))
+
+
 def test_stops_after_the_last_layer_needed(rt):
     exact = cw.ObservationRequest.exact
     assert rt.last_layer_needed(exact(["model.layers.0.output"])) == 0

@@ -155,6 +155,9 @@ def test_generate_and_engine_match_the_edit_alone(rt, edit_ref):
     edit = edit_of(meta["cases"]["clamp"])
     with rt.intervene([edit]):
         alone = rt.generate(prompt, max_tokens=8, temperature=0.0).token_ids
+        streamed = list(rt.stream(prompt, max_tokens=8, temperature=0.0))
+        text = rt.generate(prompt, max_tokens=8, temperature=0.0).text
+    assert "".join(streamed) == text
     plain = rt.generate(prompt, max_tokens=8, temperature=0.0).token_ids
     # The greedy continuation under the edit follows the reference's edited logits' argmax.
     want = data["clamp.sequence_logits"]
