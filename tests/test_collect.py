@@ -111,6 +111,8 @@ def test_resumes_after_an_interruption(rt, tmp_path):
     fresh = tmp_path / "fresh"
     cw.collect(rt, docs, points=POINTS[:1], out=fresh, shard_size=20, batch_tokens=30, progress=False)
     np.testing.assert_array_equal(read(fresh)[1][POINTS[0]], rows[POINTS[0]])
+    with pytest.raises(ValueError, match="attention.pattern"):
+        cw.collect(rt, docs, points=["model.layers.0.attention.pattern"], out=tmp_path / "p", progress=False)
     with pytest.raises(ValueError, match="written with"):
         cw.collect(rt, docs, points=POINTS, out=out, progress=False)
 

@@ -115,6 +115,8 @@ def collect(
     points, saes = list(points), list(sae_features)
     if not points and not saes:
         raise ValueError("collect needs at least one point or SAE to record")
+    if any(p.endswith("attention.pattern") for p in points):
+        raise ValueError("collect records per-token rows; attention.pattern is [heads, T, T] per document")
     from ._native import ObservationRequest
 
     rt = _runtime(model_or_engine)
