@@ -48,6 +48,10 @@ from . import _native, interventions
 from ._native import QueueFullError
 from .engine import Engine, EngineRequest
 from . import hub
+from . import sae
+from ._native import SaeError
+from .sae import SparseFeatures
+from .collect import collect
 from .hub import (
     DownloadError,
     GatedRepositoryError,
@@ -123,4 +127,8 @@ __all__ = [
     "GatedRepositoryError",
     "HubOfflineError",
     "DownloadError",
+    "sae",
+    "SaeError",
+    "SparseFeatures",
+    "collect",
 ]

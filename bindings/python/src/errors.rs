@@ -19,6 +19,12 @@ pyo3::create_exception!(
 pyo3::create_exception!(candlewick, UnsupportedError, CandlewickError, "Something candlewick does not implement.");
 pyo3::create_exception!(
     candlewick,
+    SaeError,
+    CandlewickError,
+    "A sparse autoencoder cannot be loaded or attached (missing file, width or point mismatch)."
+);
+pyo3::create_exception!(
+    candlewick,
     UnsupportedArchitectureError,
     UnsupportedError,
     "The checkpoint's architecture is not supported."
@@ -151,6 +157,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GenerationOptionError", py.get_type::<GenerationOptionError>())?;
     m.add("NonFiniteLogitsError", py.get_type::<NonFiniteLogitsError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
+    m.add("SaeError", py.get_type::<SaeError>())?;
     Ok(())
 }
 
@@ -179,6 +186,7 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::Observation(_) => PyObservationError::new_err(msg),
         CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),
         CandleError::Candle { .. } => InternalError::new_err(msg),
+        CandleError::Sae(_) => SaeError::new_err(msg),
     }
 }
 

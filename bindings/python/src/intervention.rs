@@ -14,7 +14,8 @@ pub struct PyIntervention {
     pub(crate) inner: Intervention,
 }
 
-fn positions_of(positions: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
+/// Absolute positions from Python integers (a negative one is an `InvalidOptionError`).
+pub(crate) fn positions_of(positions: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
     positions
         .map(|ps| {
             ps.into_iter()
@@ -136,7 +137,7 @@ impl PyIntervention {
             EditOp::Add { vector, .. } => Some(vector.clone()),
             EditOp::Set { values } => Some(values.clone()),
             EditOp::ProjectOut { direction } => Some(direction.clone()),
-            EditOp::Scale { .. } => None,
+            EditOp::Scale { .. } | EditOp::Sae { .. } => None,
         }
     }
 
@@ -173,6 +174,7 @@ impl PyIntervention {
             EditOp::Set { values } => format!("values=<{} values>", values.len()),
             EditOp::Scale { index, factor } => format!("index={index:?}, factor={factor:?}"),
             EditOp::ProjectOut { direction } => format!("direction=<{} values>", direction.len()),
+            EditOp::Sae { edit, .. } => format!("{edit:?}"),
         };
         format!("Intervention.{}({}, {detail}{pos})", self.inner.op.name(), py_repr(py, &self.inner.point))
     }

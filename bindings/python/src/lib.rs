@@ -32,6 +32,9 @@
 //!     `generate`, `stream`, `chat`, `generate_batch`; `GenerationStream`.
 //! 16. `engine` (`errors`, `gil`, `convert`, `intervention`, `sampling`, `result`, `runtime`):
 //!     `Engine`, `EngineRequest`.
+//! 17. `sae` (`errors`, `convert`, `observation`, `intervention`, `runtime`): `attach_sae`,
+//!     `detach_sae`, `saes`, `top_features`, `collect_batch`, `last_layer_needed`; the feature
+//!     edits `Intervention.sae_steer/sae_clamp/sae_splice`.
 //!
 //! `ModelRuntime` is defined in `runtime` and its methods are spread over 11-15, one
 //! `#[pymethods]` block per domain (pyo3's `multiple-pymethods` feature), so that a domain's
@@ -106,6 +109,7 @@ mod intervention;
 mod observation;
 mod result;
 mod runtime;
+mod sae;
 mod sampling;
 mod session;
 mod steering;

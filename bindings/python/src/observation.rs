@@ -211,6 +211,18 @@ pub fn to_python(py: Python<'_>, set: core::ObservationSet) -> PyResult<PyObserv
             ObservationValue::Float(v) => v.into_pyobject(py)?.into_any(),
             ObservationValue::Bool(v) => pyo3::types::PyBool::new(py, v).to_owned().into_any(),
             ObservationValue::Text(v) => v.into_pyobject(py)?.into_any(),
+            // Sparse rows become `candlewick.sae.SparseFeatures` (per-position indices and
+            // values, `toarray()`), built from the three flat arrays without a dense copy.
+            ObservationValue::Sparse { rows, width, offsets, indices, values } => {
+                let offsets: Vec<i64> = offsets.into_iter().map(|o| o as i64).collect();
+                let cls = py.import("candlewick.sae")?.getattr("SparseFeatures")?;
+                cls.call1((
+                    PyArray::from_vec(py, offsets),
+                    PyArray::from_vec(py, indices),
+                    PyArray::from_vec(py, values),
+                    (rows, width),
+                ))?
+            }
         };
         dict.set_item(&path, obj)?;
         keys.push(path);

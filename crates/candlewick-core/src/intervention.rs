@@ -34,8 +34,8 @@ pub enum InterventionError {
         /// What fits the point (alternatives joined by "or").
         expected: String,
     },
-    /// A unit index is past the point's units.
-    #[error("intervention `scale` on `{point}`: index {index} is out of range (the point has {units} units)")]
+    /// A unit index (or an SAE's feature) is past the point's units.
+    #[error("intervention on `{point}`: index {index} is out of range (it has {units} units)")]
     IndexOutOfRange {
         /// The point.
         point: String,
@@ -55,6 +55,14 @@ pub enum InterventionError {
         position: usize,
         /// The session's context size.
         max_context: usize,
+    },
+    /// A feature edit names an SAE that is not attached.
+    #[error("intervention on `sae.{name}`: no SAE called `{name}` is attached (attached: {attached})")]
+    UnknownSae {
+        /// The SAE's name as given.
+        name: String,
+        /// The names attached, joined.
+        attached: String,
     },
     /// A number is not finite, a direction is zero, or a required argument is missing.
     #[error("intervention `{op}` on `{point}`: {reason}")]
@@ -95,6 +103,49 @@ pub enum EditOp {
         /// The direction (need not be normalised).
         direction: Vec<f32>,
     },
+    /// An edit of an attached SAE's features, applied at the SAE's point (DESIGN §15).
+    Sae {
+        /// The attached SAE's name.
+        sae: String,
+        /// What to do to its features.
+        edit: SaeEdit,
+    },
+}
+
+/// What a feature edit does; `f` are the SAE's features of the point's value, `W_dec` its decoder.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SaeEdit {
+    /// `x + scale · W_dec[feature]` (the decoder row as stored, before any de-normalisation).
+    Steer {
+        /// The feature.
+        feature: usize,
+        /// Its multiplier.
+        scale: f32,
+    },
+    /// The listed features set to `value`: `x + (f' − f) W_dec`, the SAE's error kept (0 ablates).
+    Clamp {
+        /// The features.
+        features: Vec<usize>,
+        /// Their new value.
+        value: f32,
+    },
+    /// The point replaced by the reconstruction, plus the error where `keep_error`.
+    Splice {
+        /// Whether the error term is added back (then only the SAE's rounding changes the value).
+        keep_error: bool,
+    },
+}
+
+impl SaeEdit {
+    /// The edit's name as `candlewick.interventions` spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Steer { .. } => "sae_steer",
+            Self::Clamp { value, .. } if *value == 0.0 => "sae_ablate",
+            Self::Clamp { .. } => "sae_clamp",
+            Self::Splice { .. } => "sae_splice",
+        }
+    }
 }
 
 impl EditOp {
@@ -105,6 +156,7 @@ impl EditOp {
             Self::Set { .. } => "set",
             Self::Scale { .. } => "scale",
             Self::ProjectOut { .. } => "project_out",
+            Self::Sae { edit, .. } => edit.name(),
         }
     }
 }
@@ -143,8 +195,29 @@ impl InterventionSet {
         shape_of: impl Fn(Point) -> Option<PointShape>,
         max_context: usize,
     ) -> Result<Self, InterventionError> {
+        Self::with_saes(edits, shape_of, &[], max_context)
+    }
+
+    /// As `new`, where a feature edit resolves to the point and width of the SAE it names in
+    /// `saes` (`(name, point, d_sae)` of each attached SAE).
+    pub fn with_saes(
+        edits: Vec<Intervention>,
+        shape_of: impl Fn(Point) -> Option<PointShape>,
+        saes: &[(String, Point, usize)],
+        max_context: usize,
+    ) -> Result<Self, InterventionError> {
         let mut resolved = Vec::with_capacity(edits.len());
         for e in edits {
+            if let EditOp::Sae { sae, edit } = &e.op {
+                let Some((_, point, width)) = saes.iter().find(|(n, _, _)| n == sae) else {
+                    let attached = saes.iter().map(|(n, _, _)| n.as_str()).collect::<Vec<_>>().join(", ");
+                    let attached = if attached.is_empty() { "none".into() } else { attached };
+                    return Err(InterventionError::UnknownSae { name: sae.clone(), attached });
+                };
+                validate_sae(&e, edit, *width, max_context)?;
+                resolved.push((*point, e));
+                continue;
+            }
             let point =
                 Point::parse(&e.point).ok_or_else(|| InterventionError::UnknownPoint { point: e.point.clone() })?;
             if matches!(point, Point::Layer(_, LayerPoint::AttentionPattern)) {
@@ -189,6 +262,29 @@ impl InterventionSet {
     pub fn touches(&self, point: Point) -> bool {
         self.edits.iter().any(|(p, _)| *p == point)
     }
+}
+
+fn validate_sae(e: &Intervention, edit: &SaeEdit, width: usize, max_context: usize) -> Result<(), InterventionError> {
+    let op = edit.name();
+    if let Some(&p) = e.positions.iter().flatten().find(|&&p| p >= max_context) {
+        return Err(InterventionError::PositionOutOfRange { point: e.point.clone(), op, position: p, max_context });
+    }
+    let (features, number) = match edit {
+        SaeEdit::Steer { feature, scale } => (std::slice::from_ref(feature), *scale),
+        SaeEdit::Clamp { features, value } => (features.as_slice(), *value),
+        SaeEdit::Splice { .. } => (&[][..], 0.0),
+    };
+    if let Some(&f) = features.iter().find(|&&f| f >= width) {
+        return Err(InterventionError::IndexOutOfRange { point: e.point.clone(), index: f, units: width });
+    }
+    if !number.is_finite() {
+        return Err(InterventionError::Invalid {
+            point: e.point.clone(),
+            op,
+            reason: "the value is not finite".into(),
+        });
+    }
+    Ok(())
 }
 
 fn validate(e: &Intervention, shape: &[usize], max_context: usize) -> Result<(), InterventionError> {
@@ -267,6 +363,7 @@ fn validate(e: &Intervention, shape: &[usize], max_context: usize) -> Result<(),
                 return Err(invalid("the direction is zero".into()));
             }
         }
+        EditOp::Sae { .. } => unreachable!("feature edits are validated by validate_sae"),
     }
     Ok(())
 }
@@ -306,5 +403,30 @@ mod tests {
         }
         let heads = edit("model.layers.1.attention.heads", EditOp::Add { vector: vec![0.0; 32], scale: 1.0 }, None);
         assert!(InterventionSet::new(vec![good, heads], shape_of, 64).is_ok());
+    }
+
+    #[test]
+    fn a_feature_edit_resolves_to_its_sae_point() {
+        let saes = [("res".to_string(), Point::Layer(1, LayerPoint::Output), 16)];
+        let sae = |edit| edit_sae("res", edit);
+        let ok = InterventionSet::with_saes(
+            vec![sae(SaeEdit::Clamp { features: vec![3, 15], value: 2.0 })],
+            shape_of,
+            &saes,
+            64,
+        )
+        .unwrap();
+        assert!(ok.touches(Point::Layer(1, LayerPoint::Output)));
+        for bad in [
+            sae(SaeEdit::Steer { feature: 16, scale: 1.0 }),
+            sae(SaeEdit::Clamp { features: vec![0], value: f32::INFINITY }),
+            edit_sae("other", SaeEdit::Splice { keep_error: true }),
+        ] {
+            assert!(InterventionSet::with_saes(vec![bad.clone()], shape_of, &saes, 64).is_err(), "{bad:?}");
+        }
+    }
+
+    fn edit_sae(name: &str, edit: SaeEdit) -> Intervention {
+        Intervention { point: format!("sae.{name}"), op: EditOp::Sae { sae: name.into(), edit }, positions: None }
     }
 }

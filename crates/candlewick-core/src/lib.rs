@@ -21,9 +21,9 @@ pub use backend::{
 pub use capabilities::SessionCapabilities;
 pub use completion::{Completion, ReadyCompletion, Submission};
 pub use error::{ModelLoadError, RuntimeError};
-pub use intervention::{EditOp, Intervention, InterventionError, InterventionSet, PointShape};
+pub use intervention::{EditOp, Intervention, InterventionError, InterventionSet, PointShape, SaeEdit};
 pub use observation::{ObservationError, ObservationRequest, ObservationSelector, ObservationSet, ObservationValue};
-pub use points::{LayerPoint, Point};
+pub use points::{LayerPoint, Point, SaePoint};
 pub use runtime::ModelRuntime;
 pub use step::{DecodeInput, HostLogits, PrefillInput};
 

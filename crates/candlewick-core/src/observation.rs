@@ -23,6 +23,16 @@ pub enum ObservationError {
         /// The number of values given.
         actual: usize,
     },
+    /// A sparse value's offsets, indices and values do not describe `rows` rows of `width` columns.
+    #[error("observation `{path}`: the sparse value is not {rows} rows of {width} columns (offsets, indices and values disagree)")]
+    BadSparse {
+        /// The offending path.
+        path: String,
+        /// The declared rows.
+        rows: usize,
+        /// The declared width.
+        width: usize,
+    },
     /// A selector matches no point this model offers.
     #[error("the model has no observation point matching `{selector}` (see observation_points())")]
     UnknownPoint {
@@ -145,6 +155,20 @@ pub enum ObservationValue {
         /// Row-major values; `shape.iter().product()` of them.
         data: Vec<f32>,
     },
+    /// Sparse rows `[rows, width]` (an SAE's features): row `r` holds the columns
+    /// `indices[offsets[r]..offsets[r + 1]]` with those `values`, every other column 0.
+    Sparse {
+        /// Number of rows (positions).
+        rows: usize,
+        /// Number of columns (the SAE's width).
+        width: usize,
+        /// `rows + 1` offsets into `indices` and `values`, the first 0.
+        offsets: Vec<usize>,
+        /// Column of each stored value, ascending within a row.
+        indices: Vec<u32>,
+        /// The stored values.
+        values: Vec<f32>,
+    },
     /// An integer scalar.
     Int(i64),
     /// A floating-point scalar.
@@ -182,6 +206,17 @@ impl ObservationSet {
                     expected,
                     actual: data.len(),
                 });
+            }
+        }
+        if let ObservationValue::Sparse { rows, width, offsets, indices, values } = &value {
+            let fits = offsets.len() == rows + 1
+                && offsets.first() == Some(&0)
+                && offsets.windows(2).all(|w| w[0] <= w[1])
+                && offsets.last() == Some(&indices.len())
+                && indices.len() == values.len()
+                && indices.iter().all(|&i| (i as usize) < *width);
+            if !fits {
+                return Err(ObservationError::BadSparse { path, rows: *rows, width: *width });
             }
         }
         if self.values.contains_key(&path) {
@@ -269,5 +304,15 @@ mod tests {
         assert!(matches!(set.insert("b", t(3)), Err(ObservationError::ShapeMismatch { expected: 4, actual: 3, .. })));
         set.insert("c", ObservationValue::Int(3)).unwrap();
         assert_eq!(set.len(), 2);
+        let sparse = |offsets: Vec<usize>, indices: Vec<u32>| ObservationValue::Sparse {
+            rows: 2,
+            width: 4,
+            values: vec![1.0; indices.len()],
+            offsets,
+            indices,
+        };
+        set.insert("s", sparse(vec![0, 1, 2], vec![3, 0])).unwrap();
+        assert!(matches!(set.insert("t", sparse(vec![0, 1], vec![3])), Err(ObservationError::BadSparse { .. })));
+        assert!(matches!(set.insert("u", sparse(vec![0, 1, 2], vec![4, 0])), Err(ObservationError::BadSparse { .. })));
     }
 }

@@ -136,9 +136,57 @@ impl fmt::Display for Point {
     }
 }
 
+/// A point a sparse autoencoder attached to a model adds (`sae.{name}.{suffix}`, DESIGN §15):
+/// computed from the value at the SAE's own point, where the decoder produces it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SaePoint {
+    /// The SAE's features, sparse per position (`ObservationValue::Sparse`, `[T, d_sae]`).
+    Features,
+    /// `f W_dec + b_dec` (de-normalised), `[T, d_in]`.
+    Reconstruction,
+    /// `x − reconstruction`, `[T, d_in]`.
+    Error,
+}
+
+impl SaePoint {
+    /// Every SAE point, in the order they are computed.
+    pub const ALL: [SaePoint; 3] = [Self::Features, Self::Reconstruction, Self::Error];
+
+    /// The name's last segment.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::Features => "features",
+            Self::Reconstruction => "reconstruction",
+            Self::Error => "error",
+        }
+    }
+
+    /// The full name of this point of the SAE called `sae`.
+    pub fn path(self, sae: &str) -> String {
+        format!("sae.{sae}.{}", self.suffix())
+    }
+
+    /// Reads `sae.{name}.{suffix}` into the SAE's name and the point.
+    pub fn parse(path: &str) -> Option<(&str, SaePoint)> {
+        let rest = path.strip_prefix("sae.")?;
+        let (name, suffix) = rest.rsplit_once('.')?;
+        let point = Self::ALL.into_iter().find(|p| p.suffix() == suffix)?;
+        (!name.is_empty()).then_some((name, point))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sae_points_read_back() {
+        for p in SaePoint::ALL {
+            assert_eq!(SaePoint::parse(&p.path("res.6")), Some(("res.6", p)));
+        }
+        assert_eq!(SaePoint::parse("sae..features"), None);
+        assert_eq!(SaePoint::parse("sae.x.other"), None);
+    }
 
     #[test]
     fn every_point_reads_back_from_its_name() {

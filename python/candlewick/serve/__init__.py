@@ -79,6 +79,16 @@ def graceful_server(config, server: Server, grace: float):
     return graceful
 
 
+def attach_saes(runtime, specs) -> None:
+    """``--sae NAME=PATH[@POINT]``: attaches each SAE to the runtime, so requests name it in ``sae_edits``."""
+    for spec in specs or []:
+        name, sep, rest = spec.partition("=")
+        if not sep or not name or not rest:
+            raise SystemExit(f"--sae wants NAME=PATH[@POINT], got {spec!r}")
+        path, _, point = rest.partition("@")
+        runtime.attach_sae(path, point=point or None, name=name)
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           max_batch_size: int = 8, max_queue: int = 64, control_vectors=None, device: str = "auto",
           chat_template: Optional[str] = None, log_level: str = "info", threads: Optional[int] = None,
@@ -87,7 +97,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
           draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
           filename: Optional[str] = None, revision: Optional[str] = None,
           allow_image_urls: bool = False, image_url_max_bytes: int = 20 << 20,
-          image_url_timeout: Optional[float] = 10.0) -> None:
+          image_url_timeout: Optional[float] = 10.0, saes=None) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
 
     `model` is a local path or a Hub name (``org/name[:TAG]``, with `filename` and `revision` as
@@ -114,6 +124,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     runtime = ModelRuntime.load(local, device=device, threads=threads,
                                 draft_model=draft_model,
                                 kv_cache_type=kv_cache_type)
+    attach_saes(runtime, saes)
     server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                     chat_template=chat_template, log=log, request_timeout=request_timeout,

@@ -3,7 +3,8 @@
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent events ending in
 ``[DONE]``), ``GET /metrics`` (Prometheus text). The request body may carry candlewick's
-extensions: ``interventions`` (docs/interventions.md as JSON), ``control_vector`` (a name
+extensions: ``interventions`` (docs/interventions.md as JSON), ``sae_edits`` (feature edits of
+an SAE attached at start, by its name), ``control_vector`` (a name
 loaded at start, with a scale) and ``observe`` (point names: the prompt's activations come back
 under a ``candlewick`` key as base64 float32 with their shape).
 """
@@ -124,6 +125,7 @@ COMMON_FIELDS = {
     "logit_bias", "logprobs", "n", "stream", "stream_options", "response_format", "user",
     "top_k", "min_p", "repeat_penalty", "ignore_eos", "skip_special_tokens",
     "interventions", "control_vector", "observe", "prompt_lookup_num_tokens", "num_draft_tokens",
+    "sae_edits",
 }
 FIELDS = {
     "completions": COMMON_FIELDS | {"prompt"},
@@ -179,6 +181,30 @@ SAMPLING = {
     # Speculative decoding (used while a request runs alone; output unchanged either way).
     "prompt_lookup_num_tokens": "prompt_lookup_num_tokens", "num_draft_tokens": "num_draft_tokens",
 }
+
+
+def sae_edits(items: list) -> list:
+    """``sae_edits``: ``{"sae": NAME, "op": "steer"|"clamp"|"ablate"|"splice", ...}`` as
+    ``candlewick.interventions.sae_*`` takes them (``feature``/``scale``, ``features``/``value``,
+    ``features``, ``keep_error``; ``positions`` optional)."""
+    edits = []
+    for k, e in enumerate(items):
+        try:
+            op, name, pos = e["op"], e["sae"], e.get("positions")
+            if op == "steer":
+                edits.append(iv.sae_steer(name, e["feature"], e["scale"], positions=pos))
+            elif op == "clamp":
+                edits.append(iv.sae_clamp(name, e["features"], e["value"], positions=pos))
+            elif op == "ablate":
+                edits.append(iv.sae_ablate(name, e["features"], positions=pos))
+            elif op == "splice":
+                edits.append(iv.sae_splice(name, e.get("keep_error", True), positions=pos))
+            else:
+                raise ApiError(400, f"sae_edits[{k}]: unknown op `{op}` (steer, clamp, ablate, splice)",
+                               param="sae_edits")
+        except (KeyError, TypeError, ValueError) as err:
+            raise ApiError(400, f"sae_edits[{k}] is malformed: {err}", param="sae_edits") from None
+    return edits
 
 
 class Server:
@@ -392,6 +418,7 @@ class Server:
                     raise ApiError(400, f"interventions[{k}]: unknown op `{op}`", param="interventions")
             except (KeyError, TypeError, ValueError) as err:
                 raise ApiError(400, f"interventions[{k}] is malformed: {err}", param="interventions") from None
+        edits.extend(sae_edits(body.get("sae_edits") or []))
         cv = body.get("control_vector")
         if cv:
             name = cv if isinstance(cv, str) else cv.get("name")

@@ -2,12 +2,16 @@
 //! selected activations and apply the edits of docs/interventions.md.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::backend::blocks::sae::Sae;
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::host::to_host_f32;
-use crate::core::{EditOp, InterventionSet, LayerPoint, ObservationRequest, ObservationSet, ObservationValue, Point};
+use crate::core::{
+    EditOp, InterventionSet, LayerPoint, ObservationRequest, ObservationSet, ObservationValue, Point, SaeEdit, SaePoint,
+};
 
 /// Where the decoder reports its named points. The plain path uses `NoHooks`, whose methods
 /// are empty and inline away: ordinary inference formats no name, keeps no tensor and edits nothing.
@@ -60,6 +64,7 @@ enum ReadyOp {
     Set { values: Vec<f32>, row: usize },
     Scale { index: Vec<usize>, factor: f32 },
     ProjectOut(Tensor),
+    Sae { sae: Arc<Sae>, edit: SaeEdit },
 }
 
 /// Edits ready to run on one device; built once when set, not on every step.
@@ -69,8 +74,14 @@ pub struct ReadyEdits {
 }
 
 impl ReadyEdits {
-    /// Moves the validated `set` onto `device`; `shape_of` gives each point's per-position shape.
-    pub fn new(set: &InterventionSet, shape_of: impl Fn(Point) -> Vec<usize>, device: &Device) -> Result<Self> {
+    /// Moves the validated `set` onto `device`; `shape_of` gives each point's per-position shape,
+    /// `saes` the attached SAEs its feature edits name.
+    pub fn new(
+        set: &InterventionSet,
+        shape_of: impl Fn(Point) -> Vec<usize>,
+        saes: &[Arc<Sae>],
+        device: &Device,
+    ) -> Result<Self> {
         let mut edits = Vec::new();
         for (point, e) in set.iter() {
             let shape = shape_of(*point);
@@ -95,6 +106,12 @@ impl ReadyEdits {
                     ReadyOp::ProjectOut(
                         Tensor::from_vec(unit, n, device).ctx(|| format!("preparing `project_out` on `{point}`"))?,
                     )
+                }
+                EditOp::Sae { sae, edit } => {
+                    let sae = saes.iter().find(|s| &s.name == sae).ok_or_else(|| {
+                        crate::core::InterventionError::UnknownSae { name: sae.clone(), attached: "none".into() }
+                    })?;
+                    ReadyOp::Sae { sae: Arc::clone(sae), edit: edit.clone() }
                 }
             };
             edits.push((*point, ready, e.positions.clone()));
@@ -131,6 +148,10 @@ pub struct StepHooks<'a> {
     /// The call's first position and its number of tokens.
     start: usize,
     tokens: usize,
+    /// The attached SAEs the request observes, with which of their points (`SaePoint::ALL` order).
+    saes: Vec<(Arc<Sae>, [bool; 3])>,
+    /// Their observations on the host, rows appended step by step.
+    sae_values: Vec<(String, ObservationValue)>,
 }
 
 impl<'a> StepHooks<'a> {
@@ -138,7 +159,91 @@ impl<'a> StepHooks<'a> {
     /// observed.
     pub fn new(request: Option<&'a ObservationRequest>, edits: &'a ReadyEdits, pos: usize, tokens: usize) -> Self {
         let edited = edits.edits.iter().map(|(p, _, _)| *p).collect();
-        Self { request, edits, edited, kept: Vec::new(), assembled: Vec::new(), pos, start: pos, tokens }
+        Self {
+            request,
+            edits,
+            edited,
+            kept: Vec::new(),
+            assembled: Vec::new(),
+            pos,
+            start: pos,
+            tokens,
+            saes: Vec::new(),
+            sae_values: Vec::new(),
+        }
+    }
+
+    /// Also records the points of those `saes` the request selects.
+    pub fn with_saes(mut self, saes: &[Arc<Sae>]) -> Self {
+        if let Some(r) = self.request {
+            self.saes = saes
+                .iter()
+                .filter_map(|s| {
+                    let wanted = SaePoint::ALL.map(|p| r.matches(&p.path(&s.name)));
+                    wanted.iter().any(|&w| w).then(|| (Arc::clone(s), wanted))
+                })
+                .collect();
+        }
+        self
+    }
+
+    /// Runs the SAEs observed at `point` on its value `x` and appends their rows.
+    fn record_saes(&mut self, point: Point, x: &Tensor) -> candle_core::Result<()> {
+        for (sae, wanted) in &self.saes {
+            if sae.point != point {
+                continue;
+            }
+            let (f, recon, error) = if wanted[1] || wanted[2] {
+                let (f, r, e) = sae.run(x)?;
+                (f, Some(r), Some(e))
+            } else {
+                (sae.features(x)?, None, None)
+            };
+            if wanted[0] {
+                let (shape, data) = to_host_f32(&f).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let width = shape[1];
+                let path = SaePoint::Features.path(&sae.name);
+                let entry = match self.sae_values.iter().position(|(p, _)| *p == path) {
+                    Some(i) => &mut self.sae_values[i].1,
+                    None => {
+                        let empty = ObservationValue::Sparse {
+                            rows: 0,
+                            width,
+                            offsets: vec![0],
+                            indices: vec![],
+                            values: vec![],
+                        };
+                        self.sae_values.push((path, empty));
+                        &mut self.sae_values.last_mut().expect("just pushed").1
+                    }
+                };
+                if let ObservationValue::Sparse { rows, offsets, indices, values, .. } = entry {
+                    for row in data.chunks(width.max(1)) {
+                        for (i, &v) in row.iter().enumerate() {
+                            if v != 0.0 {
+                                indices.push(i as u32);
+                                values.push(v);
+                            }
+                        }
+                        offsets.push(indices.len());
+                        *rows += 1;
+                    }
+                }
+            }
+            for (k, t) in [(1, recon), (2, error)] {
+                let (Some(t), true) = (t, wanted[k]) else { continue };
+                let (shape, data) = to_host_f32(&t).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let path = SaePoint::ALL[k].path(&sae.name);
+                match self.sae_values.iter_mut().find(|(p, _)| *p == path) {
+                    Some((_, ObservationValue::Tensor { shape: s, data: d })) => {
+                        s[0] += shape[0];
+                        d.extend_from_slice(&data);
+                    }
+                    _ => self.sae_values.push((path, ObservationValue::Tensor { shape, data })),
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Ends the step of `t` positions just run: what it recorded goes to the host, into the
@@ -196,6 +301,9 @@ impl<'a> StepHooks<'a> {
         let mut set = ObservationSet::new();
         for (point, shape, data) in self.assembled.drain(..) {
             set.insert(point.to_string(), ObservationValue::Tensor { shape, data })?;
+        }
+        for (path, value) in self.sae_values.drain(..) {
+            set.insert(path, value)?;
         }
         Ok(set)
     }
@@ -258,6 +366,17 @@ impl<'a> StepHooks<'a> {
                     dims[1] = units;
                     x.broadcast_mul(&Tensor::from_vec(f, dims, x.device())?)?
                 }
+                ReadyOp::Sae { sae, edit } => {
+                    let m = match &rows {
+                        None => None,
+                        Some(rows) => {
+                            let mut m = vec![0f32; t];
+                            rows.iter().for_each(|&r| m[r] = 1.0);
+                            Some(Tensor::from_vec(m, (t, 1), x.device())?)
+                        }
+                    };
+                    sae.apply(edit, &x, m.as_ref())?
+                }
                 ReadyOp::ProjectOut(d) => {
                     let along = x.broadcast_mul(d)?.sum_keepdim(D::Minus1)?;
                     let along = match &rows {
@@ -281,6 +400,9 @@ impl Hooks for StepHooks<'_> {
         let x = if self.edited.contains(&point) { self.apply(point, x.to_dtype(DType::F32)?)? } else { x };
         if self.wants(point) {
             self.kept.push((point, x.clone()));
+        }
+        if !self.saes.is_empty() {
+            self.record_saes(point, &x)?;
         }
         Ok(x)
     }

@@ -12,3 +12,4 @@ pub mod mlp;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod sae;

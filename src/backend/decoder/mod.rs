@@ -13,6 +13,7 @@ use crate::backend::blocks::mlp::{GateUp, Mlp};
 use crate::backend::blocks::moe::{FeedForward, Moe};
 use crate::backend::blocks::norm::Norm;
 use crate::backend::blocks::rope::Rope;
+use crate::backend::blocks::sae::SaeRegistry;
 use crate::backend::weights::embedding::Embedding;
 use crate::backend::weights::names::{Naming, Slot};
 
@@ -21,7 +22,7 @@ use crate::backend::error::{CandleContext, Result};
 use crate::backend::kv_cache::{KvCache, KvType};
 use crate::backend::weights::quantize::QuantizeReport;
 use crate::backend::weights::WeightLoader;
-use crate::core::{LayerPoint, Point};
+use crate::core::{LayerPoint, Point, SaePoint};
 
 /// One decoder layer.
 #[derive(Debug, Clone)]
@@ -79,6 +80,8 @@ pub struct Decoder {
     fingerprint: String,
     /// What quantization at load did, when it was asked for.
     quantized_at_load: Option<QuantizeReport>,
+    /// The sparse autoencoders attached to this model, shared with every clone and session.
+    saes: std::sync::Arc<SaeRegistry>,
 }
 
 impl Decoder {
@@ -231,6 +234,7 @@ impl Decoder {
             config,
             fingerprint: String::new(),
             quantized_at_load: w.quantize_report(),
+            saes: Default::default(),
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
         Ok(decoder)
@@ -382,9 +386,18 @@ impl Decoder {
         Point::for_layers(&sparse)
     }
 
-    /// Every observation path this decoder offers, in forward order.
+    /// Every observation path this decoder offers, in forward order, then the attached SAEs' points.
     pub fn observation_points(&self) -> Vec<String> {
-        self.points().iter().map(Point::to_string).collect()
+        let mut names: Vec<String> = self.points().iter().map(Point::to_string).collect();
+        for sae in self.saes.current().iter() {
+            names.extend(SaePoint::ALL.iter().map(|p| p.path(&sae.name)));
+        }
+        names
+    }
+
+    /// The sparse autoencoders attached to this model (shared by all its sessions).
+    pub fn saes(&self) -> &SaeRegistry {
+        &self.saes
     }
 
     /// The per-position shape of a point this decoder has (`None` for any other point).
@@ -429,6 +442,20 @@ impl Decoder {
         rows: LogitsRows,
         kind: StepKind,
     ) -> candle_core::Result<Vec<Tensor>> {
+        Ok(self.forward_batch_until(items, rows, kind, None)?.unwrap_or_default())
+    }
+
+    /// `forward_batch`, or with `last_layer` the pass stopped after that layer's output point:
+    /// no later layer, final norm or logits is computed (activation collection), `None` is
+    /// returned, and the caches hold keys of layers up to `last_layer` only, so the caller must
+    /// discard them (or truncate them to where they were) before any ordinary step.
+    pub fn forward_batch_until<H: Hooks>(
+        &self,
+        items: &mut [BatchItem<'_, H>],
+        rows: LogitsRows,
+        kind: StepKind,
+        last_layer: Option<usize>,
+    ) -> candle_core::Result<Option<Vec<Tensor>>> {
         let lens: Vec<usize> = items.iter().map(|it| it.ids.len()).collect();
         let positions: Vec<usize> = items.iter().map(|it| it.cache.len()).collect();
         let ids: Vec<u32> = items.iter().flat_map(|it| it.ids.iter().copied()).collect();
@@ -505,9 +532,15 @@ impl Decoder {
             let m = self.to_residual(m)?;
             x = if self.config.parallel_residual { ((x + a)? + m)? } else { (x + m)? };
             x = at_each(items, &lens, Point::Layer(i, LayerPoint::Output), x)?;
+            if last_layer == Some(i) {
+                break;
+            }
         }
         for (it, &t) in items.iter_mut().zip(&lens) {
             it.cache.advance(t);
+        }
+        if last_layer.is_some() {
+            return Ok(None);
         }
         // The final norm covers every row only when it is observed or edited; the vocabulary
         // matmul (the most expensive one) every row only when all logits are returned or observed.
@@ -535,7 +568,7 @@ impl Decoder {
         let logits =
             if rows == LogitsRows::Last && lens.iter().any(|&t| t > 1) { keep_last(logits, &lens)?.0 } else { logits };
         let per_item = if rows == LogitsRows::Last { vec![1; lens.len()] } else { lens };
-        split_rows(&logits, &per_item)
+        split_rows(&logits, &per_item).map(Some)
     }
 
     /// A branch's output as it joins the residual (scaled by Granite's `residual_multiplier`).

@@ -1,6 +1,7 @@
 //! The candle session: a shared decoder, its own KV cache, position and kept edits.
 
 pub mod prefix_cache;
+pub mod sae;
 pub mod snapshot;
 
 use std::sync::Arc;
@@ -176,8 +177,10 @@ impl CandleSession {
     /// Validates `edits` against this model and readies them for its device.
     fn ready(&self, edits: Vec<Intervention>) -> Result<KeptEdits> {
         let d = &self.decoder;
-        let set = InterventionSet::new(edits, |p| d.point_shape(p), self.cache.max_context())?;
-        let ready = ReadyEdits::new(&set, |p| d.point_shape(p).unwrap_or_default(), d.device())?;
+        let saes = d.saes().current();
+        let named: Vec<_> = saes.iter().map(|s| (s.name.clone(), s.point, s.d_sae())).collect();
+        let set = InterventionSet::with_saes(edits, |p| d.point_shape(p), &named, self.cache.max_context())?;
+        let ready = ReadyEdits::new(&set, |p| d.point_shape(p).unwrap_or_default(), &saes, d.device())?;
         Ok(KeptEdits { set, ready })
     }
 
@@ -273,7 +276,8 @@ impl CandleSession {
         }
         let kind = if matches!(operation, "decode" | "inspect_decode") { StepKind::Decode } else { StepKind::Prompt };
         let plain = request.is_none() && edits.is_empty();
-        let mut hooks = StepHooks::new(request, edits, start, tokens.len());
+        let saes = self.decoder.saes().current();
+        let mut hooks = StepHooks::new(request, edits, start, tokens.len()).with_saes(&saes);
         let mut logits = Vec::new();
         for part in tokens.chunks(chunk) {
             // The plain forward pass: no hook is even consulted.

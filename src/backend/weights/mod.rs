@@ -9,6 +9,7 @@ pub mod names;
 pub mod quantize;
 pub mod relayout;
 pub mod requant;
+pub mod sae;
 pub mod safetensors;
 
 use std::sync::Mutex;
