@@ -127,6 +127,12 @@ def sampling(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.stop:
         kw["stop"] = args.stop
+    if args.grammar_file:
+        # Lark or llama.cpp's GBNF, detected (or as --grammar-format says); a bad one is refused
+        # by the runtime before any step.
+        with open(args.grammar_file, encoding="utf-8") as f:
+            kw["grammar"] = f.read()
+        kw["grammar_format"] = args.grammar_format
     return kw
 
 
@@ -343,6 +349,10 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--prompt-lookup", type=non_negative, default=None, metavar="N",
                         help="speculative decoding by prompt lookup: up to N tokens copied from earlier in the "
                              "context are checked each step (0: off)")
+    sample.add_argument("--grammar-file", default=None, metavar="FILE",
+                        help="constrain the output to this grammar: llama.cpp's GBNF or Lark (llguidance's)")
+    sample.add_argument("--grammar-format", default=None, choices=["gbnf", "lark"],
+                        help="the --grammar-file's format (default: detected)")
     sample.add_argument(
         "--control-vector",
         action="append",

@@ -93,7 +93,7 @@ impl PyEngine {
     #[pyo3(text_signature = None, signature = (prompt, *, interventions=None, chat=false, chat_template=None,
         max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
-        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit<'py>(
@@ -119,6 +119,7 @@ impl PyEngine {
         skip_special_tokens: bool,
         response_format: Option<Bound<'py, PyAny>>,
         grammar: Option<String>,
+        grammar_format: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
@@ -141,6 +142,7 @@ impl PyEngine {
             skip_special_tokens,
             response_format,
             grammar,
+            grammar_format,
             regex,
             choice,
             prompt_lookup_num_tokens,

@@ -120,6 +120,7 @@ COMMON_FIELDS = {
     "logit_bias", "logprobs", "n", "stream", "stream_options", "response_format", "user",
     "top_k", "min_p", "repeat_penalty", "ignore_eos", "skip_special_tokens",
     "interventions", "control_vector", "observe", "prompt_lookup_num_tokens", "num_draft_tokens",
+    "grammar", "grammar_format",
 }
 FIELDS = {
     "completions": COMMON_FIELDS | {"prompt"},
@@ -172,6 +173,8 @@ SAMPLING = {
     "skip_special_tokens": "skip_special_tokens",
     # Constrained output (JSON object or schema), checked by the engine before any step.
     "response_format": "response_format",
+    # llama-server's `grammar` (GBNF; Lark is taken too, detected unless `grammar_format` says).
+    "grammar": "grammar", "grammar_format": "grammar_format",
     # Speculative decoding (used while a request runs alone; output unchanged either way).
     "prompt_lookup_num_tokens": "prompt_lookup_num_tokens", "num_draft_tokens": "num_draft_tokens",
 }
@@ -330,9 +333,10 @@ class Server:
         grammar = tok.tool_call_grammar(tools, choice, body.get("parallel_tool_calls") is not False,
                                         chat_template=self.chat_template) if choice not in ("auto", "none") else None
         if grammar is not None:
-            if "response_format" in kw:
-                raise ApiError(400, "tool_choice \"required\" or a named function constrains the output: "
-                               "response_format cannot be given with it", param="response_format")
+            for given in ("response_format", "grammar"):
+                if given in kw:
+                    raise ApiError(400, "tool_choice \"required\" or a named function constrains the output: "
+                                   f"{given} cannot be given with it", param=given)
             kw["grammar"] = grammar
         ids = tok.apply_chat_template(body["messages"], tools=tools, chat_template=self.chat_template,
                                       add_generation_prompt=True)
