@@ -135,15 +135,22 @@ STREAM_OPTIONS = {"include_usage"}
 MAX_USER_CHARS = 256
 
 
+def refuse_unknown(body: dict, honoured, where: str = "") -> None:
+    """A 400 naming the fields of `body` (an object at `where` in the request) not in `honoured`;
+    a field sent as null counts as absent."""
+    unknown = sorted(k for k, v in body.items() if v is not None and k not in honoured)
+    if unknown:
+        names = ", ".join(repr(where + k) for k in unknown)
+        raise ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''} {names}: "
+                       "this server does not honour it", param=where + unknown[0], code="unsupported_field")
+
+
 def check_fields(body: dict, route: str) -> None:
     """Refuses a field the server does not honour (OpenAI's `best_of`, `echo`, `suffix`,
     `audio`, `prediction`, ...) with a 400 naming it, and a known field given where it would do
     nothing (`stream_options` without `stream`, an unknown `stream_options` key, `top_logprobs`
     without `logprobs`, `parallel_tool_calls` without `tools`), as OpenAI refuses them."""
-    unknown = sorted(k for k, v in body.items() if v is not None and k not in FIELDS[route])
-    if unknown:
-        raise ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
-                       "this server does not honour it", param=unknown[0], code="unsupported_field")
+    refuse_unknown(body, FIELDS[route])
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
@@ -262,8 +269,19 @@ class Server:
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        # OpenAI's clients send the key as a bearer token, Anthropic's as `x-api-key`.
+        if (request.headers.get("authorization", "") != f"Bearer {self.api_key}"
+                and request.headers.get("x-api-key") != self.api_key):
             raise ApiError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+
+    async def body_within(self, request: Request, deadline: Optional[float]) -> dict:
+        """The request's JSON body (`body`), held to the request's deadline: a client slow to
+        send it is answered 408 (a slow-loris would otherwise keep a connection forever)."""
+        try:
+            return await within(self.body(request), deadline)
+        except asyncio.TimeoutError:
+            raise ApiError(408, "the request body did not arrive within the server's limit",
+                           code="request_timeout") from None
 
     async def body(self, request: Request) -> dict:
         ctype = request.headers.get("content-type", "")
@@ -513,15 +531,16 @@ def finish(r) -> str:
 def build_app(server: Server) -> Starlette:
     """The Starlette application serving `server`'s engine."""
 
-    async def handle(request: Request, route: str, fn) -> Response:
+    async def handle(request: Request, route: str, fn, errors=None) -> Response:
         started = time.perf_counter()
         try:
             # Health and metrics stay open to probes and scrapers; the API needs the key.
             if request.url.path.startswith("/v1/"):
                 server.check_key(request)
             response = await fn(request)
-        except Exception as e:  # every failure becomes an OpenAI-style error; the server goes on
-            response = api_error_of(e).response()
+        except Exception as e:  # every failure becomes an error answer (OpenAI's shape unless the
+            # route's API has its own); the server goes on
+            response = (errors or ApiError.response)(api_error_of(e))
         # Which process answered: replicas (under Ray Serve) are told apart by it.
         response.headers["X-Candlewick-Replica"] = str(os.getpid())
         server.metrics.count(route, response.status_code)
@@ -536,12 +555,7 @@ def build_app(server: Server) -> Starlette:
 
     async def completions(request: Request, chat: bool) -> Response:
         deadline = server.deadline()
-        try:
-            # A client slow to send its body is held to the same deadline (a slow-loris would
-            # otherwise keep a connection forever).
-            body = await within(server.body(request), deadline)
-        except asyncio.TimeoutError:
-            raise ApiError(408, "the request body did not arrive within the server's limit", code="request_timeout")
+        body = await server.body_within(request, deadline)
         check_fields(body, "chat_completions" if chat else "completions")
         request.state.user = body.get("user")
         if chat:
@@ -736,10 +750,14 @@ def build_app(server: Server) -> Starlette:
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    def route(path, fn, methods, name):
+    def route(path, fn, methods, name, errors=None):
         async def endpoint(request: Request) -> Response:
-            return await handle(request, name, fn)
+            return await handle(request, name, fn, errors)
         return Route(path, endpoint, methods=methods)
+
+    # The APIs that speak chat in other shapes, over the same chat path (turns.py).
+    from .messages import messages_routes
+    from .responses import responses_routes
 
     routes = [
         route("/health", health, ["GET"], "health"),
@@ -747,6 +765,8 @@ def build_app(server: Server) -> Starlette:
         route("/v1/completions", lambda r: completions(r, False), ["POST"], "completions"),
         route("/v1/chat/completions", lambda r: completions(r, True), ["POST"], "chat_completions"),
         route("/metrics", metrics, ["GET"], "metrics"),
+        *responses_routes(server, route),
+        *messages_routes(server, route),
     ]
     @asynccontextmanager
     async def lifespan(app):
