@@ -124,6 +124,8 @@ class Engine:
         max_kv_bytes: int | None = None,
         prefill_chunk: int | None = 128,
         prefix_cache_bytes: int = 268435456,
+        prefix_cache_dir: str | PathLike[str] | None = None,
+        prefix_cache_disk_bytes: int = 4294967296,
     ) -> Engine: ...
     def submit(
         self,

@@ -408,6 +408,10 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt tokens a joining request prefills per step beside the others' decoding; 0: whole")
     v.add_argument("--prefix-cache-mb", type=non_negative, default=256, metavar="MiB",
                    help="memory for prompt prefixes kept across requests (system prompts, histories); 0: off")
+    v.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep the prompt prefixes in this directory, so a restarted server reuses them")
+    v.add_argument("--prefix-cache-disk-mb", type=non_negative, default=4096, metavar="MiB",
+                   help="the most the --prefix-cache-dir holds; least recently used files go first")
     v.add_argument("--threads", "-t", type=positive, default=None,
                    help="CPU threads per server (per replica under --ray; default: one per core)")
     v.add_argument("--draft-model", default=None, metavar="MODEL",
@@ -488,6 +492,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit("candlewick: error: --filename and --revision choose files of a Hub repository; "
                          "name it with --model org/name")
     if args.ray:
+        if args.prefix_cache_dir:
+            # Each replica would keep its own account of one directory's cap.
+            raise SystemExit("--prefix-cache-dir is for one server; it is not supported with --ray")
         try:
             from .serve.ray import run
         except ImportError as e:
@@ -514,8 +521,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine's settings from `serve`'s flags."""
-    return {"prefill_chunk": args.prefill_chunk or None, "prefix_cache_bytes": args.prefix_cache_mb << 20,
-            "draft_model": args.draft_model}
+    options = {"prefill_chunk": args.prefill_chunk or None, "prefix_cache_bytes": args.prefix_cache_mb << 20,
+               "draft_model": args.draft_model}
+    if args.prefix_cache_dir:
+        options.update(prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk_bytes=args.prefix_cache_disk_mb << 20)
+    return options
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

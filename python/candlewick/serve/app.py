@@ -193,13 +193,14 @@ class Server:
     `request_timeout` (seconds; 0 or None: none) bounds each request from its arrival to its
     last byte: past it the request is cancelled in the engine and answered 504 (or, once its
     stream has begun, ended with an error event). `prefill_chunk` and `prefix_cache_bytes` are
-    the engine's (`candlewick.Engine`)."""
+    the engine's (`candlewick.Engine`), as are `prefix_cache_dir` and `prefix_cache_disk_bytes`."""
 
     def __init__(self, runtime: ModelRuntime, model_name: str, api_key: Optional[str] = None,
                  max_batch_size: int = 8, max_queue: int = 64,
                  control_vectors: Optional[dict[str, list]] = None, chat_template: Optional[str] = None, log=None,
                  request_timeout: Optional[float] = 600.0, prefill_chunk: Optional[int] = 128,
-                 prefix_cache_bytes: int = 256 << 20):
+                 prefix_cache_bytes: int = 256 << 20, prefix_cache_dir: Optional[str] = None,
+                 prefix_cache_disk_bytes: int = 4 << 30):
         if request_timeout is not None and request_timeout < 0:
             raise ValueError("request_timeout must be positive, or 0 or None for none")
         self.request_timeout = request_timeout or None
@@ -207,7 +208,8 @@ class Server:
         self.model_name = model_name
         self.api_key = api_key
         self.engine = Engine(runtime, max_batch_size=max_batch_size, max_queue=max_queue,
-                             prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+                             prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
+                             prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=prefix_cache_disk_bytes)
         self.control_vectors = control_vectors or {}
         self.chat_template = chat_template
         self.metrics = Metrics()
@@ -747,6 +749,14 @@ def build_app(server: Server) -> Starlette:
             f"candlewick_prefix_cache_bytes {s.get('prefix_cache_bytes', 0)}",
             "# TYPE candlewick_prefix_cache_evictions_total counter",
             f"candlewick_prefix_cache_evictions_total {s.get('prefix_cache_evictions', 0)}",
+            # The disk tier (--prefix-cache-dir): blocks read back, written, files refused.
+            "# TYPE candlewick_prefix_disk_bytes gauge", f"candlewick_prefix_disk_bytes {s.get('prefix_disk_bytes', 0)}",
+            "# TYPE candlewick_prefix_disk_loaded_blocks_total counter",
+            f"candlewick_prefix_disk_loaded_blocks_total {s.get('prefix_disk_loaded', 0)}",
+            "# TYPE candlewick_prefix_disk_written_blocks_total counter",
+            f"candlewick_prefix_disk_written_blocks_total {s.get('prefix_disk_written', 0)}",
+            "# TYPE candlewick_prefix_disk_skipped_files_total counter",
+            f"candlewick_prefix_disk_skipped_files_total {s.get('prefix_disk_skipped', 0)}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
