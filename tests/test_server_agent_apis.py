@@ -298,3 +298,21 @@ def test_messages_errors_reach_the_client_in_anthropic_shape(claude):
                                thinking={"type": "enabled", "budget_tokens": 1024})
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="another-model", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_readme_server_blocks_run_against_the_server(base, tmp_path):
+    """The README's `python server` blocks (a Responses and a Messages request), as written but
+    for the port."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    found = re.findall(r"^```python server\n(.*?)^```", readme, re.S | re.M)
+    assert len(found) == 2
+    for k, block in enumerate(found):
+        script = tmp_path / f"server_block_{k}.py"
+        script.write_text(block.replace("http://127.0.0.1:8000", base))
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -267,7 +267,7 @@ def messages_routes(server: Server, route) -> list:
 
     async def events(turn: Turn, mid: str, chat: dict):
         try:
-            head = {"id": mid, "type": "message", "role": "assistant", "model": server.model_name, "content": [],
+            head: dict = {"id": mid, "type": "message", "role": "assistant", "model": server.model_name, "content": [],
                     "stop_reason": None, "stop_sequence": None,
                     "usage": {"input_tokens": prompt_tokens(chat), "output_tokens": 0}}
             if turn.extension:

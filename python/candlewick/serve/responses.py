@@ -133,7 +133,7 @@ def conversation_of(input_) -> list:
         kind = item.get("type", "message")
         if kind == "message":
             refuse_unknown(item, {"type", "role", "content", "id", "status"}, where + ".")
-            role = ROLES.get(item.get("role"))
+            role = ROLES.get(str(item.get("role")))
             if role is None:
                 raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=where + ".role")
             messages.append({"role": role, "content": text_of(item.get("content"), where + ".content",
