@@ -266,6 +266,19 @@ class Server:
             raise ApiError(499, "the client closed the connection", code="client_closed_request")
         raise self.timeout_error()
 
+    async def started(self, request: Request, reqs: list, deadline: Optional[float]) -> None:
+        """Waits (under `guard`) for each of a streamed request's first event: until its first
+        token a request may still be refused, time out or be abandoned while queued, all
+        answered as plain HTTP errors; then its requests are cancelled."""
+        try:
+            await self.guard(request, started_all(reqs), reqs, deadline)
+            if any(r.cancelled for r in reqs):  # by a shutdown
+                raise self.shutdown_error()
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
+
     # -- request parsing -------------------------------------------------------------------
 
     def check_key(self, request: Request) -> None:
@@ -585,16 +598,7 @@ def build_app(server: Server) -> Starlette:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
-            # Until the first token the request may still be refused, time out or be abandoned
-            # while queued: all answered as plain HTTP errors.
-            try:
-                await server.guard(request, started_all(reqs), reqs, deadline)
-                if any(r.cancelled for r in reqs):  # by a shutdown
-                    raise server.shutdown_error()
-            except BaseException:
-                for r in reqs:
-                    r.cancel()
-                raise
+            await server.started(request, reqs, deadline)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(stream(reqs, rid, chat or tools is not None, include_usage, extension, deadline,
                                             tools), media_type="text/event-stream")

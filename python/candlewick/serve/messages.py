@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .app import ApiError, Server, refuse_unknown
-from .turns import Turn, sse_event, start_turn, text_of
+from .turns import Turn, function_tools, sse_event, start_turn, text_of
 
 # The fields /v1/messages honours: Anthropic's, then the sampling extensions and candlewick's
 # own (the `anthropic` client passes those with `extra_body`). Any other is a 400.
@@ -123,20 +123,9 @@ def chat_tools(tools, tool_choice) -> dict:
     `parallel_tool_calls`."""
     out: dict = {}
     if tools is not None:
-        if not isinstance(tools, list):
-            raise ApiError(400, "tools must be a list", param="tools")
-        chat = []
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or t.get("type") not in (None, "custom"):
-                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-                raise ApiError(400, f"tools[{i}]: tools of type {kind!r} are not supported by this server (client "
-                               "tools with an input_schema are)", param=f"tools[{i}].type", code="unsupported_field")
-            refuse_unknown(t, {"type", "name", "description", "input_schema", "cache_control"}, f"tools[{i}].")
-            fn = {"name": t.get("name"), "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
-            if t.get("description") is not None:
-                fn["description"] = t["description"]
-            chat.append({"type": "function", "function": fn})
-        out["tools"] = chat
+        out["tools"] = function_tools(tools, (None, "custom"), {"type", "name", "description", "input_schema",
+                                                                "cache_control"}, "input_schema",
+                                      "client tools with an input_schema are")
     if tool_choice is not None:
         if not isinstance(tool_choice, dict):
             raise ApiError(400, "tool_choice must be an object", param="tool_choice")

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .app import ApiError, Server, refuse_unknown
-from .turns import Turn, sse_event, start_turn, text_of
+from .turns import Turn, function_tools, sse_event, start_turn, text_of
 
 # The fields /v1/responses honours: OpenAI's, then llama-cpp-python's sampling extensions and
 # candlewick's own (the `openai` client passes those with `extra_body`). Any other is a 400.
@@ -74,19 +74,8 @@ def chat_tools(tools, tool_choice) -> tuple[Optional[list], object]:
     (web search, files, computer use, MCP) is a 400 naming it."""
     if tools is None:
         return None, tool_choice
-    if not isinstance(tools, list):
-        raise ApiError(400, "tools must be a list", param="tools")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise ApiError(400, f"tools[{i}]: tools of type {kind!r} are not supported by this server (function "
-                           "tools are)", param=f"tools[{i}].type", code="unsupported_field")
-        refuse_unknown(t, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}].")
-        fn = {"name": t.get("name"), "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
-        if t.get("description") is not None:
-            fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
+    out = function_tools(tools, ("function",), {"type", "name", "description", "parameters", "strict"}, "parameters",
+                         "function tools are")
     if isinstance(tool_choice, dict):
         if tool_choice.get("type") != "function" or not isinstance(tool_choice.get("name"), str):
             raise ApiError(400, "tool_choice: this server takes \"auto\", \"none\", \"required\" or "

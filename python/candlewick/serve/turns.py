@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Optional
 
 from starlette.requests import Request
 
-from .app import ApiError, Server, ToolRequest, finish, started_all, wait_all, within
+from .app import ApiError, Server, ToolRequest, finish, refuse_unknown, wait_all, within
 
 
 @dataclass
@@ -100,15 +100,29 @@ async def start_turn(server: Server, request: Request, body: dict, deadline: Opt
     prompt, chat = (tools.prompt, False) if tools is not None else (messages, True)
     reqs = server.submit_all(prompt, chat, kw, edits, 1)
     if body.get("stream"):
-        try:
-            await server.guard(request, started_all(reqs), reqs, deadline)
-            if any(r.cancelled for r in reqs):  # by a shutdown
-                raise server.shutdown_error()
-        except BaseException:
-            for r in reqs:
-                r.cancel()
-            raise
+        await server.started(request, reqs, deadline)
     return Turn(server, request, reqs, tools, extension, deadline)
+
+
+def function_tools(tools, kinds: tuple, honoured: set, schema: str, takes: str) -> list:
+    """An API's tools in chat's shape: each an object whose ``type`` is one of `kinds` (None: no
+    type given), with ``name``, ``description`` and its parameters' JSON schema under `schema`.
+    Another kind of tool is a 400 naming it (`takes`: what the server takes instead), as is a
+    field not in `honoured`."""
+    if not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list", param="tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") not in kinds:
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise ApiError(400, f"tools[{i}]: tools of type {kind!r} are not supported by this server ({takes})",
+                           param=f"tools[{i}].type", code="unsupported_field")
+        refuse_unknown(t, honoured, f"tools[{i}].")
+        fn = {"name": t.get("name"), "parameters": t.get(schema) or {"type": "object", "properties": {}}}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 def sse_event(name: str, data: dict) -> str:
