@@ -33,6 +33,8 @@ use candle_core::{DType, Device, Tensor};
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::kv_cache::KvType;
 
+use super::snapshot::{file_checksum, tensors_checksum};
+
 const FORMAT: &str = "candlewick.prefix-block";
 const VERSION: &str = "1";
 const EXT: &str = "cwkv";
@@ -204,10 +206,7 @@ impl PrefixDisk {
             return Ok(None);
         }
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut crc = crc32fast::Hasher::new();
-        for (_, t) in &tensors {
-            crc.update(&tensor_bytes(t));
-        }
+        let checksum = tensors_checksum(&tensors).ctx(ctx)?;
         let metadata = HashMap::from([
             ("format".to_owned(), FORMAT.to_owned()),
             ("version".to_owned(), VERSION.to_owned()),
@@ -217,7 +216,7 @@ impl PrefixDisk {
             ("end".to_owned(), prefix.len().to_string()),
             ("layers".to_owned(), layers.len().to_string()),
             ("present".to_owned(), present.join(",")),
-            ("checksum".to_owned(), format!("{:08x}", crc.finalize())),
+            ("checksum".to_owned(), checksum),
         ]);
         // Written whole under a name of this process's own, then renamed: a reader (this process
         // after a crash, or another sharing the directory) never sees half a block.
@@ -315,13 +314,7 @@ fn read_block(
         return Err(bad("another prefix length or layer count".into()));
     }
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
-    let mut names: Vec<String> = st.names().into_iter().map(str::to_owned).collect();
-    names.sort();
-    let mut crc = crc32fast::Hasher::new();
-    for n in &names {
-        crc.update(st.tensor(n).map_err(|e| bad(e.to_string()))?.data());
-    }
-    if format!("{:08x}", crc.finalize()) != field("checksum")? {
+    if file_checksum(&st).map_err(|e| bad(e.to_string()))? != field("checksum")? {
         return Err(bad("checksum mismatch: the file is damaged".into()));
     }
     let load = |name: &str| -> Result<Tensor> {
@@ -350,13 +343,60 @@ fn read_block(
         }
         layers[i] = Some((k, v));
     }
-    if names.len() != 1 + 2 * layers.iter().filter(|l| l.is_some()).count() {
+    if st.len() != 1 + 2 * layers.iter().filter(|l| l.is_some()).count() {
         return Err(bad("tensors beyond the ones listed".into()));
     }
     Ok(layers)
 }
 
-fn tensor_bytes(t: &Tensor) -> Vec<u8> {
-    use safetensors::View;
-    t.data().into_owned()
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity(fingerprint: &str) -> BlockIdentity {
+        BlockIdentity {
+            fingerprint: fingerprint.into(),
+            kv_cache_type: KvType::Dense(DType::F32),
+            block_tokens: 4,
+            layers: 2,
+            shape: [1, 1, 4, 2],
+            dtype: DType::F32,
+        }
+    }
+
+    fn layers(x: f32) -> Vec<Option<(Tensor, Tensor)>> {
+        let t = Tensor::full(x, (1, 1, 4, 2), &Device::Cpu).unwrap();
+        vec![Some((t.clone(), t)), None]
+    }
+
+    #[test]
+    fn a_block_comes_back_and_another_models_file_is_skipped() {
+        let dir = std::env::temp_dir().join(format!("candlewick-prefix-disk-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let mut disk = PrefixDisk::open(&dir, 1 << 20).unwrap();
+        let (a, b, prefix) = (identity("aaaa"), identity("bbbb"), [1u32, 2, 3, 4]);
+        assert_ne!(PrefixDisk::file_name(&a, &prefix), PrefixDisk::file_name(&b, &prefix));
+        assert_ne!(PrefixDisk::file_name(&a, &prefix), PrefixDisk::file_name(&a, &[1, 2, 3, 5]));
+        disk.write(&a, &prefix, &layers(1.5));
+        let back = disk.read(&a, &prefix, &Device::Cpu).unwrap();
+        assert!(back[1].is_none());
+        assert_eq!(back[0].as_ref().unwrap().1.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1.5; 8]);
+        assert!(disk.read(&a, &[1, 2, 3, 5], &Device::Cpu).is_none(), "no file: nothing, nothing skipped");
+        assert_eq!(disk.stats().skipped, 0);
+
+        // Another model's block under this model's name: skipped, counted and deleted.
+        disk.write(&b, &prefix, &layers(2.0));
+        let name = PrefixDisk::file_name(&a, &prefix);
+        fs::copy(dir.join(PrefixDisk::file_name(&b, &prefix)), dir.join(&name)).unwrap();
+        assert!(disk.read(&a, &prefix, &Device::Cpu).is_none());
+        assert_eq!(disk.stats().skipped, 1);
+        assert!(!dir.join(&name).exists());
+
+        // A reopened directory with a cap of one file keeps the most recently used.
+        drop(disk);
+        let disk =
+            PrefixDisk::open(&dir, fs::metadata(dir.join(PrefixDisk::file_name(&b, &prefix))).unwrap().len()).unwrap();
+        assert_eq!(disk.stats().files, 1);
+        let _ = fs::remove_dir_all(&dir);
+    }
 }
