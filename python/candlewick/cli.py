@@ -128,6 +128,12 @@ def sampling(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.stop:
         kw["stop"] = args.stop
+    if args.grammar_file:
+        # Lark or llama.cpp's GBNF, detected (or as --grammar-format says); a bad one is refused
+        # by the runtime before any step.
+        with open(args.grammar_file, encoding="utf-8") as f:
+            kw["grammar"] = f.read()
+        kw["grammar_format"] = args.grammar_format
     return kw
 
 
@@ -367,6 +373,10 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--prompt-lookup", type=non_negative, default=None, metavar="N",
                         help="speculative decoding by prompt lookup: up to N tokens copied from earlier in the "
                              "context are checked each step (0: off)")
+    sample.add_argument("--grammar-file", default=None, metavar="FILE",
+                        help="constrain the output to this grammar: llama.cpp's GBNF or Lark (llguidance's)")
+    sample.add_argument("--grammar-format", default=None, choices=["gbnf", "lark"],
+                        help="the --grammar-file's format (default: detected)")
     sample.add_argument(
         "--control-vector",
         action="append",
@@ -429,6 +439,10 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt tokens a joining request prefills per step beside the others' decoding; 0: whole")
     v.add_argument("--prefix-cache-mb", type=non_negative, default=256, metavar="MiB",
                    help="memory for prompt prefixes kept across requests (system prompts, histories); 0: off")
+    v.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep the prompt prefixes in this directory, so a restarted server reuses them")
+    v.add_argument("--prefix-cache-disk-mb", type=non_negative, default=4096, metavar="MiB",
+                   help="the most the --prefix-cache-dir holds; least recently used files go first")
     v.add_argument("--threads", "-t", type=positive, default=None,
                    help="CPU threads per server (per replica under --ray; default: one per core)")
     v.add_argument("--draft-model", default=None, metavar="MODEL",
@@ -517,6 +531,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray and args.sae:
         raise SystemExit("--sae is not supported with --ray (attach SAEs in a single-process server)")
     if args.ray:
+        if args.prefix_cache_dir:
+            # Each replica would keep its own account of one directory's cap.
+            raise SystemExit("--prefix-cache-dir is for one server; it is not supported with --ray")
         try:
             from .serve.ray import run
         except ImportError as e:
@@ -545,8 +562,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine's settings from `serve`'s flags."""
-    return {"prefill_chunk": args.prefill_chunk or None, "prefix_cache_bytes": args.prefix_cache_mb << 20,
-            "draft_model": args.draft_model}
+    options = {"prefill_chunk": args.prefill_chunk or None, "prefix_cache_bytes": args.prefix_cache_mb << 20,
+               "draft_model": args.draft_model}
+    if args.prefix_cache_dir:
+        options.update(prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk_bytes=args.prefix_cache_disk_mb << 20)
+    return options
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

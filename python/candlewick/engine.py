@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence
@@ -124,6 +125,8 @@ class Engine:
         prefill_chunk: Optional[int] = 128,
         prefix_cache_bytes: int = 256 << 20,
         *,
+        prefix_cache_dir: Optional[str | os.PathLike] = None,
+        prefix_cache_disk_bytes: int = 4 << 30,
         filename: Optional[str] = None,
         revision: Optional[str] = None,
         **load_options: Any,
@@ -137,7 +140,12 @@ class Engine:
         None prefills each prompt whole when it joins. `prefix_cache_bytes`: memory for the keys
         and values of prompt prefixes kept across requests (64-token blocks, least recently used
         evicted first), so a request that starts like an earlier one (a system prompt, few-shot
-        examples, an agent's history) skips computing that part; 0 turns it off. `load_options`,
+        examples, an agent's history) skips computing that part; 0 turns it off.
+        `prefix_cache_dir`: a directory the prefix cache also writes its blocks to and reads them
+        back from, so a later engine (a restarted server) skips the same prefixes; at most
+        `prefix_cache_disk_bytes` of files, least recently used deleted first; a damaged or
+        another model's file is skipped and counted (``stats()["prefix_disk_skipped"]``), never
+        loaded (docs/engine.md). `load_options`,
         `filename` and `revision` go to loading when `model` is a path or a Hub name; with a runtime,
         loaded already, they are refused (`InvalidOptionError` naming them) rather than dropped."""
         if isinstance(model, ModelRuntime):
@@ -150,7 +158,7 @@ class Engine:
         else:
             self.runtime = ModelRuntime.load(model, filename=filename, revision=revision, **load_options)
         self._native = _native.Engine(self.runtime, max_batch_size, max_queue, max_kv_bytes, prefill_chunk,
-                                      prefix_cache_bytes)
+                                      prefix_cache_bytes, prefix_cache_dir, prefix_cache_disk_bytes)
 
     def submit(
         self,

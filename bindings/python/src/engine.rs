@@ -18,6 +18,8 @@ use candlewick::engine::{Engine, EngineError, EngineEvent, EngineOptions, Reques
 
 const _: () = assert!(candlewick::engine::DEFAULT_PREFILL_CHUNK == 128, "update Engine's text_signature");
 const _: () = assert!(candlewick::engine::DEFAULT_PREFIX_CACHE_BYTES == 268_435_456, "update Engine's text_signature");
+const _: () =
+    assert!(candlewick::engine::DEFAULT_PREFIX_CACHE_DISK_BYTES == 4_294_967_296, "update Engine's text_signature");
 
 /// Many requests over one model, stepped together in a background thread.
 #[pyclass(name = "Engine", module = "candlewick._native", frozen)]
@@ -40,6 +42,11 @@ impl PyEngine {
     ///     prefix_cache_bytes (int): memory for the prefix cache, the keys and values of prompt
     ///         prefixes kept across requests (in 64-token blocks, least recently used evicted
     ///         first) so a request that starts like an earlier one skips that part; 0: none.
+    ///     prefix_cache_dir (str | None): a directory the prefix cache also writes its blocks to
+    ///         and reads them back from (checked: a damaged or foreign file is skipped), so a
+    ///         later engine, a restarted server, reuses them.
+    ///     prefix_cache_disk_bytes (int): the most bytes of block files in that directory; the
+    ///         least recently used go first.
     ///
     /// Returns:
     ///     Engine: running in a background thread until ``close()``.
@@ -51,8 +58,10 @@ impl PyEngine {
     // the assertion below keeps the two equal.
     #[pyo3(signature = (runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None,
         prefill_chunk=Some(candlewick::engine::DEFAULT_PREFILL_CHUNK),
-        prefix_cache_bytes=candlewick::engine::DEFAULT_PREFIX_CACHE_BYTES),
-        text_signature = "(runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None, prefill_chunk=128, prefix_cache_bytes=268435456)")]
+        prefix_cache_bytes=candlewick::engine::DEFAULT_PREFIX_CACHE_BYTES, prefix_cache_dir=None,
+        prefix_cache_disk_bytes=candlewick::engine::DEFAULT_PREFIX_CACHE_DISK_BYTES),
+        text_signature = "(runtime, max_batch_size=8, max_queue=64, max_kv_bytes=None, prefill_chunk=128, prefix_cache_bytes=268435456, prefix_cache_dir=None, prefix_cache_disk_bytes=4294967296)")]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         runtime: Py<PyModelRuntime>,
@@ -61,11 +70,21 @@ impl PyEngine {
         max_kv_bytes: Option<usize>,
         prefill_chunk: Option<usize>,
         prefix_cache_bytes: usize,
+        prefix_cache_dir: Option<std::path::PathBuf>,
+        prefix_cache_disk_bytes: u64,
     ) -> PyResult<Self> {
         if max_batch_size == 0 || max_queue == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err("max_batch_size and max_queue must be >= 1"));
         }
-        let options = EngineOptions { max_batch_size, max_queue, max_kv_bytes, prefill_chunk, prefix_cache_bytes };
+        let options = EngineOptions {
+            max_batch_size,
+            max_queue,
+            max_kv_bytes,
+            prefill_chunk,
+            prefix_cache_bytes,
+            prefix_cache_dir,
+            prefix_cache_disk_bytes,
+        };
         let rt = runtime.get();
         let engine = py.detach(|| catch_panic(|| Engine::new(&*rt.lock_detached()?, options).map_err(engine_err)))?;
         Ok(Self { inner: Mutex::new(Some(engine)), runtime })
@@ -93,7 +112,7 @@ impl PyEngine {
     #[pyo3(text_signature = None, signature = (prompt, *, interventions=None, chat=false, chat_template=None,
         max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
-        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit<'py>(
@@ -119,6 +138,7 @@ impl PyEngine {
         skip_special_tokens: bool,
         response_format: Option<Bound<'py, PyAny>>,
         grammar: Option<String>,
+        grammar_format: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
@@ -141,6 +161,7 @@ impl PyEngine {
             skip_special_tokens,
             response_format,
             grammar,
+            grammar_format,
             regex,
             choice,
             prompt_lookup_num_tokens,
@@ -179,6 +200,12 @@ impl PyEngine {
             d.set_item("prefix_hits", s.prefix_hits.load(Relaxed))?;
             d.set_item("prefix_cache_bytes", s.prefix_cache_bytes.load(Relaxed))?;
             d.set_item("prefix_cache_evictions", s.prefix_cache_evictions.load(Relaxed))?;
+            d.set_item("prefix_disk_files", s.prefix_disk_files.load(Relaxed))?;
+            d.set_item("prefix_disk_bytes", s.prefix_disk_bytes.load(Relaxed))?;
+            d.set_item("prefix_disk_loaded", s.prefix_disk_loaded.load(Relaxed))?;
+            d.set_item("prefix_disk_written", s.prefix_disk_written.load(Relaxed))?;
+            d.set_item("prefix_disk_skipped", s.prefix_disk_skipped.load(Relaxed))?;
+            d.set_item("prefix_disk_evictions", s.prefix_disk_evictions.load(Relaxed))?;
             d.set_item("max_batch_size", e.options().max_batch_size)?;
             d.set_item("max_queue", e.options().max_queue)?;
         }

@@ -40,7 +40,7 @@ impl PyModelRuntime {
     ///     ('length', 16)
     #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
         top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
@@ -63,6 +63,7 @@ impl PyModelRuntime {
         skip_special_tokens: bool,
         response_format: Option<Bound<'py, PyAny>>,
         grammar: Option<String>,
+        grammar_format: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
@@ -85,6 +86,7 @@ impl PyModelRuntime {
             skip_special_tokens,
             response_format,
             grammar,
+            grammar_format,
             regex,
             choice,
             prompt_lookup_num_tokens,
@@ -115,7 +117,7 @@ impl PyModelRuntime {
     ///     ...     print(piece, end="", flush=True)
     #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn stream<'py>(
@@ -137,6 +139,7 @@ impl PyModelRuntime {
         skip_special_tokens: bool,
         response_format: Option<Bound<'py, PyAny>>,
         grammar: Option<String>,
+        grammar_format: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
@@ -159,6 +162,7 @@ impl PyModelRuntime {
             skip_special_tokens,
             response_format,
             grammar,
+            grammar_format,
             regex,
             choice,
             prompt_lookup_num_tokens,
@@ -204,7 +208,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (messages, *, stream=false, chat_template=None, tools=None,
         tool_choice=None, parallel_tool_calls=true, tool_call_format=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
-        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat<'py>(
@@ -232,6 +236,7 @@ impl PyModelRuntime {
         skip_special_tokens: bool,
         response_format: Option<Bound<'py, PyAny>>,
         grammar: Option<String>,
+        grammar_format: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
@@ -254,6 +259,7 @@ impl PyModelRuntime {
             skip_special_tokens,
             response_format,
             grammar,
+            grammar_format,
             regex,
             choice,
             prompt_lookup_num_tokens,
@@ -341,7 +347,7 @@ impl PyModelRuntime {
     ///     >>> [r.text for r in rt.generate_batch(["Hello", "Bonjour"], max_tokens=4, temperature=0)]
     #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, regex=None,
+        logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch<'py>(
@@ -364,6 +370,7 @@ impl PyModelRuntime {
         skip_special_tokens: bool,
         response_format: Option<Bound<'py, PyAny>>,
         grammar: Option<String>,
+        grammar_format: Option<String>,
         regex: Option<String>,
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
@@ -386,6 +393,7 @@ impl PyModelRuntime {
             skip_special_tokens,
             response_format,
             grammar,
+            grammar_format,
             regex,
             choice,
             prompt_lookup_num_tokens,

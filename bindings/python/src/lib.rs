@@ -49,7 +49,7 @@ macro_rules! sampling_signature {
             candlewick::default_max_tokens!(),
             ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
             "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
-            "ignore_eos=False, logprobs=None, skip_special_tokens=True, response_format=None, grammar=None, ",
+            "ignore_eos=False, logprobs=None, skip_special_tokens=True, response_format=None, grammar=None, grammar_format=None, ",
             "regex=None, choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None"
         )
     };
@@ -80,7 +80,10 @@ macro_rules! sampling_args_doc {
             "    response_format (dict | None): OpenAI's ``{\"type\": \"json_object\"}`` or\n",
             "        ``{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}``: the\n",
             "        output is JSON (valid against the schema).\n",
-            "    grammar (str | None): a Lark grammar (llguidance's dialect) the output follows.\n",
+            "    grammar (str | None): a grammar the output follows: Lark (llguidance's dialect) or\n",
+            "        llama.cpp's GBNF (converted by ``candlewick.grammar.to_lark``).\n",
+            "    grammar_format (str | None): ``\"lark\"`` or ``\"gbnf\"``; None: detected (GBNF has\n",
+            "        ``name ::= ...`` rules).\n",
             "    regex (str | None): a regular expression the whole output matches.\n",
             "    choice (list[str] | None): the output is exactly one of these strings.\n",
             "        One constraint at most; an unsatisfiable or unsupported one raises\n",

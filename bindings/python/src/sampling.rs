@@ -42,8 +42,10 @@ pub struct SamplingArgs<'py> {
     pub skip_special_tokens: bool,
     /// OpenAI's `response_format` dict.
     pub response_format: Option<Bound<'py, PyAny>>,
-    /// A Lark grammar.
+    /// A Lark or GBNF grammar.
     pub grammar: Option<String>,
+    /// `"lark"` or `"gbnf"`; `None`: detected from the grammar.
+    pub grammar_format: Option<String>,
     /// A regular expression.
     pub regex: Option<String>,
     /// Strings, one of which is the output.
@@ -127,6 +129,32 @@ impl SamplingArgs<'_> {
 }
 
 impl SamplingArgs<'_> {
+    /// `grammar` as the Lark grammar llguidance compiles: a GBNF one (`grammar_format="gbnf"`, or
+    /// detected) converted by `candlewick.grammar.to_lark`, the one converter of the package.
+    fn grammar(&self) -> PyResult<Option<ConstraintSpec>> {
+        let Some(text) = &self.grammar else {
+            if let Some(format) = &self.grammar_format {
+                return Err(GenerationOptionError::new_err(format!("grammar_format={format:?} needs a grammar")));
+            }
+            return Ok(None);
+        };
+        Python::attach(|py| {
+            let lark = py
+                .import("candlewick.grammar")?
+                .getattr("to_lark")?
+                .call1((text, self.grammar_format.as_deref()))
+                .map_err(|e| {
+                    // A format or GBNF text that does not parse is a bad option, named as such.
+                    if e.is_instance_of::<pyo3::exceptions::PyValueError>(py) {
+                        GenerationOptionError::new_err(format!("grammar: {}", e.value(py)))
+                    } else {
+                        e
+                    }
+                })?;
+            Ok(Some(ConstraintSpec::Lark(lark.extract()?)))
+        })
+    }
+
     /// The one output constraint these arguments ask for, if any.
     fn constraint(&self) -> PyResult<Option<ConstraintSpec>> {
         let format = match &self.response_format {
@@ -135,7 +163,7 @@ impl SamplingArgs<'_> {
         };
         let given: Vec<(&str, ConstraintSpec)> = [
             ("response_format", format),
-            ("grammar", self.grammar.clone().map(ConstraintSpec::Lark)),
+            ("grammar", self.grammar()?),
             ("regex", self.regex.clone().map(ConstraintSpec::Regex)),
             ("choice", self.choice.clone().map(ConstraintSpec::Choice)),
         ]

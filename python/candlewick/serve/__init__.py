@@ -97,7 +97,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
           draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
           filename: Optional[str] = None, revision: Optional[str] = None,
           allow_image_urls: bool = False, image_url_max_bytes: int = 20 << 20,
-          image_url_timeout: Optional[float] = 10.0, saes=None) -> None:
+          image_url_timeout: Optional[float] = 10.0, saes=None,
+          prefix_cache_dir: Optional[str] = None, prefix_cache_disk_bytes: int = 4 << 30) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
 
     `model` is a local path or a Hub name (``org/name[:TAG]``, with `filename` and `revision` as
@@ -129,7 +130,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                     chat_template=chat_template, log=log, request_timeout=request_timeout,
                     prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
-                    image_policy=ImagePolicy(allow_image_urls, image_url_max_bytes, image_url_timeout))
+                    image_policy=ImagePolicy(allow_image_urls, image_url_max_bytes, image_url_timeout),
+                    prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=prefix_cache_disk_bytes)
     log(f"serving {server.model_name} on http://{host}:{port}/v1")
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False,
                             limit_concurrency=connection_limit(max_batch_size, max_queue))

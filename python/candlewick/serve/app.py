@@ -126,6 +126,7 @@ COMMON_FIELDS = {
     "top_k", "min_p", "repeat_penalty", "ignore_eos", "skip_special_tokens",
     "interventions", "control_vector", "observe", "prompt_lookup_num_tokens", "num_draft_tokens",
     "sae_edits",
+    "grammar", "grammar_format",
 }
 FIELDS = {
     "completions": COMMON_FIELDS | {"prompt"},
@@ -140,15 +141,22 @@ STREAM_OPTIONS = {"include_usage"}
 MAX_USER_CHARS = 256
 
 
+def refuse_unknown(body: dict, honoured, where: str = "") -> None:
+    """A 400 naming the fields of `body` (an object at `where` in the request) not in `honoured`;
+    a field sent as null counts as absent."""
+    unknown = sorted(k for k, v in body.items() if v is not None and k not in honoured)
+    if unknown:
+        names = ", ".join(repr(where + k) for k in unknown)
+        raise ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''} {names}: "
+                       "this server does not honour it", param=where + unknown[0], code="unsupported_field")
+
+
 def check_fields(body: dict, route: str) -> None:
     """Refuses a field the server does not honour (OpenAI's `best_of`, `echo`, `suffix`,
     `audio`, `prediction`, ...) with a 400 naming it, and a known field given where it would do
     nothing (`stream_options` without `stream`, an unknown `stream_options` key, `top_logprobs`
     without `logprobs`, `parallel_tool_calls` without `tools`), as OpenAI refuses them."""
-    unknown = sorted(k for k, v in body.items() if v is not None and k not in FIELDS[route])
-    if unknown:
-        raise ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
-                       "this server does not honour it", param=unknown[0], code="unsupported_field")
+    refuse_unknown(body, FIELDS[route])
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
@@ -178,6 +186,8 @@ SAMPLING = {
     "skip_special_tokens": "skip_special_tokens",
     # Constrained output (JSON object or schema), checked by the engine before any step.
     "response_format": "response_format",
+    # llama-server's `grammar` (GBNF; Lark is taken too, detected unless `grammar_format` says).
+    "grammar": "grammar", "grammar_format": "grammar_format",
     # Speculative decoding (used while a request runs alone; output unchanged either way).
     "prompt_lookup_num_tokens": "prompt_lookup_num_tokens", "num_draft_tokens": "num_draft_tokens",
 }
@@ -213,13 +223,14 @@ class Server:
     `request_timeout` (seconds; 0 or None: none) bounds each request from its arrival to its
     last byte: past it the request is cancelled in the engine and answered 504 (or, once its
     stream has begun, ended with an error event). `prefill_chunk` and `prefix_cache_bytes` are
-    the engine's (`candlewick.Engine`)."""
+    the engine's (`candlewick.Engine`), as are `prefix_cache_dir` and `prefix_cache_disk_bytes`."""
 
     def __init__(self, runtime: ModelRuntime, model_name: str, api_key: Optional[str] = None,
                  max_batch_size: int = 8, max_queue: int = 64,
                  control_vectors: Optional[dict[str, list]] = None, chat_template: Optional[str] = None, log=None,
                  request_timeout: Optional[float] = 600.0, prefill_chunk: Optional[int] = 128,
-                 prefix_cache_bytes: int = 256 << 20, image_policy: Optional[ImagePolicy] = None):
+                 prefix_cache_bytes: int = 256 << 20, image_policy: Optional[ImagePolicy] = None,
+                 prefix_cache_dir: Optional[str] = None, prefix_cache_disk_bytes: int = 4 << 30):
         if request_timeout is not None and request_timeout < 0:
             raise ValueError("request_timeout must be positive, or 0 or None for none")
         self.request_timeout = request_timeout or None
@@ -227,7 +238,8 @@ class Server:
         self.model_name = model_name
         self.api_key = api_key
         self.engine = Engine(runtime, max_batch_size=max_batch_size, max_queue=max_queue,
-                             prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+                             prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
+                             prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=prefix_cache_disk_bytes)
         self.control_vectors = control_vectors or {}
         self.chat_template = chat_template
         self.metrics = Metrics()
@@ -286,13 +298,37 @@ class Server:
             raise ApiError(499, "the client closed the connection", code="client_closed_request")
         raise self.timeout_error()
 
+    async def started(self, request: Request, reqs: list, deadline: Optional[float]) -> None:
+        """Waits (under `guard`) for each of a streamed request's first event: until its first
+        token a request may still be refused, time out or be abandoned while queued, all
+        answered as plain HTTP errors; then its requests are cancelled."""
+        try:
+            await self.guard(request, started_all(reqs), reqs, deadline)
+            if any(r.cancelled for r in reqs):  # by a shutdown
+                raise self.shutdown_error()
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
+
     # -- request parsing -------------------------------------------------------------------
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        # OpenAI's clients send the key as a bearer token, Anthropic's as `x-api-key`.
+        if (request.headers.get("authorization", "") != f"Bearer {self.api_key}"
+                and request.headers.get("x-api-key") != self.api_key):
             raise ApiError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+
+    async def body_within(self, request: Request, deadline: Optional[float]) -> dict:
+        """The request's JSON body (`body`), held to the request's deadline: a client slow to
+        send it is answered 408 (a slow-loris would otherwise keep a connection forever)."""
+        try:
+            return await within(self.body(request), deadline)
+        except asyncio.TimeoutError:
+            raise ApiError(408, "the request body did not arrive within the server's limit",
+                           code="request_timeout") from None
 
     async def body(self, request: Request) -> dict:
         ctype = request.headers.get("content-type", "")
@@ -362,9 +398,10 @@ class Server:
         grammar = tok.tool_call_grammar(tools, choice, body.get("parallel_tool_calls") is not False,
                                         chat_template=self.chat_template) if choice not in ("auto", "none") else None
         if grammar is not None:
-            if "response_format" in kw:
-                raise ApiError(400, "tool_choice \"required\" or a named function constrains the output: "
-                               "response_format cannot be given with it", param="response_format")
+            for given in ("response_format", "grammar"):
+                if given in kw:
+                    raise ApiError(400, "tool_choice \"required\" or a named function constrains the output: "
+                                   f"{given} cannot be given with it", param=given)
             kw["grammar"] = grammar
         ids = tok.apply_chat_template(body["messages"], tools=tools, chat_template=self.chat_template,
                                       add_generation_prompt=True)
@@ -544,15 +581,16 @@ def finish(r) -> str:
 def build_app(server: Server) -> Starlette:
     """The Starlette application serving `server`'s engine."""
 
-    async def handle(request: Request, route: str, fn) -> Response:
+    async def handle(request: Request, route: str, fn, errors=None) -> Response:
         started = time.perf_counter()
         try:
             # Health and metrics stay open to probes and scrapers; the API needs the key.
             if request.url.path.startswith("/v1/"):
                 server.check_key(request)
             response = await fn(request)
-        except Exception as e:  # every failure becomes an OpenAI-style error; the server goes on
-            response = api_error_of(e).response()
+        except Exception as e:  # every failure becomes an error answer (OpenAI's shape unless the
+            # route's API has its own); the server goes on
+            response = (errors or ApiError.response)(api_error_of(e))
         # Which process answered: replicas (under Ray Serve) are told apart by it.
         response.headers["X-Candlewick-Replica"] = str(os.getpid())
         server.metrics.count(route, response.status_code)
@@ -567,12 +605,7 @@ def build_app(server: Server) -> Starlette:
 
     async def completions(request: Request, chat: bool) -> Response:
         deadline = server.deadline()
-        try:
-            # A client slow to send its body is held to the same deadline (a slow-loris would
-            # otherwise keep a connection forever).
-            body = await within(server.body(request), deadline)
-        except asyncio.TimeoutError:
-            raise ApiError(408, "the request body did not arrive within the server's limit", code="request_timeout")
+        body = await server.body_within(request, deadline)
         check_fields(body, "chat_completions" if chat else "completions")
         request.state.user = body.get("user")
         if chat:
@@ -606,16 +639,7 @@ def build_app(server: Server) -> Starlette:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
-            # Until the first token the request may still be refused, time out or be abandoned
-            # while queued: all answered as plain HTTP errors.
-            try:
-                await server.guard(request, started_all(reqs), reqs, deadline)
-                if any(r.cancelled for r in reqs):  # by a shutdown
-                    raise server.shutdown_error()
-            except BaseException:
-                for r in reqs:
-                    r.cancel()
-                raise
+            await server.started(request, reqs, deadline)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(stream(reqs, rid, chat or tools is not None, include_usage, extension, deadline,
                                             tools), media_type="text/event-stream")
@@ -770,13 +794,25 @@ def build_app(server: Server) -> Starlette:
             f"candlewick_prefix_cache_bytes {s.get('prefix_cache_bytes', 0)}",
             "# TYPE candlewick_prefix_cache_evictions_total counter",
             f"candlewick_prefix_cache_evictions_total {s.get('prefix_cache_evictions', 0)}",
+            # The disk tier (--prefix-cache-dir): blocks read back, written, files refused.
+            "# TYPE candlewick_prefix_disk_bytes gauge", f"candlewick_prefix_disk_bytes {s.get('prefix_disk_bytes', 0)}",
+            "# TYPE candlewick_prefix_disk_loaded_blocks_total counter",
+            f"candlewick_prefix_disk_loaded_blocks_total {s.get('prefix_disk_loaded', 0)}",
+            "# TYPE candlewick_prefix_disk_written_blocks_total counter",
+            f"candlewick_prefix_disk_written_blocks_total {s.get('prefix_disk_written', 0)}",
+            "# TYPE candlewick_prefix_disk_skipped_files_total counter",
+            f"candlewick_prefix_disk_skipped_files_total {s.get('prefix_disk_skipped', 0)}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    def route(path, fn, methods, name):
+    def route(path, fn, methods, name, errors=None):
         async def endpoint(request: Request) -> Response:
-            return await handle(request, name, fn)
+            return await handle(request, name, fn, errors)
         return Route(path, endpoint, methods=methods)
+
+    # The APIs that speak chat in other shapes, over the same chat path (turns.py).
+    from .messages import messages_routes
+    from .responses import responses_routes
 
     routes = [
         route("/health", health, ["GET"], "health"),
@@ -784,6 +820,8 @@ def build_app(server: Server) -> Starlette:
         route("/v1/completions", lambda r: completions(r, False), ["POST"], "completions"),
         route("/v1/chat/completions", lambda r: completions(r, True), ["POST"], "chat_completions"),
         route("/metrics", metrics, ["GET"], "metrics"),
+        *responses_routes(server, route),
+        *messages_routes(server, route),
     ]
     @asynccontextmanager
     async def lifespan(app):

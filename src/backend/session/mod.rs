@@ -1,6 +1,7 @@
 //! The candle session: a shared decoder, its own KV cache, position and kept edits.
 
 pub mod prefix_cache;
+pub mod prefix_disk;
 pub mod sae;
 pub mod snapshot;
 
@@ -15,6 +16,7 @@ use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::host::to_host_f32;
 use crate::backend::kv_cache::{HeldKv, KvCache};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
+pub use prefix_disk::{PrefixDisk, PrefixDiskStats};
 pub use snapshot::SessionSnapshot;
 
 use crate::core::{

@@ -16,11 +16,16 @@
 //! later session that holds them stores the block again). A prefix is restored only up to a
 //! block boundary where every windowed layer's window is in the blocks: what a ring needs to
 //! continue, never less.
+//!
+//! With a disk tier (`with_disk`, `prefix_disk.rs`) every block stored is also written to a
+//! directory, and `load_from_disk` brings the blocks of a prompt that memory lacks back from it
+//! (checked, exact tokens), so the cache outlives the process.
 
 use std::collections::HashMap;
 
 use candle_core::Tensor;
 
+use super::prefix_disk::{BlockIdentity, PrefixDisk, PrefixDiskStats};
 use super::CandleSession;
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::kv_cache::{HeldKv, KvView};
@@ -46,6 +51,8 @@ pub struct PrefixCacheStats {
     pub bytes: usize,
     /// Blocks evicted to stay within the budget.
     pub evictions: usize,
+    /// The disk tier's counters (all 0 without one).
+    pub disk: PrefixDiskStats,
 }
 
 /// One block: its tokens' keys and values in every layer, `[1, kv_heads, block_tokens, row]`
@@ -71,6 +78,8 @@ pub struct PrefixCache {
     next_id: u64,
     clock: u64,
     stats: PrefixCacheStats,
+    /// Where blocks are also written, and read back from after a restart.
+    disk: Option<PrefixDisk>,
 }
 
 impl PrefixCache {
@@ -85,7 +94,83 @@ impl PrefixCache {
             next_id: ROOT + 1,
             clock: 0,
             stats: PrefixCacheStats::default(),
+            disk: None,
         }
+    }
+
+    /// The cache with a disk tier: blocks are written to `disk` as they are stored and read
+    /// back by `load_from_disk`.
+    pub fn with_disk(mut self, disk: PrefixDisk) -> Self {
+        self.disk = Some(disk);
+        self
+    }
+
+    /// What a block file of `session`'s model must match.
+    fn identity(&self, session: &CandleSession) -> BlockIdentity {
+        let d = &session.decoder;
+        let c = d.config();
+        let ty = d.cache_type();
+        let (dtype, row) = ty.storage(c.head_dim);
+        BlockIdentity {
+            fingerprint: d.fingerprint().to_owned(),
+            kv_cache_type: ty,
+            block_tokens: self.block_tokens,
+            layers: c.num_layers(),
+            shape: [1, c.num_kv_heads, self.block_tokens, row],
+            dtype,
+        }
+    }
+
+    /// Brings the blocks that start `prompt` and that memory lacks back from the disk tier (as
+    /// far as they are there and pass their checks), for `session`'s model; the number of
+    /// blocks loaded. Without a disk tier, or for a session that keeps edits, nothing.
+    pub fn load_from_disk(&mut self, session: &CandleSession, prompt: &[u32]) -> usize {
+        if self.disk.is_none() || self.budget_bytes == 0 || !session.edits.set.is_empty() {
+            return 0;
+        }
+        if self.windows.is_empty() {
+            self.windows = session.cache.windows();
+        }
+        let id = self.identity(session);
+        let device = session.decoder.device().clone();
+        let usable = prompt.len().saturating_sub(1);
+        let mut parent = ROOT;
+        let mut path = Vec::new();
+        let mut loaded = 0;
+        for (b, chunk) in prompt[..usable].chunks_exact(self.block_tokens).enumerate() {
+            let key = (parent, chunk.to_vec());
+            let id_of_block = match self.index.get(&key) {
+                Some(&known) => known,
+                None => {
+                    let end = (b + 1) * self.block_tokens;
+                    let disk = self.disk.as_mut().expect("checked above");
+                    let Some(layers) = disk.read(&id, &prompt[..end], &device) else { break };
+                    let bytes = layers
+                        .iter()
+                        .flatten()
+                        .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+                        .sum();
+                    let new = self.next_id;
+                    self.next_id += 1;
+                    self.index.insert(key.clone(), new);
+                    self.blocks.insert(new, Block { key, layers, bytes, last_used: 0 });
+                    self.stats.bytes += bytes;
+                    loaded += 1;
+                    new
+                }
+            };
+            path.push(id_of_block);
+            parent = id_of_block;
+        }
+        // Newest first from the last block back, as a lookup marks them; then the budget holds.
+        for b in path.iter().rev() {
+            self.clock += 1;
+            if let Some(block) = self.blocks.get_mut(b) {
+                block.last_used = self.clock;
+            }
+        }
+        self.evict();
+        loaded
     }
 
     /// Positions per block.
@@ -95,7 +180,8 @@ impl PrefixCache {
 
     /// The counters, with the blocks and bytes held now.
     pub fn stats(&self) -> PrefixCacheStats {
-        PrefixCacheStats { blocks: self.blocks.len(), ..self.stats }
+        let disk = self.disk.as_ref().map(PrefixDisk::stats).unwrap_or_default();
+        PrefixCacheStats { blocks: self.blocks.len(), disk, ..self.stats }
     }
 
     /// The ids of the cached blocks that start `prompt`, in order, up to the last whose end a
@@ -203,6 +289,7 @@ impl PrefixCache {
         if self.windows.is_empty() {
             self.windows = session.cache.windows();
         }
+        let identity = self.disk.as_ref().map(|_| self.identity(session));
         let views: Vec<Option<KvView<'_>>> = session.cache.views();
         if views.len() != self.windows.len() {
             return Ok(());
@@ -234,6 +321,7 @@ impl PrefixCache {
             if bytes > self.budget_bytes {
                 break;
             }
+            let gained = bytes > 0;
             let id = match existing {
                 Some(id) => {
                     let block = self.blocks.get_mut(&id).expect("indexed blocks exist");
@@ -255,6 +343,16 @@ impl PrefixCache {
                     id
                 }
             };
+            if let (Some(disk), Some(identity)) = (self.disk.as_mut(), identity.as_ref()) {
+                let prefix = &tokens[..start + self.block_tokens];
+                // Written when new or when it gained layers; a block already on disk is only
+                // marked as used.
+                if gained || !disk.has(identity, prefix) {
+                    disk.write(identity, prefix, &self.blocks[&id].layers);
+                } else {
+                    disk.touch(identity, prefix);
+                }
+            }
             path.push(id);
             parent = id;
         }

@@ -63,10 +63,7 @@ impl SessionSnapshot {
             }
         }
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut crc = crc32fast::Hasher::new();
-        for (_, t) in &tensors {
-            crc.update(&bytes_of(t).ctx(ctx)?);
-        }
+        let checksum = tensors_checksum(&tensors).ctx(ctx)?;
         let metadata = HashMap::from([
             ("format".to_owned(), FORMAT.to_owned()),
             ("version".to_owned(), VERSION.to_owned()),
@@ -75,7 +72,7 @@ impl SessionSnapshot {
             ("layers".to_owned(), self.layers.len().to_string()),
             ("kv_cache_type".to_owned(), self.kv_cache_type.name().to_owned()),
             ("first_positions".to_owned(), firsts.join(",")),
-            ("checksum".to_owned(), format!("{:08x}", crc.finalize())),
+            ("checksum".to_owned(), checksum),
             ("clean_prefix".to_owned(), self.clean_prefix.to_string()),
         ]);
         safetensors::serialize_to_file(tensors, Some(metadata), path).map_err(|e| CandleError::Malformed {
@@ -103,13 +100,7 @@ impl SessionSnapshot {
         let number = |k: &str| field(k)?.parse::<usize>().map_err(|_| bad(format!("metadata `{k}` is not a number")));
         let (position, layers) = (number("position")?, number("layers")?);
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
-        let mut names: Vec<String> = st.names().into_iter().map(str::to_owned).collect();
-        names.sort();
-        let mut crc = crc32fast::Hasher::new();
-        for n in &names {
-            crc.update(st.tensor(n).map_err(|e| bad(e.to_string()))?.data());
-        }
-        if format!("{:08x}", crc.finalize()) != field("checksum")? {
+        if file_checksum(&st).map_err(|e| bad(e.to_string()))? != field("checksum")? {
             return Err(bad("checksum mismatch: the file is damaged".into()));
         }
         let get = |name: &str| -> Result<Option<Tensor>> {
@@ -166,7 +157,26 @@ impl SessionSnapshot {
     }
 }
 
-fn bytes_of(t: &Tensor) -> candle_core::Result<Vec<u8>> {
+/// CRC-32 (hex) of the tensors' bytes, in the order given (name order, as written): the
+/// `checksum` of snapshot and prefix-block files.
+pub(super) fn tensors_checksum(tensors: &[(String, Tensor)]) -> candle_core::Result<String> {
     use safetensors::View;
-    Ok(t.data().into_owned())
+    let mut crc = crc32fast::Hasher::new();
+    for (_, t) in tensors {
+        crc.update(&t.data());
+    }
+    Ok(format!("{:08x}", crc.finalize()))
+}
+
+/// The `checksum` a read file's tensors give (`tensors_checksum` of the same names and bytes).
+pub(super) fn file_checksum(
+    st: &safetensors::SafeTensors<'_>,
+) -> std::result::Result<String, safetensors::SafeTensorError> {
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_owned).collect();
+    names.sort();
+    let mut crc = crc32fast::Hasher::new();
+    for n in &names {
+        crc.update(st.tensor(n)?.data());
+    }
+    Ok(format!("{:08x}", crc.finalize()))
 }
