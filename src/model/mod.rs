@@ -2,6 +2,7 @@
 //! description — the thing a Rust user holds (the Python `ModelRuntime` wraps exactly this).
 
 pub mod control_vector;
+pub mod embedding;
 mod info;
 
 use std::path::{Path, PathBuf};
@@ -60,6 +61,9 @@ pub enum ModelError {
     /// The model ships no chat template and none was given.
     #[error("this model has no chat template; pass one (chat_template=...) or use a chat model")]
     NoChatTemplate,
+    /// The embedding setup could not be read, or an embedding or rerank argument was refused.
+    #[error(transparent)]
+    Embedding(#[from] embedding::EmbeddingError),
 }
 
 /// How to load a model.
@@ -126,6 +130,8 @@ pub struct Model {
     info: ModelInfo,
     /// The draft model's runtime, when speculative decoding has one (its own session).
     draft: Option<Runtime>,
+    /// How hidden states become embeddings, read on the first `embed` (shared by forks).
+    embedding: Arc<std::sync::Mutex<Option<Arc<embedding::EmbeddingSetup>>>>,
 }
 
 impl Model {
@@ -190,7 +196,15 @@ impl Model {
             }
             None => None,
         };
-        Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info, draft })
+        Ok(Self {
+            runtime,
+            tokenizer,
+            chat_template,
+            defaults: GenerateOptions::default(),
+            info,
+            draft,
+            embedding: Default::default(),
+        })
     }
 
     /// A second model over the same weights (no copy: only a new KV cache) whose session
@@ -214,6 +228,7 @@ impl Model {
             defaults: self.defaults.clone(),
             info: self.info.clone(),
             draft: self.draft.as_ref().map(Runtime::fork_empty).transpose()?,
+            embedding: self.embedding.clone(),
         })
     }
 

@@ -7,6 +7,7 @@ use candlewick::backend::CandleError;
 use candlewick::core::{InterventionError, ModelLoadError, ObservationError, RuntimeError};
 use candlewick::engine::EngineError;
 use candlewick::generation::GenerationError;
+use candlewick::model::embedding::EmbeddingError;
 use candlewick::model::ModelError;
 
 pyo3::create_exception!(candlewick, CandlewickError, PyException, "Base class of every candlewick error.");
@@ -222,6 +223,11 @@ pub fn model_err(e: ModelError) -> PyErr {
                 InvalidInterventionError::new_err(e.to_string())
             }
             _ => ArtifactError::new_err(e.to_string()),
+        },
+        ModelError::Embedding(e) => match e {
+            EmbeddingError::Config { .. } => ArtifactError::new_err(e.to_string()),
+            EmbeddingError::InvalidArgument { .. } => Python::attach(|py| invalid_option(py, e.to_string())),
+            EmbeddingError::Compute { .. } => InternalError::new_err(e.to_string()),
         },
     }
 }

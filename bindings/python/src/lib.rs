@@ -35,6 +35,7 @@
 //! 17. `sae` (`errors`, `convert`, `observation`, `intervention`, `runtime`): `attach_sae`,
 //!     `detach_sae`, `saes`, `top_features`, `collect_batch`, `last_layer_needed`; the feature
 //!     edits `Intervention.sae_steer/sae_clamp/sae_splice`.
+//! 20. `embedding` (`errors`, `convert`, `runtime`): `embed`, `rerank`, `embedding_info`.
 //!
 //! `ModelRuntime` is defined in `runtime` and its methods are spread over 11-15, one
 //! `#[pymethods]` block per domain (pyo3's `multiple-pymethods` feature), so that a domain's
@@ -102,6 +103,7 @@ macro_rules! sampling_args_doc {
 
 mod build_info;
 mod convert;
+mod embedding;
 mod engine;
 mod errors;
 mod generation;

@@ -2,7 +2,8 @@
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent events ending in
-``[DONE]``), ``GET /metrics`` (Prometheus text). The request body may carry candlewick's
+``[DONE]``), ``POST /v1/embeddings`` and ``POST /v1/rerank`` (embeddings.py), ``GET /metrics``
+(Prometheus text). The request body may carry candlewick's
 extensions: ``interventions`` (docs/interventions.md as JSON), ``sae_edits`` (feature edits of
 an SAE attached at start, by its name), ``control_vector`` (a name
 loaded at start, with a scale) and ``observe`` (point names: the prompt's activations come back
@@ -811,6 +812,7 @@ def build_app(server: Server) -> Starlette:
         return Route(path, endpoint, methods=methods)
 
     # The APIs that speak chat in other shapes, over the same chat path (turns.py).
+    from .embeddings import embeddings_routes
     from .messages import messages_routes
     from .responses import responses_routes
 
@@ -822,6 +824,7 @@ def build_app(server: Server) -> Starlette:
         route("/metrics", metrics, ["GET"], "metrics"),
         *responses_routes(server, route),
         *messages_routes(server, route),
+        *embeddings_routes(server, route),
     ]
     @asynccontextmanager
     async def lifespan(app):

@@ -82,6 +82,9 @@ pub struct StepTables {
     /// cache with `kernels::attention` (prompts keep the batched products, so a prompt's last row
     /// is the same number whether it ran with the prompt or alone after a reused prefix).
     pub decoding: bool,
+    /// Whether queries also attend the step's later keys (embedding models: `ArchConfig::bidirectional`);
+    /// a sliding window then keeps keys closer than it on either side.
+    pub bidirectional: bool,
 }
 
 impl StepTables {
@@ -96,14 +99,14 @@ impl StepTables {
         // Transformers' convention: a window of w keeps the query and the w - 1 keys before it,
         // so keys before the first query's window are never attended and are not even read.
         let key_start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        Ok(Self { rope, key_start, pos, t, window, device: device.clone(), decoding: false })
+        Ok(Self { rope, key_start, pos, t, window, device: device.clone(), decoding: false, bidirectional: false })
     }
 
     /// The additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is
     /// masked; made only where the scores are materialised (the tiled kernel masks per tile).
     pub fn mask(&self) -> candle_core::Result<Option<Tensor>> {
         let (pos, t, key_start, window) = (self.pos, self.t, self.key_start, self.window);
-        if t == 1 {
+        if t == 1 || (self.bidirectional && window.is_none_or(|w| pos + t <= w)) {
             return Ok(None);
         }
         let keys = pos + t - key_start;
@@ -112,7 +115,11 @@ impl StepTables {
             let q = pos + i;
             for (j, cell) in m[i * keys..(i + 1) * keys].iter_mut().enumerate() {
                 let k = key_start + j;
-                if k > q || window.is_some_and(|w| q - k >= w) {
+                let masked = match self.bidirectional {
+                    true => window.is_some_and(|w| q.abs_diff(k) >= w),
+                    false => k > q || window.is_some_and(|w| q - k >= w),
+                };
+                if masked {
                     *cell = f32::NEG_INFINITY;
                 }
             }
@@ -221,7 +228,8 @@ impl Attention {
             softcap: self.softcap.map(|c| c as f32),
         };
         // Attention sinks (gpt-oss) take their share in the materialised softmax below only.
-        if !pattern_wanted && self.sinks.is_none() && kernels::attention::takes(&q, &view) {
+        // The tiled kernels mask causally: bidirectional steps materialise their scores.
+        if !pattern_wanted && self.sinks.is_none() && !tables.bidirectional && kernels::attention::takes(&q, &view) {
             if tables.decoding && t == 1 {
                 let heads = kernels::attention::decode(&q, &view, p)?; // [1, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);

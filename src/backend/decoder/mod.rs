@@ -53,6 +53,9 @@ pub enum LogitsRows {
     Last,
     /// Every position's.
     All,
+    /// No logits: every position's hidden state after the final norm `[rows, hidden]`
+    /// (embeddings pool these; the output projection is skipped).
+    Hidden,
 }
 
 /// The generic decoder: embeddings, blocks, final norm, output projection.
@@ -274,7 +277,11 @@ impl Decoder {
         let attention = mul(&[3, c.num_heads as u64, t, keys, f]).saturating_add(mul(&[t, keys, f]));
         let width = 4 * c.hidden_size + 3 * c.intermediate_size + 3 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
         let activations = mul(&[t, width as u64, f]);
-        let logits = mul(&[if rows == LogitsRows::All { t } else { 1 }, c.vocab_size as u64, f]);
+        let logits = match rows {
+            LogitsRows::All => mul(&[t, c.vocab_size as u64, f]),
+            LogitsRows::Last => mul(&[c.vocab_size as u64, f]),
+            LogitsRows::Hidden => mul(&[t, c.hidden_size as u64, f]),
+        };
         // Keys and values of every layer in the cache's storage, at most twice over while the
         // cache grows by copying: every position, or a ring's window and the step.
         let (dtype, row) = self.cache_type().storage(c.head_dim);
@@ -481,6 +488,7 @@ impl Decoder {
                         let rope = rope.as_ref().map(|r| r.tables(pos, t, &self.device)).transpose()?;
                         let mut tables = StepTables::new(rope, pos, t, lc.sliding_window, &self.device)?;
                         tables.decoding = kind == StepKind::Decode;
+                        tables.bidirectional = self.config.bidirectional;
                         Ok(tables)
                     })
                     .collect::<candle_core::Result<Vec<_>>>()
@@ -545,7 +553,7 @@ impl Decoder {
         // The final norm covers every row only when it is observed or edited; the vocabulary
         // matmul (the most expensive one) every row only when all logits are returned or observed.
         let wants = |p: Point| items.iter().any(|it| it.hooks.wants(p));
-        let all_logits = rows == LogitsRows::All || wants(Point::Logits);
+        let all_logits = matches!(rows, LogitsRows::All | LogitsRows::Hidden) || wants(Point::Logits);
         let keep_last = |y: Tensor, lens: &[usize]| -> candle_core::Result<(Tensor, Vec<usize>)> {
             let mut last = Vec::with_capacity(lens.len());
             let mut end = 0;
@@ -561,6 +569,9 @@ impl Decoder {
             (x, lens) = keep_last(x, &lens)?;
         }
         let mut h = at_each(items, &lens, Point::Norm, self.norm.forward(&x)?)?;
+        if rows == LogitsRows::Hidden {
+            return split_rows(&h, &lens).map(Some);
+        }
         if !all_logits && lens.iter().any(|&t| t > 1) {
             (h, lens) = keep_last(h, &lens)?;
         }

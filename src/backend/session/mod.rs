@@ -2,6 +2,7 @@
 
 pub mod prefix_cache;
 pub mod prefix_disk;
+pub mod embed;
 pub mod sae;
 pub mod snapshot;
 
