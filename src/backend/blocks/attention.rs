@@ -296,3 +296,24 @@ impl Attention {
         hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bidirectional_step_masks_only_past_the_window_on_either_side() {
+        let dev = Device::Cpu;
+        let mut windowed = StepTables::new(None, 0, 5, Some(2), &dev).unwrap();
+        windowed.bidirectional = true;
+        let m: Vec<Vec<f32>> = windowed.mask().unwrap().unwrap().to_vec2().unwrap();
+        for (q, row) in m.iter().enumerate() {
+            for (k, &cell) in row.iter().enumerate() {
+                assert_eq!(cell == 0.0, q.abs_diff(k) < 2, "query {q}, key {k}");
+            }
+        }
+        let mut full = StepTables::new(None, 0, 5, None, &dev).unwrap();
+        full.bidirectional = true;
+        assert!(full.mask().unwrap().is_none(), "nothing to mask without a window");
+    }
+}
