@@ -150,3 +150,26 @@ def test_a_bare_checkpoint_still_generates(models):
     # The embedding table stands in for the missing lm_head: the model runs as any other.
     r = models["qwen3"].generate("the cat", max_tokens=3, temperature=0, ignore_eos=True)
     assert len(r.token_ids) == 3
+
+
+def test_command_line_embed_and_rerank(dirs, tmp_path):
+    import subprocess
+    import sys
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "candlewick", *a, "--device", "cpu", "-q"],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    r = run("embed", "--model", str(dirs["qwen3"]), "--prompt-name", "query", *fx.TEXTS[:2])
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["index"] for row in rows] == [0, 1]
+    for i, row in enumerate(rows):
+        assert rel_l2(row["embedding"], REF["qwen3/query"][i]) <= TOL
+    out = tmp_path / "v.npy"
+    r = run("embed", "--model", str(dirs["gemma"]), "--dimensions", "24", "--output", str(out), *fx.TEXTS)
+    assert r.returncode == 0, r.stderr
+    v = np.load(out)
+    assert max(rel_l2(v[i], REF["gemma/dim24"][i]) for i in range(len(fx.TEXTS))) <= TOL
+    r = run("rerank", "--model", str(dirs["rerank"]), "--top-n", "1", fx.QUERY, *fx.DOCUMENTS)
+    assert r.returncode == 0, r.stderr
+    best = json.loads(r.stdout)
+    assert best["index"] == int(np.argmax(REF["rerank/default"]))
