@@ -138,10 +138,7 @@ impl PyModelRuntime {
         d.set_item("pooling", s.pooling.name())?;
         d.set_item("normalize", s.normalize)?;
         d.set_item("dimension", s.dimension())?;
-        d.set_item(
-            "prompts",
-            s.prompts.clone().into_iter().collect::<Vec<_>>().into_iter().collect::<std::collections::HashMap<_, _>>(),
-        )?;
+        d.set_item("prompts", s.prompts.clone())?;
         d.set_item("default_prompt_name", s.default_prompt_name.clone())?;
         d.set_item("max_seq_length", s.max_seq_length)?;
         d.set_item("sentence_transformers", s.sentence_transformers)?;

@@ -26,16 +26,18 @@ impl CandleSession {
         self.run_documents("rerank", documents, LogitsRows::Last)
     }
 
-    fn run_documents(&self, operation: &'static str, documents: &[Vec<u32>], rows: LogitsRows) -> Result<Vec<Tensor>> {
+    /// Refuses a document that is empty, longer than the context, or holds an id outside the
+    /// vocabulary (`noun` names one in the message), before anything runs.
+    pub(super) fn check_documents(&self, operation: &'static str, noun: &str, documents: &[Vec<u32>]) -> Result<()> {
         let vocab = self.decoder.config().vocab_size;
         for (d, doc) in documents.iter().enumerate() {
             let refuse = |reason: String| CandleError::InvalidInput { operation, reason };
             if doc.is_empty() {
-                return Err(refuse(format!("input {d} has no tokens")));
+                return Err(refuse(format!("{noun} {d} has no tokens")));
             }
             if doc.len() > self.cache.max_context() {
                 return Err(refuse(format!(
-                    "input {d} has {} tokens, more than the context of {}",
+                    "{noun} {d} has {} tokens, more than the context of {}",
                     doc.len(),
                     self.cache.max_context()
                 )));
@@ -44,6 +46,11 @@ impl CandleSession {
                 return Err(CandleError::TokenOutOfRange { token, index, vocab_size: vocab });
             }
         }
+        Ok(())
+    }
+
+    fn run_documents(&self, operation: &'static str, documents: &[Vec<u32>], rows: LogitsRows) -> Result<Vec<Tensor>> {
+        self.check_documents(operation, "input", documents)?;
         // Every layer keeps every position: a document runs in one step, windows or not.
         let full = vec![None; self.decoder.config().num_layers()];
         let mut out = Vec::with_capacity(documents.len());
@@ -55,6 +62,20 @@ impl CandleSession {
                 end += 1;
             }
             let group = &documents[start..end];
+            // Each document holds its own cache and scores: refused, as a step is, before
+            // anything is allocated when the machine has not the memory free.
+            let needed =
+                group.iter().map(|d| self.decoder.step_bytes(0, d.len(), rows)).fold(0u64, u64::saturating_add);
+            if let Some(available) = crate::memory::available_bytes().filter(|&a| needed > a) {
+                return Err(CandleError::OutOfMemory {
+                    operation,
+                    tokens,
+                    position: 0,
+                    needed_mib: needed >> 20,
+                    available_mib: available >> 20,
+                    hint: "; embed fewer or shorter texts at once".into(),
+                });
+            }
             let mut caches: Vec<KvCache> = group
                 .iter()
                 .map(|d| {
