@@ -3,6 +3,7 @@ checkpoints: PEFT directories and llama.cpp's GGUF LoRA, per call, per session, 
 and the errors of adapters that do not fit. References: tests/adapter_fixtures.py."""
 
 import json
+import urllib.error
 import shutil
 from pathlib import Path
 
@@ -247,3 +248,74 @@ def test_prefix_reuse_never_crosses_adapters(adapters, with_tokenizer):
     r = rt.generate(ids, adapters="a", **GREEDY)
     assert r.token_ids == want and r.usage["cached_tokens"] > 0
     assert rt.generate(ids, **GREEDY).token_ids == base.token_ids
+
+
+def test_cli_lora_flag_applies_the_adapter(adapters, with_tokenizer):
+    import subprocess
+    import sys
+
+    rt = cw.ModelRuntime.load(with_tokenizer, device="cpu")
+    rt.load_adapter(adapters["qwen2_r4"], name="a")
+    prompt = " ".join(f"t{i}" for i in prompt_of("qwen2")[1:])
+    want = rt.generate(prompt, adapters="a", **GREEDY).text
+    assert want != rt.generate(prompt, **GREEDY).text
+    cmd = [sys.executable, "-m", "candlewick", "generate", "--model", str(with_tokenizer), "--device", "cpu",
+           "--lora", f"{adapters['qwen2_r4']}:1.0", "-n", "8", "--temp", "0", "-q", prompt]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == want
+
+
+def test_server_routes_base_colon_adapter_and_adapters_field(adapters, with_tokenizer):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    rt = cw.ModelRuntime.load(with_tokenizer, device="cpu")
+    rt.load_adapter(adapters["qwen2_r4"], name="a")
+    prompt = " ".join(f"t{i}" for i in prompt_of("qwen2")[1:])
+    want = rt.generate(prompt, adapters="a", **GREEDY).text
+    base = rt.generate(prompt, **GREEDY).text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "candlewick", "serve", "--model", str(with_tokenizer), "--device", "cpu",
+           "--port", str(port), "--lora", f"a={adapters['qwen2_r4']}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.2)
+
+        def post(body):
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())["choices"][0]["text"]
+
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+            ids = [m["id"] for m in json.loads(r.read())["data"]]
+        assert ids == ["qwen2", "qwen2:a"]
+        common = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        assert post({**common, "model": "qwen2:a"}) == want
+        assert post({**common, "model": "qwen2"}) == base
+        assert post({**common, "adapters": {"a": 1.0}}) == want
+        assert post({**common, "adapters": {"a": 0.0}}) == base
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post({**common, "adapters": {"b": 1.0}})
+        assert e.value.code == 400
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post({**common, "model": "qwen2:b"})
+        assert e.value.code == 404
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
