@@ -79,6 +79,35 @@ struct Factors {
     at: Tensor,
     /// `(s · B)ᵀ` `[R, out]`: each slot's scaled `B` in its own columns, zero elsewhere.
     bt: Tensor,
+    /// The same two on the host, where the model is on the CPU: a decode step's few rows are
+    /// multiplied in place (two small loops), not through the matmul kernels, whose dispatch to
+    /// the thread pool costs more than the arithmetic at this size.
+    host: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// Rows at most this many go through `Factors::small` on the CPU.
+const SMALL_ROWS: usize = 8;
+
+impl Factors {
+    /// Adds `scale · row · at · bt` to `dst`, on the host (`t`: scratch of the rank's size).
+    fn add_row(host: &(Vec<f32>, Vec<f32>), row: &[f32], scale: f32, t: &mut Vec<f32>, dst: &mut [f32]) {
+        let (at, bt) = host;
+        let r = at.len() / row.len().max(1);
+        let out = dst.len();
+        t.clear();
+        t.resize(r, 0.0);
+        for (&xi, a) in row.iter().zip(at.chunks_exact(r)) {
+            for (tv, &av) in t.iter_mut().zip(a) {
+                *tv += xi * av;
+            }
+        }
+        for (&tv, b) in t.iter().zip(bt.chunks_exact(out)) {
+            let tv = tv * scale;
+            for (dv, &bv) in dst.iter_mut().zip(b) {
+                *dv += tv * bv;
+            }
+        }
+    }
 }
 
 /// A LoRA adapter fitted to one model: its factors on the model's device, per linear.
@@ -168,8 +197,14 @@ impl Adapter {
                 blocks.push(Tensor::cat(&row, 1).map_err(candle)?);
             }
             let bt = Tensor::cat(&blocks, 0).and_then(|b| b.contiguous()).map_err(candle)?;
+            let host = if device.is_cpu() {
+                let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                Some((flat(&at).map_err(candle)?, flat(&bt).map_err(candle)?))
+            } else {
+                None
+            };
             let (at, bt) = (at.to_device(device).map_err(candle)?, bt.to_device(device).map_err(candle)?);
-            factors.insert(site.key(), Factors { at, bt });
+            factors.insert(site.key(), Factors { at, bt, host });
         }
         Ok(Self { name: name.to_owned(), path, format: weights.format, rank, modules: count, scale, factors })
     }
@@ -301,6 +336,30 @@ pub fn apply(site: &Site, x: &Tensor, y: Tensor) -> candle_core::Result<Tensor> 
     for &t in &lens {
         starts.push(at);
         at += t;
+    }
+    // A decode step's few rows on the CPU: every adapter's term in one pass on the host and one add.
+    let factors: Vec<(&Factors, &Vec<(usize, f32)>)> =
+        plan.groups.iter().filter_map(|(a, users)| a.factors.get(&key).map(|f| (f, users))).collect();
+    if factors.is_empty() {
+        return Ok(y);
+    }
+    if rows <= SMALL_ROWS && factors.iter().all(|(f, _)| f.host.is_some()) {
+        let inp = x.dim(1)?;
+        let out = y.dim(1)?;
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut d = vec![0f32; rows * out];
+        let mut t = Vec::new();
+        for (f, users) in &factors {
+            let host = f.host.as_ref().expect("checked above");
+            for &(i, scale) in users.iter() {
+                for row in starts[i]..starts[i] + lens[i] {
+                    let dst = &mut d[row * out..(row + 1) * out];
+                    Factors::add_row(host, &xs[row * inp..(row + 1) * inp], scale, &mut t, dst);
+                }
+            }
+        }
+        let d = Tensor::from_vec(d, (rows, out), y.device())?;
+        return y + d;
     }
     let mut y = y;
     for (adapter, users) in &plan.groups {
