@@ -7,6 +7,9 @@ from typing import Any, Literal, final, overload
 import numpy as np
 import numpy.typing as npt
 
+# LoRA adapters chosen for a call: a name, names or (name, scale) pairs, or {name: scale}.
+_AdapterChoice = str | Sequence[str | tuple[str, float | None]] | Mapping[str, float | None]
+
 __version__: str
 __all__ = [
     "ArtifactError",
@@ -27,6 +30,7 @@ __all__ = [
     "ModelRuntime",
     "NonFiniteLogitsError",
     "SaeError",
+    "AdapterError",
     "ObservationError",
     "ObservationRequest",
     "ObservationSet",
@@ -71,6 +75,7 @@ class InvalidInterventionError(CandlewickError): ...
 class GenerationOptionError(CandlewickError): ...
 class NonFiniteLogitsError(SessionError): ...
 class SaeError(CandlewickError): ...
+class AdapterError(CandlewickError): ...
 class InvalidOptionError(CandlewickError, ValueError): ...
 
 @final
@@ -165,6 +170,7 @@ class Engine:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> EngineRequest: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -413,24 +419,28 @@ class ModelRuntime:
         request: ObservationRequest | None = None,
         all_logits: bool = False,
         interventions: Sequence[Intervention] | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> InspectedOutput: ...
     def inspect_decode(
         self,
         tokens: Sequence[int],
         request: ObservationRequest | None = None,
         interventions: Sequence[Intervention] | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> InspectedOutput: ...
     def trace(
         self,
         tokens: Sequence[int],
         request: ObservationRequest | None = None,
         interventions: Sequence[Intervention] | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> InspectedOutput: ...
     def trace_batch(
         self,
         prompts: Sequence[Sequence[int]],
         request: ObservationRequest | None = None,
         interventions: Sequence[Intervention] | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> list[InspectedOutput]: ...
     def generate_batch(
         self,
@@ -457,6 +467,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> list[GenerationResult]: ...
     def fork(self) -> ModelRuntime: ...
     def unembed(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
@@ -469,6 +480,14 @@ class ModelRuntime:
         self, path: str | PathLike[str], scale: float = 1.0, layer_range: tuple[int, int] | None = None
     ) -> list[Intervention]: ...
     def observation_points(self) -> list[str]: ...
+    def load_adapter(self, path: str | PathLike[str], name: str | None = None, scale: float = 1.0) -> dict[str, Any]: ...
+    def unload_adapter(self, name: str) -> None: ...
+    def loaded_adapters(self) -> list[dict[str, Any]]: ...
+    @property
+    def adapters(self) -> list[dict[str, Any]]: ...
+    @property
+    def active_adapters(self) -> dict[str, float]: ...
+    def set_adapters(self, adapters: _AdapterChoice | None = None) -> None: ...
     def attach_sae(
         self, path: str | PathLike[str], point: str | None = None, name: str | None = None
     ) -> dict[str, Any]: ...
@@ -522,6 +541,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationResult: ...
     @overload
     def generate(
@@ -550,6 +570,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationStream: ...
     def stream(
         self,
@@ -576,6 +597,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationStream: ...
     @overload
     def chat(
@@ -609,6 +631,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationResult: ...
     @overload
     def chat(
@@ -642,4 +665,5 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationStream: ...

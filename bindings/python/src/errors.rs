@@ -26,6 +26,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     candlewick,
+    AdapterError,
+    CandlewickError,
+    "A LoRA adapter cannot be loaded or used (missing file, shapes or modules of another base, in use)."
+);
+pyo3::create_exception!(
+    candlewick,
     UnsupportedArchitectureError,
     UnsupportedError,
     "The checkpoint's architecture is not supported."
@@ -159,6 +165,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NonFiniteLogitsError", py.get_type::<NonFiniteLogitsError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
     m.add("SaeError", py.get_type::<SaeError>())?;
+    m.add("AdapterError", py.get_type::<AdapterError>())?;
     Ok(())
 }
 
@@ -188,6 +195,7 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),
         CandleError::Candle { .. } => InternalError::new_err(msg),
         CandleError::Sae(_) => SaeError::new_err(msg),
+        CandleError::Adapter(_) => AdapterError::new_err(msg),
     }
 }
 

@@ -35,6 +35,8 @@
 //! 17. `sae` (`errors`, `convert`, `observation`, `intervention`, `runtime`): `attach_sae`,
 //!     `detach_sae`, `saes`, `top_features`, `collect_batch`, `last_layer_needed`; the feature
 //!     edits `Intervention.sae_steer/sae_clamp/sae_splice`.
+//! 19. `adapters` (`errors`, `convert`, `runtime`): `load_adapter`, `unload_adapter`,
+//!     `loaded_adapters`, `adapters`, `active_adapters`, `set_adapters` (LoRA).
 //! 20. `embedding` (`errors`, `convert`, `runtime`): `embed`, `rerank`, `embedding_info`.
 //!
 //! `ModelRuntime` is defined in `runtime` and its methods are spread over 11-15, one
@@ -51,7 +53,7 @@ macro_rules! sampling_signature {
             ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
             "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
             "ignore_eos=False, logprobs=None, skip_special_tokens=True, response_format=None, grammar=None, grammar_format=None, ",
-            "regex=None, choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None"
+            "regex=None, choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None"
         )
     };
 }
@@ -96,11 +98,15 @@ macro_rules! sampling_args_doc {
             "    num_draft_tokens (int | None): with a draft model (``load(..., draft_model=)``): the\n",
             "        most tokens it proposes a step (None: 16; 0: off); it stops early where it is\n",
             "        unsure. Greedy output is unchanged, sampled output keeps its distribution (the\n",
-            "        standard acceptance rule). Used when prompt lookup has no guess."
+            "        standard acceptance rule). Used when prompt lookup has no guess.\n",
+            "    adapters (str | list | dict | None): LoRA adapters for this call, by loaded name:\n",
+            "        ``\"name\"``, ``[\"a\", (\"b\", 0.5)]`` or ``{\"a\": 1.0, \"b\": 0.5}`` (summed); ``{}``:\n",
+            "        the base model; None: the runtime's (``set_adapters``)."
         )
     };
 }
 
+mod adapters;
 mod build_info;
 mod convert;
 mod embedding;

@@ -4,11 +4,14 @@
 //! normalised, which layers slide, how embeddings are scaled. The observation points of
 //! DESIGN §2 are places in this one forward pass, so every architecture can be inspected.
 
+mod adapters;
+
 use candle_core::{DType, Device, Tensor};
 
 use crate::backend::blocks::attention::{Attention, QkNorms, QkvProj, StepTables};
 use crate::backend::blocks::hooks::Hooks;
 use crate::backend::blocks::linear::Linear;
+use crate::backend::blocks::lora::{AdapterRegistry, Site};
 use crate::backend::blocks::mlp::{GateUp, Mlp};
 use crate::backend::blocks::moe::{FeedForward, Moe};
 use crate::backend::blocks::norm::Norm;
@@ -85,6 +88,8 @@ pub struct Decoder {
     quantized_at_load: Option<QuantizeReport>,
     /// The sparse autoencoders attached to this model, shared with every clone and session.
     saes: std::sync::Arc<SaeRegistry>,
+    /// The LoRA adapters loaded on this model, shared with every clone and session (`adapters.rs`).
+    adapters: std::sync::Arc<AdapterRegistry>,
 }
 
 impl Decoder {
@@ -113,7 +118,7 @@ impl Decoder {
         let linear = |slot: Slot, layer: usize, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let weight = w.matmul(&name(slot, layer, "weight"), out, inp)?;
             let bias = if bias { Some(w.dense_f32(&name(slot, layer, "bias"), &[out])?) } else { None };
-            Ok(Linear::new(weight, bias))
+            Ok(Linear::new(weight, bias).at_site(Site::one(slot, layer, out, inp)))
         };
         let embed_name = name(Slot::Embed, 0, "weight");
         let embed = w.embedding(&embed_name, c.vocab_size, h, c.tie_word_embeddings)?;
@@ -218,7 +223,8 @@ impl Decoder {
             Linear::tied(&embed).ctx(|| format!("tying the output projection to `{embed_name}`"))?
         } else {
             Linear::new(w.output(&head_name, c.vocab_size, h)?, None)
-        };
+        }
+        .at_site(Site::one(Slot::LmHead, 0, c.vocab_size, h));
         let positions = if c.learned_positions {
             Some(w.dense(&name(Slot::PosEmbed, 0, "weight"), &[c.max_position_embeddings, h])?)
         } else {
@@ -238,6 +244,7 @@ impl Decoder {
             fingerprint: String::new(),
             quantized_at_load: w.quantize_report(),
             saes: Default::default(),
+            adapters: Default::default(),
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
         Ok(decoder)

@@ -127,12 +127,15 @@ impl CandleSession {
                 .map(|((d, cache), h)| BatchItem { ids: &d[from..(from + chunk).min(d.len())], cache, hooks: h })
                 .collect();
             let lens: Vec<usize> = items.iter().map(|it| it.ids.len()).collect();
-            self.decoder.forward_batch_until(&mut items, LogitsRows::Last, StepKind::Prompt, last).map_err(
-                |source| CandleError::Candle {
-                    context: format!("collecting activations of {} documents at position {from}", documents.len()),
-                    source: crate::backend::error::without_backtrace(source),
-                },
-            )?;
+            let adapters = self.adapters();
+            let active = vec![Some(&adapters); items.len()];
+            crate::backend::blocks::lora::with_plan(&active, &lens, || {
+                self.decoder.forward_batch_until(&mut items, LogitsRows::Last, StepKind::Prompt, last)
+            })
+            .map_err(|source| CandleError::Candle {
+                context: format!("collecting activations of {} documents at position {from}", documents.len()),
+                source: crate::backend::error::without_backtrace(source),
+            })?;
             for (it, t) in items.iter_mut().zip(lens) {
                 it.hooks.end_step(t)?;
             }
