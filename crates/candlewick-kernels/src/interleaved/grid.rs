@@ -44,7 +44,8 @@ const VALUES_BYTES: usize = QK_K * LANES;
 /// Arm (`sdot` multiplies signed bytes).
 const BIAS: u8 = if cfg!(target_arch = "x86_64") { 0x80 } else { 0 };
 
-/// The grid and ternary formats.
+/// The grid and ternary formats (for the tests).
+#[cfg(test)]
 pub(super) const GRID_FORMATS: [Format; 9] = [
     Format::IQ2XXS,
     Format::IQ2XS,
