@@ -30,6 +30,7 @@
 use super::{Format, Interleaved, LANES, QK};
 use crate::extra_types::ExtraType;
 use crate::int8_gemm::QuantizedRows;
+#[cfg(target_arch = "x86_64")]
 use crate::iquant_grids::*;
 
 /// Values of a block.
