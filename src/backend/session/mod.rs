@@ -1,9 +1,9 @@
 //! The candle session: a shared decoder, its own KV cache, position and kept edits.
 
 mod adapters;
+pub mod embed;
 pub mod prefix_cache;
 pub mod prefix_disk;
-pub mod embed;
 pub mod sae;
 pub mod snapshot;
 

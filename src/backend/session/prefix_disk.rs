@@ -290,7 +290,7 @@ impl PrefixDisk {
         }
     }
 
-        fn evict(&mut self, keep: Option<&str>) {
+    fn evict(&mut self, keep: Option<&str>) {
         while self.stats.bytes > self.cap_bytes {
             let victim = self
                 .files
