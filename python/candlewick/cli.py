@@ -117,7 +117,7 @@ def load(args: argparse.Namespace) -> ModelRuntime:
         edits = rt.load_control_vector(file, scale=scale)
         if args.verbose:
             print(f"control vector {file} x {scale}: {len(edits)} layers", file=sys.stderr)
-    chosen = {}
+    chosen: dict[str, float] = {}
     for spec in getattr(args, "lora", None) or []:
         file, scale = parse_lora(spec)
         info = rt.load_adapter(file, name=f"lora{len(chosen)}", scale=scale)
