@@ -9,12 +9,14 @@ use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 
 use super::config::metadata::Metadata;
+use super::config::vision::VisionConfig;
 use super::config::ArchConfig;
 use super::decoder::Decoder;
 use super::device::{self, CandleBackend};
 use super::error::{CandleError, Result};
 use super::kv_cache::KvType;
 use super::session::{CandleSession, PREFILL_CHUNK};
+use super::vision::VisionModel;
 use super::weights::gguf::GgufWeights;
 use super::weights::names::Naming;
 use super::weights::relayout;
@@ -120,6 +122,9 @@ pub struct CandleModelConfig {
     pub kv_cache_type: Option<KvType>,
     /// The most tokens one step of its sessions runs.
     pub prefill_chunk: usize,
+    /// The vision encoder of a vision-language model, and where its tensors come from when not
+    /// from `weights` (llama.cpp's mmproj file).
+    pub vision: Option<(VisionConfig, Option<(Box<dyn WeightSource>, Naming)>)>,
 }
 
 /// A decoder ready to run, with the context its session will get; sessions share its weights.
@@ -148,6 +153,23 @@ impl BackendProvider for CandleBackend {
         let loader =
             WeightLoader::new(config.weights.as_ref(), config.dtype, self.device()).quantizing(config.quantize);
         let mut decoder = Decoder::load(config.arch, &loader, config.naming)?;
+        if let Some((vision, source)) = config.vision {
+            // The encoder runs dense in float32 (or the requested dtype): quantization at load
+            // is for the decoder's matmuls, as llama.cpp's mmproj is converted on its own.
+            let model = match &source {
+                Some((weights, naming)) => VisionModel::load(
+                    vision,
+                    &WeightLoader::new(weights.as_ref(), config.dtype, self.device()),
+                    *naming,
+                )?,
+                None => VisionModel::load(
+                    vision,
+                    &WeightLoader::new(config.weights.as_ref(), config.dtype, self.device()),
+                    config.naming,
+                )?,
+            };
+            decoder.set_vision(model);
+        }
         if let Some(ty) = config.kv_cache_type {
             decoder.set_cache_type(ty)?;
         }
@@ -188,10 +210,11 @@ impl CandleBackend {
         let text = std::fs::read_to_string(&config_path)
             .map_err(|source| CandleError::Io { path: config_path.display().to_string(), source })?;
         let arch = super::config::hf::parse_config(&text, &config_path.display().to_string())?;
+        let vision = super::config::vision::from_hf(&text, arch.hidden_size, &config_path.display().to_string())?;
         let mut weights = SafetensorsWeights::open_dir(dir)?;
         weights.set_check_tensors(!options.skip_tensor_check);
         let stored = weights.dominant_dtype().unwrap_or(DType::F32);
-        let weights = relayout::for_architecture(weights, &arch);
+        let weights = super::weights::prefixed::renamed(relayout::for_architecture(weights, &arch));
         check_no_extra_layers(
             &weights.names(),
             arch.num_layers(),
@@ -211,6 +234,7 @@ impl CandleBackend {
             quantize: options.quantize,
             kv_cache_type: options.kv_cache_type,
             prefill_chunk: prefill_chunk(options)?,
+            vision: vision.map(|v| (v, None)),
         })
     }
 
@@ -256,6 +280,7 @@ impl CandleBackend {
             quantize: options.quantize,
             kv_cache_type: options.kv_cache_type,
             prefill_chunk: prefill_chunk(options)?,
+            vision: None,
         })
     }
 

@@ -3,6 +3,7 @@
 
 pub mod control_vector;
 mod info;
+pub mod vision;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -126,6 +127,8 @@ pub struct Model {
     info: ModelInfo,
     /// The draft model's runtime, when speculative decoding has one (its own session).
     draft: Option<Runtime>,
+    /// A vision-language model's processor configuration (what `candlewick.images` reads).
+    processor: Option<vision::ProcessorFiles>,
 }
 
 impl Model {
@@ -190,7 +193,13 @@ impl Model {
             }
             None => None,
         };
-        Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info, draft })
+        let processor = match format {
+            ArtifactFormat::HuggingFace if runtime.session().decoder().vision().is_some() => {
+                Some(vision::ProcessorFiles::from_hf_dir(path)?)
+            }
+            _ => None,
+        };
+        Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info, draft, processor })
     }
 
     /// A second model over the same weights (no copy: only a new KV cache) whose session
@@ -214,6 +223,7 @@ impl Model {
             defaults: self.defaults.clone(),
             info: self.info.clone(),
             draft: self.draft.as_ref().map(Runtime::fork_empty).transpose()?,
+            processor: self.processor.clone(),
         })
     }
 

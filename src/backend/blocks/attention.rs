@@ -82,6 +82,10 @@ pub struct StepTables {
     /// cache with `kernels::attention` (prompts keep the batched products, so a prompt's last row
     /// is the same number whether it ran with the prompt or alone after a reused prefix).
     pub decoding: bool,
+    /// Absolute position ranges `[start, end)` attended in both directions (an image's tokens in
+    /// Gemma 3): a query sees the later keys of its own block too. Such a step materialises its
+    /// scores (the tiled kernel masks causally).
+    pub blocks: Vec<(usize, usize)>,
 }
 
 impl StepTables {
@@ -96,7 +100,7 @@ impl StepTables {
         // Transformers' convention: a window of w keeps the query and the w - 1 keys before it,
         // so keys before the first query's window are never attended and are not even read.
         let key_start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        Ok(Self { rope, key_start, pos, t, window, device: device.clone(), decoding: false })
+        Ok(Self { rope, key_start, pos, t, window, device: device.clone(), decoding: false, blocks: Vec::new() })
     }
 
     /// The additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is
@@ -112,7 +116,8 @@ impl StepTables {
             let q = pos + i;
             for (j, cell) in m[i * keys..(i + 1) * keys].iter_mut().enumerate() {
                 let k = key_start + j;
-                if k > q || window.is_some_and(|w| q - k >= w) {
+                let same_block = || self.blocks.iter().any(|&(s, e)| (s..e).contains(&q) && (s..e).contains(&k));
+                if (k > q && !same_block()) || window.is_some_and(|w| q.saturating_sub(k) >= w) {
                     *cell = f32::NEG_INFINITY;
                 }
             }
@@ -221,7 +226,7 @@ impl Attention {
             softcap: self.softcap.map(|c| c as f32),
         };
         // Attention sinks (gpt-oss) take their share in the materialised softmax below only.
-        if !pattern_wanted && self.sinks.is_none() && kernels::attention::takes(&q, &view) {
+        if !pattern_wanted && self.sinks.is_none() && tables.blocks.is_empty() && kernels::attention::takes(&q, &view) {
             if tables.decoding && t == 1 {
                 let heads = kernels::attention::decode(&q, &view, p)?; // [1, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
