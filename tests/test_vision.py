@@ -164,3 +164,60 @@ def test_bad_image_input_is_refused_before_any_step(case):
     with pytest.raises(ImageError):
         rt.prefill("What ?", images=[b"not an image"])
     assert rt.cached_tokens() == before
+
+
+def test_process_returns_the_ids_and_pixels_a_call_runs_on(case):
+    name, rt, ref, _ = case
+    png = vf.draw_images()[1]
+    msgs = [{"role": "user", "content": [{"type": "image", "image": png}, {"type": "text", "text": "What is this ?"}]}]
+    ids, pixels = rt.process(msgs)
+    assert ids == ref["chat_ids"].tolist()
+    close(pixels, ref["pixel_values"][1:], 1e-6)
+
+
+def test_engine_runs_requests_with_images_beside_text_ones(case):
+    _, rt, ref, _ = case
+    ids, pv = ref["one_ids"].tolist(), ref["pixel_values"][:1]
+    with cw.Engine(rt, max_batch_size=4, prefill_chunk=4) as engine:
+        text = engine.submit([1, 5, 6, 7], max_tokens=6, temperature=0.0, ignore_eos=True)
+        image = engine.submit(ids, pixel_values=pv, max_tokens=6, temperature=0.0, ignore_eos=True)
+        again = engine.submit(ids, pixel_values=pv, max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert image.wait().token_ids == ref["one_greedy"].tolist()
+        assert again.wait().token_ids == ref["one_greedy"].tolist()
+        assert text.wait().token_ids == rt.generate([1, 5, 6, 7], max_tokens=6, temperature=0.0,
+                                                    ignore_eos=True).token_ids
+
+
+def test_server_answers_an_image_question_through_the_openai_client(case):
+    import base64
+    import socket
+    import threading
+    import time
+
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    from candlewick.serve import Server, build_app
+
+    _, rt, ref, _ = case
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = Server(rt, "tiny-vlm")
+    http = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not http.started and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        url = "data:image/png;base64," + base64.b64encode(vf.draw_images()[1]).decode()
+        r = client.chat.completions.create(model="tiny-vlm", max_tokens=1, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this ?"}]}])
+        assert r.usage.prompt_tokens == len(ref["chat_ids"])
+        want = rt.tokenizer.decode([int(np.argmax(ref["chat_logits"][-1]))])
+        assert r.choices[0].message.content == want
+    finally:
+        http.should_exit = True
+        thread.join(10)

@@ -114,7 +114,7 @@ class Intervention:
     def __eq__(self, other: object, /) -> bool: ...
 
 def build_info() -> dict[str, Any]: ...
-def supported_architectures(format: str | None = None) -> list[str]: ...
+def supported_architectures(format: str | None = None, images: bool = False) -> list[str]: ...
 def generation_defaults() -> dict[str, Any]: ...
 def save_control_vector(
     path: str | PathLike[str], directions: Mapping[int, Sequence[float]], model_hint: str = ""
@@ -144,6 +144,8 @@ class Engine:
         interventions: Sequence[Intervention] | None = None,
         chat: bool = False,
         chat_template: str | None = None,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -403,16 +405,28 @@ class ModelRuntime:
     @property
     def model_info(self) -> dict[str, Any]: ...
     def prefill(
-        self, tokens: Sequence[int], all_logits: bool = False, interventions: Sequence[Intervention] | None = None
+        self,
+        tokens: str | Sequence[int],
+        all_logits: bool = False,
+        interventions: Sequence[Intervention] | None = None,
+        *,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
     ) -> Submission: ...
+    def process(
+        self, prompt: Any, images: Sequence[Any] | None = None, *, chat_template: str | None = None
+    ) -> tuple[list[int], np.ndarray]: ...
     def decode(self, tokens: Sequence[int], interventions: Sequence[Intervention] | None = None) -> Submission: ...
     def observe_output(self, output: StepOutput) -> ObservationSet: ...
     def inspect_prefill(
         self,
-        tokens: Sequence[int],
+        tokens: str | Sequence[int],
         request: ObservationRequest | None = None,
         all_logits: bool = False,
         interventions: Sequence[Intervention] | None = None,
+        *,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
     ) -> InspectedOutput: ...
     def inspect_decode(
         self,
@@ -422,9 +436,12 @@ class ModelRuntime:
     ) -> InspectedOutput: ...
     def trace(
         self,
-        tokens: Sequence[int],
+        tokens: str | Sequence[int],
         request: ObservationRequest | None = None,
         interventions: Sequence[Intervention] | None = None,
+        *,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
     ) -> InspectedOutput: ...
     def trace_batch(
         self,
@@ -488,6 +505,8 @@ class ModelRuntime:
         prompt: str | Sequence[int],
         *,
         stream: Literal[False] = False,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -516,6 +535,8 @@ class ModelRuntime:
         prompt: str | Sequence[int],
         *,
         stream: Literal[True],
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -542,6 +563,8 @@ class ModelRuntime:
         self,
         prompt: str | Sequence[int],
         *,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,

@@ -168,9 +168,11 @@ pub fn encode_images(
     let s = vision.config().image_size;
     let n = match pixels.shape.as_slice() {
         [n, 3, h, w] if *h == s && *w == s && pixels.data.len() == n * 3 * s * s => *n,
-        other => return Err(refused(format!(
+        other => {
+            return Err(refused(format!(
             "pixel_values must be float32 [images, 3, {s}, {s}] as the model's processor returns them, not {other:?}"
-        ))),
+        )))
+        }
     };
     let starts = image_starts(vision, ids, n)?;
     if let Some(end) = starts.iter().map(|&p| base + p + vision.config().tokens_per_image()).max() {

@@ -305,7 +305,7 @@ impl PyModelRuntime {
                 return Err(invalid_option(py, format!("{}: only with tools, and none were given", stray.join(", "))));
             }
             // Image content parts: rendered by the template, expanded and encoded (docs/vision.md).
-            let call = slf.get().chat_image_call(py, messages, chat_template)?;
+            let call = slf.get().chat_image_call(py, messages, chat_template, None)?;
             let ids = match &call {
                 Some(c) => c.ids.clone(),
                 None => slf.get().chat_ids(py, messages, chat_template)?,

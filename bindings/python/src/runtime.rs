@@ -612,19 +612,24 @@ impl PyModelRuntime {
         }
     }
 
-    /// Chat `messages` with image content parts as ids and pixel values (`None` without images).
+    /// Chat `messages` with image content parts as ids and pixel values (`None` without images);
+    /// with `images`, the messages' bare `{"type": "image"}` parts stand for them, in order.
     pub(crate) fn chat_image_call(
         &self,
         py: Python<'_>,
         messages: &Bound<'_, PyAny>,
         template: Option<&str>,
+        images: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<ImageCall>> {
-        let images = py.import("candlewick.images._runtime")?.call_method1("has_images", (messages,))?;
-        if !images.is_truthy()? {
-            return Ok(None);
+        let images = images.filter(|v| !v.is_none());
+        if images.is_none() {
+            let has = py.import("candlewick.images._runtime")?.call_method1("has_images", (messages,))?;
+            if !has.is_truthy()? {
+                return Ok(None);
+            }
         }
         let (glue, files, tokenizer) = self.image_glue(py)?;
-        let out = glue.call_method1("prepare_chat", (files, tokenizer, messages, template))?;
+        let out = glue.call_method1("prepare_chat", (files, tokenizer, messages, template, images))?;
         let (ids, pixels): (Vec<u32>, Bound<'_, PyAny>) = out.extract()?;
         Ok(Some(ImageCall { ids, pixels: pixels_of(py, &pixels)? }))
     }

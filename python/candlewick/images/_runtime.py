@@ -70,10 +70,15 @@ def has_images(messages: Any) -> bool:
         return False
 
 
-def prepare_chat(files: tuple, tokenizer: Any, messages: Any, chat_template: Any) -> tuple:
+def prepare_chat(files: tuple, tokenizer: Any, messages: Any, chat_template: Any, images: Any = None) -> tuple:
     """``(ids, pixel_values)`` of chat messages with image parts: rendered by the chat template
-    (which writes the placeholder where each image part is), expanded, encoded."""
-    plain, sources = messages_with_images(list(messages))
+    (which writes the placeholder where each image part is), expanded, encoded. With `images`,
+    the messages' image parts are bare ``{"type": "image"}`` ones (as ``messages_with_images``
+    leaves them) and `images` their sources, in order."""
+    if images is not None:
+        plain, sources = list(messages), list(images)
+    else:
+        plain, sources = messages_with_images(list(messages))
     text = tokenizer.apply_chat_template(plain, chat_template=chat_template, add_generation_prompt=True, tokenize=False)
     p = _processor(files)
     processed = p.preprocess(sources)
