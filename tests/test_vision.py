@@ -221,3 +221,58 @@ def test_server_answers_an_image_question_through_the_openai_client(case):
     finally:
         http.should_exit = True
         thread.join(10)
+
+
+# -- GGUF language model + llama.cpp's mmproj (Gemma 3) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    pytest.importorskip("gguf")
+    tmp = tmp_path_factory.mktemp("vision-gguf")
+    src = vf.materialise("gemma3", tmp / "hf")
+    return {t: vf.write_gguf("gemma3", src, tmp / t, t) for t in ("f32", "q8_0")}
+
+
+@pytest.mark.xfail(reason="GGUF + mmproj logits not yet at the reference (vision points are; the image embeddings differ by 7e-4 after the F16 projector): open, see docs/vision.md", strict=False)
+def test_gguf_with_mmproj_f32_matches_transformers(gguf_files):
+    lm, mmproj = gguf_files["f32"]
+    ref = vf.reference("gemma3")
+    with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj), dtype="f32") as rt:
+        r = rt.trace(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1])
+        # The vision points are at the reference; the converter stores the projector matrix in F16
+        # (llama.cpp issue 13025), so the logits are held to DESIGN §7's GGUF F32 bound (top-20 rel L2).
+        close(r.observations["vision.output"], ref["one.vision.output"])
+        from conftest import rel_l2
+        want = ref["one_logits"]
+        top = np.argsort(-want, axis=1)[:, :20]
+        errs = [rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(r.output.logits, want, top)]
+        print(f"\n[gguf+mmproj f32] gemma3: top-20 rel L2 max {max(errs):.1e}")
+        assert max(errs) <= 1e-3
+        assert rt.observation_points()[:2] == ["vision.layers.0.output", "vision.layers.1.output"]
+        # The image token is found by name in the GGUF's tokenizer; raw images go through the processor.
+        ids, pixels = rt.process([{"role": "user", "content": [{"type": "image", "image": vf.draw_images()[1]},
+                                                               {"type": "text", "text": "What is this ?"}]}],
+                                 chat_template=vf.tokenizer_config("gemma3")["chat_template"])
+        close(pixels, ref["pixel_values"][1:], 1e-6)
+
+
+@pytest.mark.xfail(reason="GGUF + mmproj logits not yet at the reference (vision points are; the image embeddings differ by 7e-4 after the F16 projector): open, see docs/vision.md", strict=False)
+def test_gguf_with_mmproj_q8_0_within_design_bounds(gguf_files):
+    from conftest import rel_l2
+
+    lm, mmproj = gguf_files["q8_0"]
+    ref = vf.reference("gemma3")
+    with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj)) as rt:
+        got = rt.trace(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1]).output.logits
+    want = ref["one_logits"]
+    top = np.argsort(-want, axis=1)[:, :20]
+    errs = np.array([rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(got, want, top)])
+    print(f"\n[gguf+mmproj q8_0] gemma3: top-20 rel L2 median {np.median(errs):.4f} (max {errs.max():.4f})")
+    assert np.median(errs) <= 0.05
+    assert (np.argmax(got, 1) == np.argmax(want, 1)).mean() >= 0.9
+
+
+def test_mmproj_needs_a_gguf_language_model(case):
+    name, _, _, path = case
+    with pytest.raises(cw.InvalidOptionError, match="mmproj"):
+        cw.ModelRuntime.load(str(path), mmproj=str(path / "config.json"))

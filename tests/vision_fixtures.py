@@ -254,3 +254,129 @@ def _build(case):
 if __name__ == "__main__":
     for name in sys.argv[1:] or CASES:
         _build(name)
+
+
+# -- GGUF: the language model (tests/gguf_convert.py) and llama.cpp's mmproj ---------------------
+
+def _text_dir(case, src, dest):
+    """The language model of `src` as a text checkpoint (config and `model.*` tensors) for
+    tests/gguf_convert.py, which converts text models."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    text = {**cfg["text_config"], "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(text))
+    t = load_file(str(Path(src) / "model.safetensors"))
+    save_file({"model." + k[len("language_model.model."):]: v for k, v in t.items()
+               if k.startswith("language_model.model.")}, str(dest / "model.safetensors"))
+    return dest
+
+
+def _vocab(w, cfg):
+    """Departure (as tests/gguf_convert.py's): the tiny tokenizer is word-level, which the
+    converter cannot write; a SentencePiece-style list of its tokens is, the special ones named
+    as Gemma 3's (llama.cpp and candlewick find `<image_soft_token>` by name)."""
+    names = {i: t for i, t in SPECIAL.items()} | {4 + i: f"<w{i}>" for i in range(len(WORDS))}
+    n = cfg["vocab_size"]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([names.get(i, f"<t{i}>") for i in range(n)])
+    w.add_token_scores([0.0] * n)
+    w.add_token_types([3 if i in SPECIAL else 1 for i in range(n)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def write_mmproj(case, src, dest, outtype="f32"):
+    """llama.cpp's mmproj GGUF of the tiny Gemma 3, as `convert_hf_to_gguf.py --mmproj` writes it
+    (conversion/gemma.py's `Gemma3VisionModel`; checked tensor for tensor and key for key against
+    the converter's own output by `_check_mmproj`): `clip.*` metadata, `v.*` / `mm.*` tensors,
+    the soft-embedding norm + 1, the input projection in F16, 2-D encoder weights in `outtype`."""
+    import gguf
+
+    assert case == "gemma3"
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    v = cfg["vision_config"]
+    tensors, _ = weights(case)
+    w = gguf.GGUFWriter(str(dest), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
+    for key, value in (("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
+                       ("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
+                       ("block_count", v["num_hidden_layers"]), ("attention.head_count", v["num_attention_heads"])):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
+    w.add_bool("clip.use_gelu", True)
+    side = int(cfg["mm_tokens_per_image"] ** 0.5)
+    w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    q = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
+    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+             "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+             "self_attn.v_proj": "attn_v"}
+    out = [("mm.input_projection.weight", tensors["multi_modal_projector.mm_input_projection_weight"],
+            gguf.GGMLQuantizationType.F16),
+           ("mm.soft_emb_norm.weight", tensors["multi_modal_projector.mm_soft_emb_norm.weight"] + np.float32(1), None),
+           ("v.patch_embd.bias", tensors["vision_tower.embeddings.patch_embedding.bias"], None),
+           ("v.patch_embd.weight", tensors["vision_tower.embeddings.patch_embedding.weight"], None),
+           ("v.position_embd.weight", tensors["vision_tower.embeddings.position_embedding.weight"], None)]
+    for i in range(v["num_hidden_layers"]):
+        for hf, gg in layer.items():
+            for kind in ("bias", "weight"):
+                t = tensors[f"vision_tower.encoder.layers.{i}.{hf}.{kind}"]
+                out.append((f"v.blk.{i}.{gg}.{kind}", t, q if t.ndim == 2 else None))
+    out += [("v.post_ln.bias", tensors["vision_tower.post_layernorm.bias"], None),
+            ("v.post_ln.weight", tensors["vision_tower.post_layernorm.weight"], None)]
+    for name, t, dtype in out:
+        dtype = dtype or gguf.GGMLQuantizationType.F32
+        data = np.ascontiguousarray(t, np.float32)
+        w.add_tensor(name, gguf.quants.quantize(data, dtype), raw_dtype=dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+def write_gguf(case, src, dest, outtype="f32"):
+    """`(language model GGUF, mmproj GGUF)` of the checkpoint at `src`, written under `dest`."""
+    import gguf_convert
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    text = _text_dir(case, src, dest / "text")
+    keep = gguf_convert._minimal_vocab
+    gguf_convert._minimal_vocab = _vocab
+    try:
+        lm = gguf_convert.convert(text, dest / f"model-{outtype}.gguf", outtype=outtype)
+    finally:
+        gguf_convert._minimal_vocab = keep
+    return lm, write_mmproj(case, src, dest / f"mmproj-{outtype}.gguf", outtype)
+
+
+def _check_mmproj(converted, outtype):
+    """Our mmproj equals llama.cpp's converter's (`converted`) in every key and tensor."""
+    import tempfile
+
+    import gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = materialise("gemma3", tmp)
+        ours = gguf.GGUFReader(str(write_mmproj("gemma3", src, Path(tmp) / "m.gguf", outtype)))
+        theirs = gguf.GGUFReader(str(converted))
+        skip = {"general.name", "general.size_label", "GGUF.kv_count"}
+        keys = lambda r: {k: (f.types, [f.parts[i].tolist() for i in f.data]) for k, f in r.fields.items()
+                          if k not in skip}
+        a, b = keys(ours), keys(theirs)
+        assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        ta = {t.name: (t.tensor_type, bytes(t.data)) for t in ours.tensors}
+        tb = {t.name: (t.tensor_type, bytes(t.data)) for t in theirs.tensors}
+        assert ta == tb, [k for k in set(ta) | set(tb) if ta.get(k) != tb.get(k)]
+    print("mmproj", outtype, "equals the converter's")

@@ -390,6 +390,7 @@ class ModelRuntime:
         prefill_chunk: int | None = None,
         filename: str | None = None,
         revision: str | None = None,
+        mmproj: str | PathLike[str] | None = None,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
     @property

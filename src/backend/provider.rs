@@ -45,6 +45,8 @@ pub struct LoadOptions {
     /// The most tokens one step of a longer prompt runs (its activations and attention scores
     /// are one chunk's); `None`: `PREFILL_CHUNK`.
     pub prefill_chunk: Option<usize>,
+    /// llama.cpp's mmproj GGUF beside a GGUF language model: its vision encoder and projector.
+    pub mmproj: Option<std::path::PathBuf>,
 }
 
 /// Parses a KV cache type: `f32`, `f16`, `bf16` or `q8_0`.
@@ -264,6 +266,10 @@ impl CandleBackend {
         let arch =
             super::config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size, n_tokens, &source)?;
         check_no_extra_layers(&weights.names(), arch.num_layers(), "blk.", &source)?;
+        let vision = match &options.mmproj {
+            Some(mmproj) => Some(self.mmproj(mmproj, arch.hidden_size, options)?),
+            None => None,
+        };
         let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
         validate_context(max_context)?;
         // The vocabulary has served the configuration's check; tens of MB not to hold while
@@ -280,8 +286,24 @@ impl CandleBackend {
             quantize: options.quantize,
             kv_cache_type: options.kv_cache_type,
             prefill_chunk: prefill_chunk(options)?,
-            vision: None,
+            vision,
         })
+    }
+
+    /// The vision configuration and weights of llama.cpp's mmproj file (its blocks de-quantized
+    /// as they load: the encoder runs dense).
+    #[allow(clippy::type_complexity)]
+    fn mmproj(
+        &self,
+        path: &Path,
+        text_hidden: usize,
+        options: &LoadOptions,
+    ) -> Result<(VisionConfig, Option<(Box<dyn WeightSource>, Naming)>)> {
+        let mut weights = GgufWeights::open(path, true)?;
+        weights.set_check_tensors(!options.skip_tensor_check);
+        let md = Metadata::new(weights.metadata());
+        let config = super::config::vision::from_mmproj(&md, text_hidden, &path.display().to_string())?;
+        Ok((config, Some((Box::new(weights), Naming::Gguf))))
     }
 
     /// The requested dtype, else the checkpoint's; half types run as float32 on the CPU unless asked for.

@@ -90,6 +90,8 @@ pub struct ModelOptions {
     /// A smaller model sharing the tokenizer that proposes tokens for speculative decoding
     /// (loaded with the same device, dtype, context, threads, quantization and checks).
     pub draft_model: Option<PathBuf>,
+    /// llama.cpp's mmproj GGUF beside a GGUF language model (its vision encoder; docs/vision.md).
+    pub mmproj: Option<PathBuf>,
 }
 
 impl Default for ModelOptions {
@@ -104,6 +106,7 @@ impl Default for ModelOptions {
             kv_cache_type: None,
             prefill_chunk: None,
             draft_model: None,
+            mmproj: None,
         }
     }
 }
@@ -148,7 +151,17 @@ impl Model {
             skip_tensor_check: !options.check_tensors,
             kv_cache_type,
             prefill_chunk: options.prefill_chunk,
+            mmproj: options.mmproj.clone(),
         };
+        if options.mmproj.is_some() && format != ArtifactFormat::Gguf {
+            return Err(ModelError::Backend(CandleError::InvalidOption {
+                argument: "mmproj",
+                value: path.display().to_string(),
+                accepted:
+                    "an mmproj file beside a GGUF language model (a Hugging Face directory holds its own vision tower)"
+                        .into(),
+            }));
+        }
         let (tokenizer, runtime) = match format {
             // The tokenizer first: its conversion's temporaries are freed (and handed back to the
             // OS) before the weights arrive, so the two never add up in the peak resident size.
@@ -193,9 +206,14 @@ impl Model {
             }
             None => None,
         };
-        let processor = match format {
-            ArtifactFormat::HuggingFace if runtime.session().decoder().vision().is_some() => {
-                Some(vision::ProcessorFiles::from_hf_dir(path)?)
+        let processor = match (format, runtime.session().decoder().vision()) {
+            (ArtifactFormat::HuggingFace, Some(_)) => Some(vision::ProcessorFiles::from_hf_dir(path)?),
+            (ArtifactFormat::Gguf, Some(v)) => {
+                // The mmproj file does not name the image token: the language model's tokenizer does.
+                if let Some(id) = tokenizer.as_ref().ok().and_then(|t| t.token_to_id("<image_soft_token>")) {
+                    v.set_image_token_id(id);
+                }
+                Some(vision::ProcessorFiles::from_mmproj(v.config()))
             }
             _ => None,
         };

@@ -47,6 +47,22 @@ pub struct ProcessorFiles {
 }
 
 impl ProcessorFiles {
+    /// What Gemma 3's processor reads, from an mmproj file's configuration (llama.cpp's
+    /// converter keeps the image size; mean and std are Gemma 3's 0.5, bilinear resizing).
+    pub fn from_mmproj(c: &crate::backend::config::vision::VisionConfig) -> Self {
+        let tokens = c.tokens_per_image();
+        let processor = serde_json::json!({
+            "image_processor_type": "Gemma3ImageProcessor",
+            "size": {"height": c.image_size, "width": c.image_size},
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "resample": 2,
+            "image_seq_length": tokens,
+        });
+        let config = serde_json::json!({"model_type": "gemma3", "mm_tokens_per_image": tokens});
+        Self { model_type: "gemma3".into(), processor: processor.to_string(), config: config.to_string() }
+    }
+
     /// Reads them from a Hugging Face directory.
     pub fn from_hf_dir(dir: &std::path::Path) -> Result<Self, ModelError> {
         let read = |name: &str| -> Result<Option<serde_json::Map<String, serde_json::Value>>, ModelError> {
@@ -134,7 +150,7 @@ impl Model {
 /// per `tokens_per_image` of them, in order. Refused unless there are exactly `images` images.
 pub fn image_starts(vision: &VisionModel, ids: &[u32], images: usize) -> Result<Vec<usize>, ModelError> {
     let c = vision.config();
-    let (token, per) = (c.image_token_id, c.tokens_per_image());
+    let (token, per) = (vision.image_token_id(), c.tokens_per_image());
     let at: Vec<usize> = ids.iter().enumerate().filter(|(_, &t)| t == token).map(|(i, _)| i).collect();
     if at.len() != images * per {
         return Err(refused(format!(

@@ -182,6 +182,9 @@ impl PyModelRuntime {
     ///         ``"q8_0"`` (about half of float16's memory; the CPU only, docs/cpu.md), ``"f32"`` or
     ///         ``"bf16"`` (llama.cpp's ``-ctk``/``-ctv``); None: float16 for a quantized model on
     ///         the CPU, the compute dtype otherwise. Another name raises ``ValueError``.
+    ///     mmproj (str | os.PathLike | None): llama.cpp's mmproj GGUF (its vision encoder and
+    ///         projector, as ``convert_hf_to_gguf.py --mmproj`` writes it) beside a GGUF language
+    ///         model: the model then takes images (Gemma 3; docs/vision.md).
     ///     prefill_chunk (int | None): the most tokens one step runs; a longer prompt runs in
     ///         chunks of this many, so its activations and attention scores are one chunk's
     ///         (observations and interventions span the chunks). None: 512. Below 1 raises
@@ -201,7 +204,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None, prefill_chunk=None, filename=None, revision=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None, prefill_chunk=None, filename=None, revision=None, mmproj=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -217,6 +220,7 @@ impl PyModelRuntime {
         prefill_chunk: Option<Bound<'_, PyAny>>,
         filename: Option<String>,
         revision: Option<String>,
+        mmproj: Option<PathBuf>,
     ) -> PyResult<Self> {
         let path = resolve_model(py, &path, filename.as_deref(), revision.as_deref())?;
         let draft_model = draft_model.map(|d| resolve_model(py, &d, None, None)).transpose()?;
@@ -230,6 +234,7 @@ impl PyModelRuntime {
             draft_model,
             kv_cache_type,
             prefill_chunk: count_option(py, "prefill_chunk", prefill_chunk.as_ref())?,
+            mmproj,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
         if let Some(report) = &model.info().quantized_at_load {

@@ -271,3 +271,54 @@ pub fn from_hf(text: &str, text_hidden: usize, path: &str) -> Result<Option<Visi
         bidirectional: gemma,
     }))
 }
+
+/// The vision configuration of llama.cpp's mmproj GGUF (`clip.*` metadata, as
+/// `convert_hf_to_gguf.py --mmproj` writes it); `text_hidden` is the language model's width.
+/// Gemma 3's projector only (`clip.projector_type` = `gemma3`).
+pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path: &str) -> Result<VisionConfig> {
+    let projector = md.string("clip.projector_type")?;
+    if projector != "gemma3" {
+        return Err(CandleError::UnsupportedConfig {
+            what: format!("{path}: mmproj projector type {projector:?} (candlewick reads gemma3's)"),
+        });
+    }
+    let malformed = |reason: String| CandleError::Malformed { what: "mmproj GGUF", path: path.to_owned(), reason };
+    let hidden_size = md.usize("clip.vision.embedding_length")?;
+    let num_heads = md.usize("clip.vision.attention.head_count")?;
+    let patch_size = md.usize("clip.vision.patch_size")?;
+    let image_size = md.usize("clip.vision.image_size")?;
+    if num_heads == 0 || hidden_size % num_heads != 0 || patch_size == 0 || image_size % patch_size != 0 {
+        return Err(malformed("inconsistent clip.vision sizes".into()));
+    }
+    let num_layers = md.usize("clip.vision.block_count")?;
+    if num_layers > super::MAX_LAYERS {
+        return Err(malformed(format!("clip.vision.block_count {num_layers} is over {}", super::MAX_LAYERS)));
+    }
+    let eps = md.opt_f64("clip.vision.attention.layer_norm_epsilon")?.unwrap_or(1e-6);
+    // llama.cpp pools by 4 unless the converter wrote another factor (test models).
+    let scale = md.opt_usize("clip.vision.projector.scale_factor")?.unwrap_or(4);
+    let patches = image_size / patch_size;
+    if scale == 0 || patches % scale != 0 {
+        return Err(malformed(format!("projector scale factor {scale} does not divide {patches} patches")));
+    }
+    Ok(VisionConfig {
+        family: VisionFamily::Gemma3,
+        hidden_size,
+        intermediate_size: md.usize("clip.vision.feed_forward_length")?,
+        num_layers,
+        layers_run: num_layers,
+        num_heads,
+        patch_size,
+        image_size,
+        layer_norm_eps: eps,
+        activation: VisionActivation::GeluTanh,
+        clip: false,
+        post_norm: true,
+        drop_class_token: false,
+        projector: ProjectorConfig::Pooled { tokens_per_side: patches / scale, eps },
+        text_hidden_size: text_hidden,
+        // Gemma 3's `<image_soft_token>`; the model layer reads the file's own from its tokenizer.
+        image_token_id: 262_144,
+        bidirectional: true,
+    })
+}

@@ -94,11 +94,15 @@ pub struct VisionModel {
     cache: Mutex<VecDeque<(u64, Tensor)>>,
     /// Images encoded, and images served from the cache.
     counts: Mutex<(u64, u64)>,
+    /// The token id whose positions take an image's embeddings (the configuration's, or the one a
+    /// GGUF's tokenizer names, set at load).
+    image_token: std::sync::atomic::AtomicU32,
 }
 
 impl VisionModel {
     /// Loads the encoder and projector `config` describes from `w`, named as `naming` names them.
     pub fn load(config: VisionConfig, w: &WeightLoader<'_>, naming: Naming) -> Result<Self> {
+        let token = config.image_token_id;
         let c = &config;
         let (h, p) = (c.hidden_size, c.patch_size);
         let name =
@@ -154,16 +158,14 @@ impl VisionModel {
         let projector = match c.projector {
             ProjectorConfig::Pooled { tokens_per_side, eps } => {
                 let n = name(VisionSlot::ProjNorm, 0, "weight");
-                let norm = Norm::rms(w.dense_f32(&n, &[h])?, eps, true).ctx(|| format!("preparing norm `{n}`"))?;
-                // Hugging Face stores the matrix as the product reads it, `[Hv, H]`; llama.cpp's
-                // converter as a linear weight, `[H, Hv]` in numpy order.
-                let hf = naming.vision_stem(VisionSlot::ProjInput, 0);
-                let (n, t) = if w.contains(&hf) {
-                    (hf.clone(), w.dense(&hf, &[h, th])?.t().ctx(|| format!("transposing `{hf}`"))?)
-                } else {
-                    let n = name(VisionSlot::ProjInput, 0, "weight");
-                    (n.clone(), w.dense(&n, &[th, h])?)
-                };
+                // llama.cpp's converter stores the norm with Gemma's 1 added already.
+                let offset = naming == Naming::HuggingFace;
+                let norm = Norm::rms(w.dense_f32(&n, &[h])?, eps, offset).ctx(|| format!("preparing norm `{n}`"))?;
+                // Both formats store the matrix as the product reads it, `[Hv, H]`: Hugging Face
+                // as a bare parameter, llama.cpp under `.weight`.
+                let bare = naming.vision_stem(VisionSlot::ProjInput, 0);
+                let n = if w.contains(&bare) { bare } else { name(VisionSlot::ProjInput, 0, "weight") };
+                let t = w.dense(&n, &[h, th])?.t().ctx(|| format!("transposing `{n}`"))?;
                 Projector::Pooled { norm, proj: Linear::new(dense(t, &n)?, None), tokens_per_side }
             }
             ProjectorConfig::Mlp { activation } => Projector::Mlp {
@@ -184,7 +186,18 @@ impl VisionModel {
             device: w.device().clone(),
             cache: Mutex::new(VecDeque::new()),
             counts: Mutex::new((0, 0)),
+            image_token: std::sync::atomic::AtomicU32::new(token),
         })
+    }
+
+    /// The token id whose positions take an image's embeddings.
+    pub fn image_token_id(&self) -> u32 {
+        self.image_token.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets the image token id (a GGUF's tokenizer names it; the mmproj file does not).
+    pub fn set_image_token_id(&self, id: u32) {
+        self.image_token.store(id, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The configuration.
