@@ -7,7 +7,8 @@ and read back through the `model.embed_tokens` observation point of a prompt of 
 id. De-quantized runs (`dtype="f32"`) must equal the reference's float32 bit patterns; the
 quantized run re-encodes the types candle lacks as Q8_0 blocks, exact for the types whose
 scale float16 always holds (IQ4_NL, TQ1_0, TQ2_0, MXFP4 in range), except IQ4_NL, IQ4_XS and
-MXFP4 on a CPU with the interleaved tiles, which keep their own blocks (exact, all of them).
+MXFP4, the grid i-quants and the ternary types on a CPU with the interleaved tiles, which keep
+their own blocks (exact, all of them).
 """
 
 import os
@@ -37,8 +38,13 @@ FLOATS = [T.F32, T.F16, T.BF16]
 # The types candle lacks whose Q8_0 re-encoding keeps every value (see `extra_types.rs`).
 EXACT_AS_Q8_0 = [T.IQ4_NL, T.TQ1_0, T.TQ2_0, T.MXFP4]
 # The types candle lacks that run in interleaved tiles of their own blocks where the CPU has them
-# (AVX-512 VNNI), with the bits a value of those blocks.
-OWN_TILES = {T.IQ4_NL: 4.5, T.IQ4_XS: 4.25, T.MXFP4: 4.25}
+# (AVX-512 VNNI), with the bits a value of those blocks: the table formats, and since issue 43 the
+# grid i-quants and the ternary types (re-encoded as Q8_0 before, 8.5 bits a value).
+OWN_TILES = {
+    T.IQ4_NL: 4.5, T.IQ4_XS: 4.25, T.MXFP4: 4.25,
+    T.IQ1_S: 1.5625, T.IQ1_M: 1.75, T.IQ2_XXS: 2.0625, T.IQ2_XS: 2.3125, T.IQ2_S: 2.5625,
+    T.IQ3_XXS: 3.0625, T.IQ3_S: 3.4375, T.TQ1_0: 1.6875, T.TQ2_0: 2.0625,
+}
 TILES = cw.build_info()["interleaved_tiles"]
 
 
@@ -173,8 +179,8 @@ print(rss() - before)
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from /proc")
 @pytest.mark.parametrize("qtype", list(OWN_TILES), ids=lambda t: t.name)
 def test_types_with_own_tiles_load_at_their_own_size(tmp_path, qtype):
-    """IQ4_NL, IQ4_XS and MXFP4 weights (dense projections and the embedding) load into tiles
-    of their own blocks, 4.25–4.5 bits a value, not as Q8_0 (8.5): `model_info` counts them under
+    """IQ4_NL, IQ4_XS, MXFP4, the grid i-quants and the ternary types (dense projections and the
+    embedding) load into tiles of their own blocks, 1.56–4.5 bits a value, not as Q8_0 (8.5): `model_info` counts them under
     their type, the resident memory the load adds is that size (plus the model's small float32
     norms and buffers), and the run agrees with the de-quantized one."""
     hidden, ff = 1024, 8192

@@ -50,6 +50,7 @@ from .engine import Engine, EngineRequest
 from . import hub
 from . import sae
 from ._native import SaeError
+from ._native import AdapterError
 from .sae import SparseFeatures
 from .collect import collect
 from .hub import (
@@ -129,6 +130,7 @@ __all__ = [
     "DownloadError",
     "sae",
     "SaeError",
+    "AdapterError",
     "SparseFeatures",
     "collect",
 ]

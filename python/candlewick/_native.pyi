@@ -7,6 +7,9 @@ from typing import Any, Literal, final, overload
 import numpy as np
 import numpy.typing as npt
 
+# LoRA adapters chosen for a call: a name, names or (name, scale) pairs, or {name: scale}.
+_AdapterChoice = str | Sequence[str | tuple[str, float | None]] | Mapping[str, float | None]
+
 __version__: str
 __all__ = [
     "ArtifactError",
@@ -27,6 +30,7 @@ __all__ = [
     "ModelRuntime",
     "NonFiniteLogitsError",
     "SaeError",
+    "AdapterError",
     "ObservationError",
     "ObservationRequest",
     "ObservationSet",
@@ -71,6 +75,7 @@ class InvalidInterventionError(CandlewickError): ...
 class GenerationOptionError(CandlewickError): ...
 class NonFiniteLogitsError(SessionError): ...
 class SaeError(CandlewickError): ...
+class AdapterError(CandlewickError): ...
 class InvalidOptionError(CandlewickError, ValueError): ...
 
 @final
@@ -167,6 +172,7 @@ class Engine:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> EngineRequest: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -425,6 +431,7 @@ class ModelRuntime:
         request: ObservationRequest | None = None,
         all_logits: bool = False,
         interventions: Sequence[Intervention] | None = None,
+        adapters: _AdapterChoice | None = None,
         *,
         images: Sequence[Any] | None = None,
         pixel_values: Any | None = None,
@@ -434,12 +441,14 @@ class ModelRuntime:
         tokens: Sequence[int],
         request: ObservationRequest | None = None,
         interventions: Sequence[Intervention] | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> InspectedOutput: ...
     def trace(
         self,
         tokens: str | Sequence[int],
         request: ObservationRequest | None = None,
         interventions: Sequence[Intervention] | None = None,
+        adapters: _AdapterChoice | None = None,
         *,
         images: Sequence[Any] | None = None,
         pixel_values: Any | None = None,
@@ -449,6 +458,7 @@ class ModelRuntime:
         prompts: Sequence[Sequence[int]],
         request: ObservationRequest | None = None,
         interventions: Sequence[Intervention] | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> list[InspectedOutput]: ...
     def generate_batch(
         self,
@@ -475,6 +485,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> list[GenerationResult]: ...
     def fork(self) -> ModelRuntime: ...
     def unembed(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
@@ -487,6 +498,14 @@ class ModelRuntime:
         self, path: str | PathLike[str], scale: float = 1.0, layer_range: tuple[int, int] | None = None
     ) -> list[Intervention]: ...
     def observation_points(self) -> list[str]: ...
+    def load_adapter(self, path: str | PathLike[str], name: str | None = None, scale: float = 1.0) -> dict[str, Any]: ...
+    def unload_adapter(self, name: str) -> None: ...
+    def loaded_adapters(self) -> list[dict[str, Any]]: ...
+    @property
+    def adapters(self) -> list[dict[str, Any]]: ...
+    @property
+    def active_adapters(self) -> dict[str, float]: ...
+    def set_adapters(self, adapters: _AdapterChoice | None = None) -> None: ...
     def attach_sae(
         self, path: str | PathLike[str], point: str | None = None, name: str | None = None
     ) -> dict[str, Any]: ...
@@ -497,6 +516,19 @@ class ModelRuntime:
         self, documents: Sequence[Sequence[int]], request: ObservationRequest
     ) -> list[ObservationSet]: ...
     def last_layer_needed(self, request: ObservationRequest) -> int | None: ...
+    def embed(
+        self,
+        texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+    ) -> npt.NDArray[np.float32]: ...
+    def rerank(
+        self, query: str, documents: Sequence[str], top_n: int | None = None, instruction: str | None = None
+    ) -> list[dict[str, Any]]: ...
+    def embedding_info(self) -> dict[str, Any]: ...
     @property
     def tokenizer(self) -> Tokenizer: ...
     def cached_tokens(self) -> list[int]: ...
@@ -529,6 +561,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationResult: ...
     @overload
     def generate(
@@ -559,6 +592,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationStream: ...
     def stream(
         self,
@@ -587,6 +621,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationStream: ...
     @overload
     def chat(
@@ -620,6 +655,7 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationResult: ...
     @overload
     def chat(
@@ -653,4 +689,5 @@ class ModelRuntime:
         choice: Sequence[str] | None = None,
         prompt_lookup_num_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        adapters: _AdapterChoice | None = None,
     ) -> GenerationStream: ...

@@ -19,6 +19,19 @@ def parse_control_vector(spec: str) -> tuple[str, float]:
     return spec, 1.0
 
 
+def parse_lora(spec: str) -> tuple[str, float]:
+    """``PATH[:SCALE]`` (or ``PATH=SCALE``) for ``--lora``, as llama.cpp's ``--lora-scaled FILE
+    SCALE`` (scale 1 when absent)."""
+    for sep in (":", "="):
+        path, found, scale = spec.rpartition(sep)
+        if found and path:
+            try:
+                return path, float(scale)
+            except ValueError:
+                pass
+    return spec, 1.0
+
+
 def served_name(given: Union[str, "os.PathLike[str]"], local: str) -> str:
     """The name a server gives its model: the Hub name as given (``org/name:Q4_K_M``, as vLLM
     names a model by its repository), else the local file or directory's name."""

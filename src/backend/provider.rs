@@ -211,10 +211,16 @@ impl CandleBackend {
         }
         let text = std::fs::read_to_string(&config_path)
             .map_err(|source| CandleError::Io { path: config_path.display().to_string(), source })?;
-        let arch = super::config::hf::parse_config(&text, &config_path.display().to_string())?;
+        let mut arch = super::config::hf::parse_config(&text, &config_path.display().to_string())?;
         let vision = super::config::vision::from_hf(&text, arch.hidden_size, &config_path.display().to_string())?;
         let mut weights = SafetensorsWeights::open_dir(dir)?;
         weights.set_check_tensors(!options.skip_tensor_check);
+        let prefix = Naming::HuggingFace.layer_prefix(arch.architecture).trim_end_matches("layers.");
+        if prefix == "model." && weights.prefix_bare_names(prefix) && weights.shape("lm_head.weight").is_none() {
+            // A base model saved alone (an embedding model) has no output projection; its logits
+            // are never what it is for, so the embedding table stands in for one.
+            arch.tie_word_embeddings = true;
+        }
         let stored = weights.dominant_dtype().unwrap_or(DType::F32);
         let weights = super::weights::prefixed::renamed(relayout::for_architecture(weights, &arch));
         check_no_extra_layers(

@@ -523,13 +523,28 @@ impl Worker {
     }
 
     fn start(&mut self, job: Job) {
-        let plain = job.interventions.is_empty();
+        // The request's adapters, or the engine's default ones (the template's).
+        let adapters = match &job.options.adapters {
+            Some(choice) => self.template.resolve_adapters(choice),
+            None => Ok(self.template.runtime().session().adapters()),
+        };
+        let adapters = match adapters {
+            Ok(a) => a,
+            Err(e) => return self.fail(&job.events, e.into()),
+        };
+        let plain = job.interventions.is_empty() && adapters.is_empty();
         // A prompt with images is never restored from the prefix cache by its token ids.
         let mut model = match self.session_for(&job.prompt, plain && job.images.is_empty()) {
             Ok(m) => m,
             Err(e) => return self.fail(&job.events, e.into()),
         };
+        // This session is the request's own: its adapters stay on for all its steps.
+        if let Err(e) = model.runtime().session().set_adapters(adapters) {
+            self.idle.push(model);
+            return self.fail(&job.events, ModelError::from(e).into());
+        }
         if let Err(e) = model.stage_spans(job.images) {
+            self.idle.push(model);
             return self.fail(&job.events, e.into());
         }
         self.publish_prefix_stats(); // blocks read back from disk, files skipped

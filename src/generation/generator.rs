@@ -93,7 +93,13 @@ pub struct GenerateOptions {
     /// default, `speculative::DEFAULT_DRAFT_TOKENS`; 0: off). Used only when the generation is
     /// stepped with a draft model (`Generation::step_with`, a model loaded with one).
     pub draft_tokens: Option<usize>,
+    /// The LoRA adapters this generation runs with, by loaded name and scale (`None`: the
+    /// adapter's load scale); `None`: the session's own (`Model::set_adapters`).
+    pub adapters: Option<AdapterChoice>,
 }
+
+/// LoRA adapters chosen by name, each with a scale or `None` for the scale it was loaded with.
+pub type AdapterChoice = Vec<(String, Option<f32>)>;
 
 /// The default number of tokens to generate (a macro, not a constant, so that the Python
 /// signatures can spell the same literal that the defaults table below uses).
@@ -124,6 +130,7 @@ impl Default for GenerateOptions {
             constraint: None,
             prompt_lookup: 0,
             draft_tokens: None,
+            adapters: None,
         }
     }
 }
@@ -299,6 +306,8 @@ pub struct Generation {
     vocab: usize,
     /// A sampled token not yet fed: the one that refuted a draft, fed with the next draft.
     pending: Option<u32>,
+    /// The adapters it was asked to run with (`GenerateOptions::adapters`).
+    adapters: Option<AdapterChoice>,
 }
 
 /// The last row of a step's logits on the host, refusing NaN or infinite values.
@@ -373,6 +382,7 @@ impl PendingPrefill {
             ..Usage::default()
         };
         Ok(Some(Generation {
+            adapters: options.adapters.clone(),
             sampler: Sampler::new(options.sampling),
             stops: StopStrings::new(options.stop),
             detok: IncrementalDecoder::new(Arc::clone(&self.tokenizer), options.skip_special_tokens),
@@ -402,6 +412,11 @@ impl PendingPrefill {
 }
 
 impl Generation {
+    /// The adapters it was asked to run with (`None`: the session's own).
+    pub fn adapters(&self) -> Option<&AdapterChoice> {
+        self.adapters.as_ref()
+    }
+
     /// Prefills the part of `prompt` the session does not already hold and readies the first token.
     ///
     /// Everything is validated before the session is touched, so a refused start leaves the

@@ -10,8 +10,8 @@ pub mod stopping;
 pub use batch::{generate_batch, step_together};
 pub use constraint::{Constraint, ConstraintSpec};
 pub use generator::{
-    Advance, FinishReason, GenerateOptions, Generation, GenerationError, GenerationResult, PendingPrefill,
-    TokenLogprobs, Usage,
+    AdapterChoice, Advance, FinishReason, GenerateOptions, Generation, GenerationError, GenerationResult,
+    PendingPrefill, TokenLogprobs, Usage,
 };
 pub use sampling::{Sampler, SamplingParams};
 pub use stopping::StopStrings;

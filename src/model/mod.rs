@@ -1,13 +1,16 @@
 //! The model layer: a loaded model with its tokenizer, chat template, generation defaults and
 //! description — the thing a Rust user holds (the Python `ModelRuntime` wraps exactly this).
 
+mod adapters;
 pub mod control_vector;
+pub mod embedding;
 mod info;
 pub mod vision;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use adapters::{default_adapter_name, AdapterInfo};
 pub use info::ModelInfo;
 
 use crate::backend::weights::quantize::parse_quantize;
@@ -61,6 +64,9 @@ pub enum ModelError {
     /// The model ships no chat template and none was given.
     #[error("this model has no chat template; pass one (chat_template=...) or use a chat model")]
     NoChatTemplate,
+    /// The embedding setup could not be read, or an embedding or rerank argument was refused.
+    #[error(transparent)]
+    Embedding(#[from] embedding::EmbeddingError),
 }
 
 /// How to load a model.
@@ -132,6 +138,8 @@ pub struct Model {
     draft: Option<Runtime>,
     /// A vision-language model's processor configuration (what `candlewick.images` reads).
     processor: Option<vision::ProcessorFiles>,
+    /// How hidden states become embeddings, read on the first `embed` (shared by forks).
+    embedding: Arc<std::sync::Mutex<Option<Arc<embedding::EmbeddingSetup>>>>,
 }
 
 impl Model {
@@ -217,7 +225,16 @@ impl Model {
             }
             _ => None,
         };
-        Ok(Self { runtime, tokenizer, chat_template, defaults: GenerateOptions::default(), info, draft, processor })
+        Ok(Self {
+            runtime,
+            tokenizer,
+            chat_template,
+            defaults: GenerateOptions::default(),
+            info,
+            draft,
+            processor,
+            embedding: Default::default(),
+        })
     }
 
     /// A second model over the same weights (no copy: only a new KV cache) whose session
@@ -242,6 +259,7 @@ impl Model {
             info: self.info.clone(),
             draft: self.draft.as_ref().map(Runtime::fork_empty).transpose()?,
             processor: self.processor.clone(),
+            embedding: self.embedding.clone(),
         })
     }
 
@@ -336,14 +354,16 @@ impl Model {
     /// Starts a generation from `prompt` on this model's session.
     pub fn start_generation(&mut self, prompt: &[u32], options: GenerateOptions) -> Result<Generation, ModelError> {
         let tokenizer = Arc::clone(self.tokenizer()?);
-        Ok(Generation::start(&mut self.runtime, tokenizer, prompt, options)?)
+        let choice = options.adapters.clone();
+        Ok(self.with_adapters(choice.as_ref(), |m| Generation::start(&mut m.runtime, tokenizer, prompt, options))??)
     }
 
     /// Begins a generation from `prompt` whose prompt is prefilled a chunk at a time
     /// (`PendingPrefill::advance`).
     pub fn begin_generation(&mut self, prompt: &[u32], options: GenerateOptions) -> Result<PendingPrefill, ModelError> {
         let tokenizer = Arc::clone(self.tokenizer()?);
-        Ok(Generation::begin(&mut self.runtime, tokenizer, prompt, options)?)
+        let choice = options.adapters.clone();
+        Ok(self.with_adapters(choice.as_ref(), |m| Generation::begin(&mut m.runtime, tokenizer, prompt, options))??)
     }
 
     /// Whether speculative decoding has a draft model here.
@@ -354,7 +374,8 @@ impl Model {
     /// One step of `generation` on this model's session, with the draft model proposing tokens
     /// when there is one (`Generation::step_with`).
     pub fn step_generation(&mut self, generation: &mut Generation) -> Result<String, GenerationError<CandleError>> {
-        generation.step_with(&mut self.runtime, self.draft.as_mut())
+        let choice = generation.adapters().cloned();
+        self.with_generation_adapters(choice.as_ref(), |m| generation.step_with(&mut m.runtime, m.draft.as_mut()))
     }
 
     /// Runs `generation` to the end on this model's session (`Generation::run_with`).
@@ -364,7 +385,10 @@ impl Model {
         on_text: impl FnMut(&str),
         interrupted: impl FnMut() -> bool,
     ) -> Result<(GenerationResult, bool), GenerationError<CandleError>> {
-        generation.run_with(&mut self.runtime, self.draft.as_mut(), on_text, interrupted)
+        let choice = generation.adapters().cloned();
+        self.with_generation_adapters(choice.as_ref(), |m| {
+            generation.run_with(&mut m.runtime, m.draft.as_mut(), on_text, interrupted)
+        })
     }
 
     /// Generates from `prompt` to the end.
@@ -387,8 +411,13 @@ impl Model {
     ) -> Result<Vec<GenerationResult>, ModelError> {
         let ids = prompts.iter().map(|p| self.prompt_ids(p)).collect::<Result<Vec<_>, _>>()?;
         let mut runtimes = Vec::with_capacity(ids.len());
+        let active = options.adapters.as_ref().map(|c| self.resolve_adapters(c)).transpose()?;
         for _ in &ids {
-            runtimes.push(self.runtime.fork_empty()?);
+            let rt = self.runtime.fork_empty()?;
+            if let Some(active) = &active {
+                rt.session().set_adapters(active.clone())?;
+            }
+            runtimes.push(rt);
         }
         let tokenizer = Arc::clone(self.tokenizer()?);
         let options = vec![options; ids.len()];

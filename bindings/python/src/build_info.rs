@@ -18,7 +18,7 @@ use candlewick::backend::kernels::{self, int8_gemm};
 ///     ``avx512f`` in the portable x86-64-v3 wheel); ``int8_kernel`` (the inner product our
 ///     quantized GEMM chose on this CPU at run time: ``"avx512vnni"``, ``"avx2"``, ``"neon-i8mm"``,
 ///     ``"neon-dotprod"``, ``"neon"`` or ``"portable"``); ``interleaved_tiles`` (whether Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q3_K/Q4_K/Q5_K/Q6_K and
-///     IQ4_NL/IQ4_XS/MXFP4 weights are repacked at load into 16-row tiles for the AVX-512 VNNI GEMM, the first nine for Arm's ``sdot`` one too); ``devices`` (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
+///     IQ4_NL/IQ4_XS/MXFP4 and the grid i-quants and ternary types (IQ1_S … IQ3_S, TQ1_0, TQ2_0) are repacked at load into 16-row tiles of their own size for the AVX-512 VNNI GEMM, all but IQ4_NL/IQ4_XS/MXFP4 for Arm's ``sdot`` one too); ``devices`` (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
 ///
 /// Example:
 ///     >>> candlewick.build_info()["devices"]

@@ -138,3 +138,39 @@ pub fn json_of(what: &str, v: &Bound<'_, PyAny>) -> PyResult<serde_json::Value> 
     let text: String = v.py().import("json")?.call_method1("dumps", (v,))?.extract()?;
     serde_json::from_str(&text).map_err(|e| invalid_option(v.py(), format!("{what}: {e}")))
 }
+
+/// LoRA adapters chosen for a call: a name, a list of names or `(name, scale)` pairs, or a dict
+/// `{name: scale}` (a scale of None: the adapter's load scale); empty: the base model.
+pub fn adapter_choice(arg: &str, v: &Bound<'_, PyAny>) -> PyResult<candlewick::generation::AdapterChoice> {
+    let scale_of = |s: &Bound<'_, PyAny>| -> PyResult<Option<f32>> {
+        if s.is_none() {
+            Ok(None)
+        } else {
+            number(arg, s).map(Some)
+        }
+    };
+    if let Ok(name) = v.extract::<String>() {
+        return Ok(vec![(name, None)]);
+    }
+    if let Ok(d) = v.cast::<pyo3::types::PyDict>() {
+        return d
+            .iter()
+            .map(|(k, s)| Ok((k.extract::<String>().map_err(|_| type_err(arg, "adapter names", &k))?, scale_of(&s)?)))
+            .collect();
+    }
+    let items = v
+        .try_iter()
+        .map_err(|_| type_err(arg, "a name, a list of names or (name, scale) pairs, or a dict {name: scale}", v))?;
+    let mut out = Vec::new();
+    for item in items {
+        let item = item?;
+        if let Ok(name) = item.extract::<String>() {
+            out.push((name, None));
+        } else if let Ok((name, s)) = item.extract::<(String, Bound<'_, PyAny>)>() {
+            out.push((name, scale_of(&s)?));
+        } else {
+            return Err(type_err(arg, "a name or a (name, scale) pair", &item));
+        }
+    }
+    Ok(out)
+}

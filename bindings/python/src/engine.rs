@@ -117,7 +117,7 @@ impl PyEngine {
         images=None, pixel_values=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
         logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit<'py>(
         &self,
@@ -149,6 +149,7 @@ impl PyEngine {
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
         num_draft_tokens: Option<Bound<'py, PyAny>>,
+        adapters: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyEngineRequest> {
         let args = SamplingArgs {
             max_tokens,
@@ -172,6 +173,7 @@ impl PyEngine {
             choice,
             prompt_lookup_num_tokens,
             num_draft_tokens,
+            adapters,
         };
         let rt = self.runtime.get();
         let opts = args.options(rt.lock(py)?.defaults())?;

@@ -7,6 +7,7 @@ use candlewick::backend::CandleError;
 use candlewick::core::{InterventionError, ModelLoadError, ObservationError, RuntimeError};
 use candlewick::engine::EngineError;
 use candlewick::generation::GenerationError;
+use candlewick::model::embedding::EmbeddingError;
 use candlewick::model::ModelError;
 
 pyo3::create_exception!(candlewick, CandlewickError, PyException, "Base class of every candlewick error.");
@@ -22,6 +23,12 @@ pyo3::create_exception!(
     SaeError,
     CandlewickError,
     "A sparse autoencoder cannot be loaded or attached (missing file, width or point mismatch)."
+);
+pyo3::create_exception!(
+    candlewick,
+    AdapterError,
+    CandlewickError,
+    "A LoRA adapter cannot be loaded or used (missing file, shapes or modules of another base, in use)."
 );
 pyo3::create_exception!(
     candlewick,
@@ -158,6 +165,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NonFiniteLogitsError", py.get_type::<NonFiniteLogitsError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
     m.add("SaeError", py.get_type::<SaeError>())?;
+    m.add("AdapterError", py.get_type::<AdapterError>())?;
     Ok(())
 }
 
@@ -187,6 +195,7 @@ pub fn backend_err(e: CandleError) -> PyErr {
         CandleError::Intervention(_) => InvalidInterventionError::new_err(msg),
         CandleError::Candle { .. } => InternalError::new_err(msg),
         CandleError::Sae(_) => SaeError::new_err(msg),
+        CandleError::Adapter(_) => AdapterError::new_err(msg),
     }
 }
 
@@ -222,6 +231,11 @@ pub fn model_err(e: ModelError) -> PyErr {
                 InvalidInterventionError::new_err(e.to_string())
             }
             _ => ArtifactError::new_err(e.to_string()),
+        },
+        ModelError::Embedding(e) => match e {
+            EmbeddingError::Config { .. } => ArtifactError::new_err(e.to_string()),
+            EmbeddingError::InvalidArgument { .. } => Python::attach(|py| invalid_option(py, e.to_string())),
+            EmbeddingError::Compute { .. } => InternalError::new_err(e.to_string()),
         },
     }
 }

@@ -45,7 +45,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompt, *, stream=false, images=None, pixel_values=None, max_tokens=Given::Omitted, temperature=None,
         top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         slf: &Bound<'py, Self>,
@@ -74,6 +74,7 @@ impl PyModelRuntime {
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
         num_draft_tokens: Option<Bound<'py, PyAny>>,
+        adapters: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -97,6 +98,7 @@ impl PyModelRuntime {
             choice,
             prompt_lookup_num_tokens,
             num_draft_tokens,
+            adapters,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -133,7 +135,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompt, *, images=None, pixel_values=None, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None))]
     #[allow(clippy::too_many_arguments)]
     fn stream<'py>(
         slf: &Bound<'py, Self>,
@@ -161,6 +163,7 @@ impl PyModelRuntime {
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
         num_draft_tokens: Option<Bound<'py, PyAny>>,
+        adapters: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyGenerationStream> {
         let args = SamplingArgs {
             max_tokens,
@@ -184,6 +187,7 @@ impl PyModelRuntime {
             choice,
             prompt_lookup_num_tokens,
             num_draft_tokens,
+            adapters,
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -232,7 +236,7 @@ impl PyModelRuntime {
         tool_choice=None, parallel_tool_calls=true, tool_call_format=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
         logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat<'py>(
         slf: &Bound<'py, Self>,
@@ -264,6 +268,7 @@ impl PyModelRuntime {
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
         num_draft_tokens: Option<Bound<'py, PyAny>>,
+        adapters: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = SamplingArgs {
             max_tokens,
@@ -287,6 +292,7 @@ impl PyModelRuntime {
             choice,
             prompt_lookup_num_tokens,
             num_draft_tokens,
+            adapters,
         };
         let py = slf.py();
         let mut opts = args.options(slf.get().lock(py)?.defaults())?;
@@ -378,7 +384,7 @@ impl PyModelRuntime {
     #[pyo3(text_signature = None, signature = (prompts, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
-        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None))]
+        choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch<'py>(
         &self,
@@ -405,6 +411,7 @@ impl PyModelRuntime {
         choice: Option<Vec<String>>,
         prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
         num_draft_tokens: Option<Bound<'py, PyAny>>,
+        adapters: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Vec<PyGenerationResult>> {
         let args = SamplingArgs {
             max_tokens,
@@ -428,6 +435,7 @@ impl PyModelRuntime {
             choice,
             prompt_lookup_num_tokens,
             num_draft_tokens,
+            adapters,
         };
         let opts = args.options(self.lock(py)?.defaults())?;
         let prompts = prompts.iter().map(|p| prompt_of("prompts[i]", p)).collect::<PyResult<Vec<_>>>()?;

@@ -7,8 +7,8 @@ use numpy::{PyArray, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::PyAny;
 
-use super::convert::extract_ids;
-use super::errors::{backend_err, catch_panic, runtime_err, InternalError, SessionError};
+use super::convert::{adapter_choice, extract_ids};
+use super::errors::{backend_err, catch_panic, model_err, runtime_err, InternalError, SessionError};
 use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
 use super::runtime::{call_edits, ImageCall, PyModelRuntime, PyStepOutput};
@@ -81,6 +81,7 @@ impl PyModelRuntime {
     ///     request (ObservationRequest | None): which points; None: all of them.
     ///     all_logits (bool): return every position's logits.
     ///     interventions (Sequence[Intervention] | None): edits for this step only.
+    ///     adapters (str | list | dict | None): LoRA adapters for this step only (None: the runtime's).
     ///
     /// Returns:
     ///     InspectedOutput: ``.output`` and ``.observations`` (path -> numpy array).
@@ -89,7 +90,7 @@ impl PyModelRuntime {
     ///     >>> r = rt.inspect_prefill([2, 651], candlewick.ObservationRequest.select(["model.layers.1"]))
     ///     >>> r.observations["model.layers.1.output"].shape
     ///     (2, 640)
-    #[pyo3(signature = (tokens, request=None, all_logits=false, interventions=None, *, images=None, pixel_values=None))]
+    #[pyo3(signature = (tokens, request=None, all_logits=false, interventions=None, adapters=None, *, images=None, pixel_values=None))]
     #[allow(clippy::too_many_arguments)]
     fn inspect_prefill(
         &self,
@@ -98,6 +99,7 @@ impl PyModelRuntime {
         request: Option<PyRef<'_, PyObservationRequest>>,
         all_logits: bool,
         interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+        adapters: Option<Bound<'_, PyAny>>,
         images: Option<&Bound<'_, PyAny>>,
         pixel_values: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyInspectedOutput> {
@@ -105,12 +107,18 @@ impl PyModelRuntime {
         let (vision_edits, edits) = call_edits(&call, edits_of(interventions));
         let input = PrefillInput::new(ids_of(&call, tokens)?).all_logits(all_logits).with_interventions(edits);
         let req = request_of(request);
+        let choice = adapters.map(|a| adapter_choice("adapters", &a)).transpose()?;
         let vision = match &call {
             Some(c) => self.stage(py, c, None, Some(&req), &vision_edits)?,
             None => ObservationSet::new(),
         };
         let r = py.detach(|| {
-            catch_panic(|| self.lock_detached()?.runtime_mut().inspect_prefill(input, &req).map_err(runtime_err))
+            catch_panic(|| {
+                self.lock_detached()?
+                    .with_adapters(choice.as_ref(), |m| m.runtime_mut().inspect_prefill(input, &req))
+                    .map_err(model_err)?
+                    .map_err(runtime_err)
+            })
         });
         if call.is_some() {
             self.unstage(py);
@@ -124,6 +132,7 @@ impl PyModelRuntime {
     ///     tokens (Sequence[int]): token ids to append.
     ///     request (ObservationRequest | None): which points; None: all of them.
     ///     interventions (Sequence[Intervention] | None): edits for this step only.
+    ///     adapters (str | list | dict | None): LoRA adapters for this step only (None: the runtime's).
     ///
     /// Returns:
     ///     InspectedOutput: ``.output`` and ``.observations``.
@@ -131,18 +140,25 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt.inspect_decode([9079]).observations["model.norm"].shape
     ///     (1, 640)
-    #[pyo3(signature = (tokens, request=None, interventions=None))]
+    #[pyo3(signature = (tokens, request=None, interventions=None, adapters=None))]
     fn inspect_decode(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         request: Option<PyRef<'_, PyObservationRequest>>,
         interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+        adapters: Option<Bound<'_, PyAny>>,
     ) -> PyResult<PyInspectedOutput> {
         let input = DecodeInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
         let req = request_of(request);
+        let choice = adapters.map(|a| adapter_choice("adapters", &a)).transpose()?;
         let r = py.detach(|| {
-            catch_panic(|| self.lock_detached()?.runtime_mut().inspect_decode(input, &req).map_err(runtime_err))
+            catch_panic(|| {
+                self.lock_detached()?
+                    .with_adapters(choice.as_ref(), |m| m.runtime_mut().inspect_decode(input, &req))
+                    .map_err(model_err)?
+                    .map_err(runtime_err)
+            })
         })?;
         self.inspected(py, r)
     }
@@ -154,6 +170,7 @@ impl PyModelRuntime {
     ///     tokens (Sequence[int]): the whole input.
     ///     request (ObservationRequest | None): which points; None: all of them.
     ///     interventions (Sequence[Intervention] | None): edits for this run only.
+    ///     adapters (str | list | dict | None): LoRA adapters for this run only (None: the runtime's).
     ///
     /// Returns:
     ///     InspectedOutput: every row's logits and the requested points.
@@ -162,13 +179,15 @@ impl PyModelRuntime {
     ///     >>> r = rt.trace([2, 651, 6037], interventions=[iv.scale("model.layers.3.attention.heads", [2], 0.0)])
     ///     >>> rt.unembed(r.observations["model.layers.5.output"]).shape
     ///     (3, 262144)
-    #[pyo3(signature = (tokens, request=None, interventions=None, *, images=None, pixel_values=None))]
+    #[pyo3(signature = (tokens, request=None, interventions=None, adapters=None, *, images=None, pixel_values=None))]
+    #[allow(clippy::too_many_arguments)]
     fn trace(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         request: Option<PyRef<'_, PyObservationRequest>>,
         interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+        adapters: Option<Bound<'_, PyAny>>,
         images: Option<&Bound<'_, PyAny>>,
         pixel_values: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyInspectedOutput> {
@@ -176,12 +195,20 @@ impl PyModelRuntime {
         let (vision_edits, edits) = call_edits(&call, edits_of(interventions));
         let input = PrefillInput::new(ids_of(&call, tokens)?).with_interventions(edits);
         let req = request_of(request);
+        let choice = adapters.map(|a| adapter_choice("adapters", &a)).transpose()?;
         // A trace runs from position 0 on a scratch session that takes the staged images along.
         let vision = match &call {
             Some(c) => self.stage_for_trace(py, c, &req, &vision_edits)?,
             None => ObservationSet::new(),
         };
-        let r = py.detach(|| catch_panic(|| self.lock_detached()?.runtime().trace(input, &req).map_err(runtime_err)));
+        let r = py.detach(|| {
+            catch_panic(|| {
+                self.lock_detached()?
+                    .with_adapters(choice.as_ref(), |m| m.runtime().trace(input, &req))
+                    .map_err(model_err)?
+                    .map_err(runtime_err)
+            })
+        });
         if call.is_some() {
             self.unstage(py);
         }
@@ -195,6 +222,7 @@ impl PyModelRuntime {
     ///     prompts (Sequence[Sequence[int]]): one token list per run.
     ///     request (ObservationRequest | None): which points; None: all of them.
     ///     interventions (Sequence[Intervention] | None): edits for every run.
+    ///     adapters (str | list | dict | None): LoRA adapters for every run (None: the runtime's).
     ///
     /// Returns:
     ///     list[InspectedOutput]: one per token list.
@@ -202,13 +230,14 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> [r.output.num_tokens for r in rt.trace_batch([[2, 651], [2, 651, 6037]])]
     ///     [2, 3]
-    #[pyo3(signature = (prompts, request=None, interventions=None))]
+    #[pyo3(signature = (prompts, request=None, interventions=None, adapters=None))]
     fn trace_batch(
         &self,
         py: Python<'_>,
         prompts: Vec<Bound<'_, PyAny>>,
         request: Option<PyRef<'_, PyObservationRequest>>,
         interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+        adapters: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<PyInspectedOutput>> {
         let edits = edits_of(interventions);
         let inputs = prompts
@@ -216,13 +245,18 @@ impl PyModelRuntime {
             .map(|p| Ok(PrefillInput::new(extract_ids("prompts[i]", p)?).with_interventions(edits.clone())))
             .collect::<PyResult<Vec<_>>>()?;
         let req = request_of(request);
+        let choice = adapters.map(|a| adapter_choice("adapters", &a)).transpose()?;
         let outs = py.detach(|| {
             catch_panic(|| {
-                let model = self.lock_detached()?;
-                inputs
-                    .into_iter()
-                    .map(|i| model.runtime().trace(i, &req).map_err(runtime_err))
-                    .collect::<PyResult<Vec<_>>>()
+                let mut model = self.lock_detached()?;
+                model
+                    .with_adapters(choice.as_ref(), |m| {
+                        inputs
+                            .into_iter()
+                            .map(|i| m.runtime().trace(i, &req).map_err(runtime_err))
+                            .collect::<PyResult<Vec<_>>>()
+                    })
+                    .map_err(model_err)?
             })
         })?;
         outs.into_iter().map(|r| self.inspected(py, r)).collect()

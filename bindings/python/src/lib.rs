@@ -37,6 +37,9 @@
 //!     edits `Intervention.sae_steer/sae_clamp/sae_splice`.
 //! 18. `vision` (`errors`, `runtime`): `process`, the ids and pixel values of a call with images
 //!     (the calls take `images=` / `pixel_values=` through `runtime`'s helpers).
+//! 19. `adapters` (`errors`, `convert`, `runtime`): `load_adapter`, `unload_adapter`,
+//!     `loaded_adapters`, `adapters`, `active_adapters`, `set_adapters` (LoRA).
+//! 20. `embedding` (`errors`, `convert`, `runtime`): `embed`, `rerank`, `embedding_info`.
 //!
 //! `ModelRuntime` is defined in `runtime` and its methods are spread over 11-18, one
 //! `#[pymethods]` block per domain (pyo3's `multiple-pymethods` feature), so that a domain's
@@ -52,7 +55,7 @@ macro_rules! sampling_signature {
             ", temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, ",
             "presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ",
             "ignore_eos=False, logprobs=None, skip_special_tokens=True, response_format=None, grammar=None, grammar_format=None, ",
-            "regex=None, choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None"
+            "regex=None, choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None"
         )
     };
 }
@@ -97,13 +100,18 @@ macro_rules! sampling_args_doc {
             "    num_draft_tokens (int | None): with a draft model (``load(..., draft_model=)``): the\n",
             "        most tokens it proposes a step (None: 16; 0: off); it stops early where it is\n",
             "        unsure. Greedy output is unchanged, sampled output keeps its distribution (the\n",
-            "        standard acceptance rule). Used when prompt lookup has no guess."
+            "        standard acceptance rule). Used when prompt lookup has no guess.\n",
+            "    adapters (str | list | dict | None): LoRA adapters for this call, by loaded name:\n",
+            "        ``\"name\"``, ``[\"a\", (\"b\", 0.5)]`` or ``{\"a\": 1.0, \"b\": 0.5}`` (summed); ``{}``:\n",
+            "        the base model; None: the runtime's (``set_adapters``)."
         )
     };
 }
 
+mod adapters;
 mod build_info;
 mod convert;
+mod embedding;
 mod engine;
 mod errors;
 mod generation;

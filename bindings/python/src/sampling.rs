@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::convert::{count, int_err, number, type_err, value_err, Given};
+use super::convert::{adapter_choice, count, int_err, number, type_err, value_err, Given};
 use super::errors::GenerationOptionError;
 use candlewick::generation::{ConstraintSpec, GenerateOptions};
 
@@ -54,6 +54,8 @@ pub struct SamplingArgs<'py> {
     pub prompt_lookup_num_tokens: Option<Bound<'py, PyAny>>,
     /// Tokens the draft model proposes per step; `None`: the default; 0: off.
     pub num_draft_tokens: Option<Bound<'py, PyAny>>,
+    /// LoRA adapters for this call (`convert::adapter_choice`); `None`: the runtime's.
+    pub adapters: Option<Bound<'py, PyAny>>,
 }
 
 impl SamplingArgs<'_> {
@@ -119,6 +121,9 @@ impl SamplingArgs<'_> {
         o.constraint = self.constraint()?;
         if let Some(v) = self.prompt_lookup_num_tokens.as_ref().filter(|v| !v.is_none()) {
             o.prompt_lookup = count("prompt_lookup_num_tokens", v)?;
+        }
+        if let Some(v) = self.adapters.as_ref().filter(|v| !v.is_none()) {
+            o.adapters = Some(adapter_choice("adapters", v)?);
         }
         if let Some(v) = self.num_draft_tokens.as_ref().filter(|v| !v.is_none()) {
             o.draft_tokens = Some(count("num_draft_tokens", v)?);

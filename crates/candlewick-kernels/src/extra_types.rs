@@ -150,7 +150,7 @@ impl ExtraType {
 
     /// Decodes one block into a float32 scale per `SCALE_VALUES` values and an integer per
     /// value: value `i` is `scales[i / 16] * q[i]`.
-    fn decode(self, b: &[u8], scales: &mut [f32], q: &mut [i8]) {
+    pub(crate) fn decode(self, b: &[u8], scales: &mut [f32], q: &mut [i8]) {
         let half = |i: usize| f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32();
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let sign = |bits: u8, j: usize| if bits >> j & 1 == 0 { 1i8 } else { -1 };

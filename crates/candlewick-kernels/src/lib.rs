@@ -6,8 +6,9 @@
 //!
 //! `matmul` is the one place that decides which kernel multiplies a weight: candle's own, the
 //! int8 GEMM over weights repacked at load into 16-row tiles (`interleaved`: Q8_0, Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 on CPUs with AVX-512 VNNI; all but
-//! the last three on Arm with the dot product), the tiled int8 GEMM over ggml's own layout
+//! Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, the grid i-quants IQ1_S … IQ3_S
+//! and the ternary TQ1_0 / TQ2_0 on CPUs with AVX-512 VNNI; all but IQ4_NL, IQ4_XS and MXFP4 on
+//! Arm with the dot product), the tiled int8 GEMM over ggml's own layout
 //! (`int8_gemm`: the 32-value formats on CPUs without either), our half-precision GEMV
 //! (`dense`), our bfloat16 GEMM (`bf16_gemm`), or a dense GEMM over de-quantized slabs. Our
 //! kernels run on the CPU only: on CUDA and Metal every product is candle's.

@@ -89,6 +89,19 @@ def attach_saes(runtime, specs) -> None:
         runtime.attach_sae(path, point=point or None, name=name)
 
 
+def load_loras(runtime, specs) -> None:
+    """``--lora NAME=PATH[:SCALE]``: loads each LoRA adapter, served as the model ``BASE:NAME``
+    (and by name in a request's ``adapters``)."""
+    from .._options import parse_lora
+
+    for spec in specs or []:
+        name, sep, rest = spec.partition("=")
+        if not sep or not name or not rest:
+            raise SystemExit(f"--lora wants NAME=PATH[:SCALE] for serve, got {spec!r}")
+        path, scale = parse_lora(rest)
+        runtime.load_adapter(path, name=name, scale=scale)
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           max_batch_size: int = 8, max_queue: int = 64, control_vectors=None, device: str = "auto",
           chat_template: Optional[str] = None, log_level: str = "info", threads: Optional[int] = None,
@@ -97,7 +110,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
           draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
           filename: Optional[str] = None, revision: Optional[str] = None,
           allow_image_urls: bool = False, image_url_max_bytes: int = 20 << 20,
-          image_url_timeout: Optional[float] = 10.0, saes=None,
+          image_url_timeout: Optional[float] = 10.0, saes=None, loras=None,
           prefix_cache_dir: Optional[str] = None, prefix_cache_disk_bytes: int = 4 << 30) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
 
@@ -126,6 +139,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
                                 draft_model=draft_model,
                                 kv_cache_type=kv_cache_type)
     attach_saes(runtime, saes)
+    load_loras(runtime, loras)
     server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                     max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                     chat_template=chat_template, log=log, request_timeout=request_timeout,

@@ -2,7 +2,8 @@
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent events ending in
-``[DONE]``), ``GET /metrics`` (Prometheus text). The request body may carry candlewick's
+``[DONE]``), ``POST /v1/embeddings`` and ``POST /v1/rerank`` (embeddings.py), ``GET /metrics``
+(Prometheus text). The request body may carry candlewick's
 extensions: ``interventions`` (docs/interventions.md as JSON), ``sae_edits`` (feature edits of
 an SAE attached at start, by its name), ``control_vector`` (a name
 loaded at start, with a scale) and ``observe`` (point names: the prompt's activations come back
@@ -125,7 +126,7 @@ COMMON_FIELDS = {
     "logit_bias", "logprobs", "n", "stream", "stream_options", "response_format", "user",
     "top_k", "min_p", "repeat_penalty", "ignore_eos", "skip_special_tokens",
     "interventions", "control_vector", "observe", "prompt_lookup_num_tokens", "num_draft_tokens",
-    "sae_edits",
+    "sae_edits", "adapters",
     "grammar", "grammar_format",
 }
 FIELDS = {
@@ -349,10 +350,34 @@ class Server:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+        if model is not None and model not in self.model_ids():
+            raise ApiError(404, f"the model `{model}` does not exist; this server serves {', '.join(self.model_ids())}",
                            code="model_not_found", param="model")
         return body
+
+    def model_ids(self) -> list:
+        """The names requests may give as `model`: the base model, and `base:ADAPTER` for each
+        LoRA adapter loaded (``serve --lora NAME=PATH``), as vLLM lists its LoRA modules."""
+        return [self.model_name] + [f"{self.model_name}:{a['name']}" for a in self.runtime.loaded_adapters()]
+
+    def adapters(self, body: dict) -> Optional[dict]:
+        """The request's LoRA adapters: ``"adapters": {name: scale}`` (candlewick's extension), or
+        the adapter its `model` names (``base:NAME``); None: the base model."""
+        loaded = {a["name"] for a in self.runtime.loaded_adapters()}
+        given = body.get("adapters")
+        if given is not None:
+            if not isinstance(given, dict) or not all(
+                    isinstance(k, str) and (v is None or isinstance(v, (int, float))) for k, v in given.items()):
+                raise ApiError(400, "adapters must be an object {name: scale}", param="adapters")
+            unknown = sorted(set(given) - loaded)
+            if unknown:
+                raise ApiError(400, f"unknown adapter(s) {unknown} (loaded: {sorted(loaded)})", param="adapters")
+            return dict(given)
+        model = body.get("model")
+        prefix = f"{self.model_name}:"
+        if isinstance(model, str) and model.startswith(prefix) and model[len(prefix):] in loaded:
+            return {model[len(prefix):]: None}
+        return None
 
     def sampling(self, body: dict) -> dict:
         kw: dict[str, Any] = {}
@@ -365,6 +390,9 @@ class Server:
             kw["max_tokens"] = body["max_completion_tokens"]
         if "max_tokens" not in kw:
             kw["max_tokens"] = 16 if "messages" not in body else 256
+        adapters = self.adapters(body)
+        if adapters is not None:
+            kw["adapters"] = adapters
         bias = body.get("logit_bias")
         if bias:
             try:
@@ -477,7 +505,8 @@ class Server:
         else:
             ids = self.runtime.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         edits = self.interventions(body)
-        obs = self.runtime.trace(ids, ObservationRequest.exact(list(points)), edits).observations
+        obs = self.runtime.trace(ids, ObservationRequest.exact(list(points)), edits,
+                                 adapters=self.adapters(body)).observations
         out = {}
         for name in points:
             a = np.ascontiguousarray(obs[name], dtype=np.float32)
@@ -755,7 +784,8 @@ def build_app(server: Server) -> Starlette:
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
-            {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "candlewick"}]})
+            {"id": name, "object": "model", "created": server.created, "owned_by": "candlewick"}
+            for name in server.model_ids()]})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -811,6 +841,7 @@ def build_app(server: Server) -> Starlette:
         return Route(path, endpoint, methods=methods)
 
     # The APIs that speak chat in other shapes, over the same chat path (turns.py).
+    from .embeddings import embeddings_routes
     from .messages import messages_routes
     from .responses import responses_routes
 
@@ -822,6 +853,7 @@ def build_app(server: Server) -> Starlette:
         route("/metrics", metrics, ["GET"], "metrics"),
         *responses_routes(server, route),
         *messages_routes(server, route),
+        *embeddings_routes(server, route),
     ]
     @asynccontextmanager
     async def lifespan(app):

@@ -86,6 +86,9 @@ pub struct StepTables {
     /// Gemma 3): a query sees the later keys of its own block too. Such a step materialises its
     /// scores (the tiled kernel masks causally).
     pub blocks: Vec<(usize, usize)>,
+    /// Whether queries also attend the step's later keys (embedding models: `ArchConfig::bidirectional`);
+    /// a sliding window then keeps keys closer than it on either side.
+    pub bidirectional: bool,
 }
 
 impl StepTables {
@@ -100,14 +103,24 @@ impl StepTables {
         // Transformers' convention: a window of w keeps the query and the w - 1 keys before it,
         // so keys before the first query's window are never attended and are not even read.
         let key_start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        Ok(Self { rope, key_start, pos, t, window, device: device.clone(), decoding: false, blocks: Vec::new() })
+        Ok(Self {
+            rope,
+            key_start,
+            pos,
+            t,
+            window,
+            device: device.clone(),
+            decoding: false,
+            blocks: Vec::new(),
+            bidirectional: false,
+        })
     }
 
     /// The additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is
     /// masked; made only where the scores are materialised (the tiled kernel masks per tile).
     pub fn mask(&self) -> candle_core::Result<Option<Tensor>> {
         let (pos, t, key_start, window) = (self.pos, self.t, self.key_start, self.window);
-        if t == 1 {
+        if t == 1 || (self.bidirectional && window.is_none_or(|w| pos + t <= w)) {
             return Ok(None);
         }
         let keys = pos + t - key_start;
@@ -117,7 +130,11 @@ impl StepTables {
             for (j, cell) in m[i * keys..(i + 1) * keys].iter_mut().enumerate() {
                 let k = key_start + j;
                 let same_block = || self.blocks.iter().any(|&(s, e)| (s..e).contains(&q) && (s..e).contains(&k));
-                if (k > q && !same_block()) || window.is_some_and(|w| q.saturating_sub(k) >= w) {
+                let masked = match self.bidirectional {
+                    true => window.is_some_and(|w| q.abs_diff(k) >= w),
+                    false => (k > q && !same_block()) || window.is_some_and(|w| q.saturating_sub(k) >= w),
+                };
+                if masked {
                     *cell = f32::NEG_INFINITY;
                 }
             }
@@ -226,7 +243,13 @@ impl Attention {
             softcap: self.softcap.map(|c| c as f32),
         };
         // Attention sinks (gpt-oss) take their share in the materialised softmax below only.
-        if !pattern_wanted && self.sinks.is_none() && tables.blocks.is_empty() && kernels::attention::takes(&q, &view) {
+        // The tiled kernels mask causally: bidirectional steps and image blocks materialise their scores.
+        if !pattern_wanted
+            && self.sinks.is_none()
+            && tables.blocks.is_empty()
+            && !tables.bidirectional
+            && kernels::attention::takes(&q, &view)
+        {
             if tables.decoding && t == 1 {
                 let heads = kernels::attention::decode(&q, &view, p)?; // [1, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);
@@ -291,5 +314,26 @@ impl Attention {
         let out = probs.matmul(&v_all)?; // [1, nkv, group * t, d]
         let heads = out.reshape((nh, t, d))?.transpose(0, 1)?.to_dtype(DType::F32)?; // [t, nh, d]
         hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bidirectional_step_masks_only_past_the_window_on_either_side() {
+        let dev = Device::Cpu;
+        let mut windowed = StepTables::new(None, 0, 5, Some(2), &dev).unwrap();
+        windowed.bidirectional = true;
+        let m: Vec<Vec<f32>> = windowed.mask().unwrap().unwrap().to_vec2().unwrap();
+        for (q, row) in m.iter().enumerate() {
+            for (k, &cell) in row.iter().enumerate() {
+                assert_eq!(cell == 0.0, q.abs_diff(k) < 2, "query {q}, key {k}");
+            }
+        }
+        let mut full = StepTables::new(None, 0, 5, None, &dev).unwrap();
+        full.bidirectional = true;
+        assert!(full.mask().unwrap().is_none(), "nothing to mask without a window");
     }
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
+use super::lora::Site;
 use crate::backend::kernels::interleaved::Interleaved;
 use crate::backend::kernels::Weight;
 use crate::backend::weights::embedding::{dtype_name, ggml_name, Embedding};
@@ -14,6 +15,8 @@ use crate::backend::weights::embedding::{dtype_name, ggml_name, Embedding};
 pub struct Linear {
     weight: Weight,
     bias: Option<Tensor>,
+    /// Where it sits in the model, for LoRA adapters (`None`: no adapter reaches it).
+    site: Option<Arc<Site>>,
 }
 
 impl Linear {
@@ -28,7 +31,18 @@ impl Linear {
 
     /// A linear map from its weight and optional bias.
     pub fn new(weight: Weight, bias: Option<Tensor>) -> Self {
-        Self { weight, bias }
+        Self { weight, bias, site: None }
+    }
+
+    /// This map placed at `site`, where LoRA adapters find it.
+    pub fn at_site(mut self, site: Site) -> Self {
+        self.site = Some(Arc::new(site));
+        self
+    }
+
+    /// Where it sits, for LoRA adapters.
+    pub fn site(&self) -> Option<&Site> {
+        self.site.as_deref()
     }
 
     /// The weight's storage type (`q4_k`, `f32`, ...) and number of parameters (bias included).
@@ -63,14 +77,20 @@ impl Linear {
             None if parts.iter().all(|l| l.bias.is_none()) => None,
             None => return Ok(None),
         };
-        Ok(Some(Self { weight: Weight::Interleaved(Arc::new(weight)), bias }))
+        let sites: Option<Vec<&Site>> = parts.iter().map(|l| l.site.as_deref()).collect();
+        let site = sites.and_then(|s| Site::stack(&s)).map(Arc::new);
+        Ok(Some(Self { weight: Weight::Interleaved(Arc::new(weight)), bias, site }))
     }
 
     /// Applies the map to float32 `[rows, in]`, returning float32 (the kernel is `kernels::matmul`'s choice).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = crate::backend::kernels::matmul(x, &self.weight)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(b),
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        match &self.site {
+            Some(site) => super::lora::apply(site, x, y),
             None => Ok(y),
         }
     }

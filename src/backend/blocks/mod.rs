@@ -8,6 +8,7 @@ pub mod activation;
 pub mod attention;
 pub mod hooks;
 pub mod linear;
+pub mod lora;
 pub mod mlp;
 pub mod moe;
 pub mod norm;

@@ -179,6 +179,7 @@ pub fn parse_config(
         bos_token_id: md.token_id("tokenizer.ggml.bos_token_id")?,
         moe: None,
         attn_sinks: has_tensor("blk.0.attn_sinks.weight"),
+        bidirectional: false,
     };
     // Errors name llama.cpp's keys, not transformers' names of the same quantities.
     let field = |name: &str| -> String {

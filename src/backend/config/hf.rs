@@ -134,6 +134,8 @@ struct HfConfig {
     swiglu_limit: Option<f64>,
     swiglu_alpha: Option<f64>,
     clip_qkv: Option<f64>,
+    /// EmbeddingGemma: attention in both directions (DESIGN §17).
+    use_bidirectional_attention: Option<bool>,
 }
 
 /// Deserializes `map` as `T`; on failure, finds the key whose value is at fault so the error
@@ -482,12 +484,15 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
     let gpt = matches!(arch, Architecture::Gpt2 | Architecture::GptNeoX);
     let (full_rope, sliding_rope) = rope_by_layer_type(&cfg, arch, path)?;
     let rotates = rope_layers(&cfg, arch, n_layers, path)?;
+    let bidirectional = cfg.use_bidirectional_attention.unwrap_or(false);
     let layers = sliding_layers(&cfg, arch, n_layers, path)?
         .into_iter()
         .zip(rotates)
         .map(|(sliding, rotates)| {
             Ok(if sliding {
                 let w = cfg.sliding_window.ok_or_else(|| invalid(path, "sliding_window", "sliding layers need one"))?;
+                // Transformers' Gemma 3 halves a bidirectional window (each side sees w / 2).
+                let w = if bidirectional { w / 2 + 1 } else { w };
                 LayerConfig { sliding_window: Some(w), rope: rotates.then_some(sliding_rope) }
             } else {
                 LayerConfig { sliding_window: None, rope: rotates.then_some(full_rope) }
@@ -596,6 +601,7 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         bos_token_id: cfg.bos_token_id.and_then(|ids| ids.into_vec().first().copied()),
         moe,
         attn_sinks: arch == Architecture::GptOss,
+        bidirectional,
     };
     // GPT-2 and GPT-NeoX name their norms' epsilon after LayerNorm.
     let experts_key = if cfg.num_experts.is_some() { "num_experts" } else { "num_local_experts" };

@@ -436,6 +436,9 @@ pub struct ArchConfig {
     /// Whether each head has a learned sink logit that joins its softmax and takes probability
     /// from the keys (gpt-oss).
     pub attn_sinks: bool,
+    /// Whether every position attends every other (within a sliding layer's window, both ways):
+    /// embedding models such as EmbeddingGemma (`use_bidirectional_attention`).
+    pub bidirectional: bool,
 }
 
 /// Refuses a layer count outside `1..=MAX_LAYERS` before anything per layer is allocated.

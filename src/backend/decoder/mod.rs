@@ -4,11 +4,14 @@
 //! normalised, which layers slide, how embeddings are scaled. The observation points of
 //! DESIGN §2 are places in this one forward pass, so every architecture can be inspected.
 
+mod adapters;
+
 use candle_core::{DType, Device, Tensor};
 
 use crate::backend::blocks::attention::{Attention, QkNorms, QkvProj, StepTables};
 use crate::backend::blocks::hooks::Hooks;
 use crate::backend::blocks::linear::Linear;
+use crate::backend::blocks::lora::{AdapterRegistry, Site};
 use crate::backend::blocks::mlp::{GateUp, Mlp};
 use crate::backend::blocks::moe::{FeedForward, Moe};
 use crate::backend::blocks::norm::Norm;
@@ -54,6 +57,9 @@ pub enum LogitsRows {
     Last,
     /// Every position's.
     All,
+    /// No logits: every position's hidden state after the final norm `[rows, hidden]`
+    /// (embeddings pool these; the output projection is skipped).
+    Hidden,
 }
 
 /// The generic decoder: embeddings, blocks, final norm, output projection.
@@ -85,6 +91,8 @@ pub struct Decoder {
     saes: std::sync::Arc<SaeRegistry>,
     /// The vision encoder and projector of a vision-language model (DESIGN §13).
     vision: Option<std::sync::Arc<VisionModel>>,
+    /// The LoRA adapters loaded on this model, shared with every clone and session (`adapters.rs`).
+    adapters: std::sync::Arc<AdapterRegistry>,
 }
 
 impl Decoder {
@@ -113,7 +121,7 @@ impl Decoder {
         let linear = |slot: Slot, layer: usize, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let weight = w.matmul(&name(slot, layer, "weight"), out, inp)?;
             let bias = if bias { Some(w.dense_f32(&name(slot, layer, "bias"), &[out])?) } else { None };
-            Ok(Linear::new(weight, bias))
+            Ok(Linear::new(weight, bias).at_site(Site::one(slot, layer, out, inp)))
         };
         let embed_name = name(Slot::Embed, 0, "weight");
         let embed = w.embedding(&embed_name, c.vocab_size, h, c.tie_word_embeddings)?;
@@ -218,7 +226,8 @@ impl Decoder {
             Linear::tied(&embed).ctx(|| format!("tying the output projection to `{embed_name}`"))?
         } else {
             Linear::new(w.output(&head_name, c.vocab_size, h)?, None)
-        };
+        }
+        .at_site(Site::one(Slot::LmHead, 0, c.vocab_size, h));
         let positions = if c.learned_positions {
             Some(w.dense(&name(Slot::PosEmbed, 0, "weight"), &[c.max_position_embeddings, h])?)
         } else {
@@ -239,6 +248,7 @@ impl Decoder {
             quantized_at_load: w.quantize_report(),
             saes: Default::default(),
             vision: None,
+            adapters: Default::default(),
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
         Ok(decoder)
@@ -278,7 +288,11 @@ impl Decoder {
         let attention = mul(&[3, c.num_heads as u64, t, keys, f]).saturating_add(mul(&[t, keys, f]));
         let width = 4 * c.hidden_size + 3 * c.intermediate_size + 3 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
         let activations = mul(&[t, width as u64, f]);
-        let logits = mul(&[if rows == LogitsRows::All { t } else { 1 }, c.vocab_size as u64, f]);
+        let logits = match rows {
+            LogitsRows::All => mul(&[t, c.vocab_size as u64, f]),
+            LogitsRows::Last => mul(&[c.vocab_size as u64, f]),
+            LogitsRows::Hidden => mul(&[t, c.hidden_size as u64, f]),
+        };
         // Keys and values of every layer in the cache's storage, at most twice over while the
         // cache grows by copying: every position, or a ring's window and the step.
         let (dtype, row) = self.cache_type().storage(c.head_dim);
@@ -501,6 +515,7 @@ impl Decoder {
                         let mut tables = StepTables::new(rope, pos, t, lc.sliding_window, &self.device)?;
                         tables.decoding = kind == StepKind::Decode;
                         tables.blocks = it.hooks.bidirectional_blocks();
+                        tables.bidirectional = self.config.bidirectional;
                         Ok(tables)
                     })
                     .collect::<candle_core::Result<Vec<_>>>()
@@ -565,7 +580,7 @@ impl Decoder {
         // The final norm covers every row only when it is observed or edited; the vocabulary
         // matmul (the most expensive one) every row only when all logits are returned or observed.
         let wants = |p: Point| items.iter().any(|it| it.hooks.wants(p));
-        let all_logits = rows == LogitsRows::All || wants(Point::Logits);
+        let all_logits = matches!(rows, LogitsRows::All | LogitsRows::Hidden) || wants(Point::Logits);
         let keep_last = |y: Tensor, lens: &[usize]| -> candle_core::Result<(Tensor, Vec<usize>)> {
             let mut last = Vec::with_capacity(lens.len());
             let mut end = 0;
@@ -581,6 +596,9 @@ impl Decoder {
             (x, lens) = keep_last(x, &lens)?;
         }
         let mut h = at_each(items, &lens, Point::Norm, self.norm.forward(&x)?)?;
+        if rows == LogitsRows::Hidden {
+            return split_rows(&h, &lens).map(Some);
+        }
         if !all_logits && lens.iter().any(|&t| t > 1) {
             (h, lens) = keep_last(h, &lens)?;
         }

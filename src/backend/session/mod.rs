@@ -1,5 +1,7 @@
 //! The candle session: a shared decoder, its own KV cache, position and kept edits.
 
+mod adapters;
+pub mod embed;
 pub mod images;
 pub mod prefix_cache;
 pub mod prefix_disk;
@@ -11,6 +13,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 use crate::backend::blocks::hooks::{NoHooks, ReadyEdits, StepHooks};
+use crate::backend::blocks::lora::{self, same_adapters, ActiveAdapters};
 use crate::backend::decoder::{BatchItem, Decoder, LogitsRows, StepKind};
 use crate::backend::device::CandleBackend;
 use crate::backend::error::{CandleContext, CandleError, Result};
@@ -95,6 +98,11 @@ pub struct CandleSession {
     prefill_chunk: usize,
     /// Images staged for the next calls that cover their positions (`stage_images`).
     images: Vec<ImageSpan>,
+    /// The LoRA adapters its steps run with (swapped per call through a shared reference, so a
+    /// generation in progress does not count the swap as a change of its session), and those its
+    /// reusable positions were computed under (`adapters.rs`).
+    adapters: std::sync::Mutex<ActiveAdapters>,
+    cache_adapters: ActiveAdapters,
 }
 
 /// The most prompt tokens one step runs by default: a longer prompt runs in chunks. The KV
@@ -120,6 +128,8 @@ impl CandleSession {
             ring_slack: None,
             prefill_chunk: prefill_chunk.max(1),
             images: Vec::new(),
+            adapters: Default::default(),
+            cache_adapters: Vec::new(),
         }
     }
 
@@ -202,6 +212,7 @@ impl CandleSession {
         self.cache = cache;
         self.tokens = tokens;
         self.reusable = n;
+        self.cache_adapters = Vec::new();
         Ok(())
     }
 
@@ -336,6 +347,7 @@ impl CandleSession {
         let kind = if matches!(operation, "decode" | "inspect_decode") { StepKind::Decode } else { StepKind::Prompt };
         let plain = request.is_none() && edits.is_empty();
         let saes = self.decoder.saes().current();
+        let active = self.adapters();
         let mut hooks = StepHooks::new(request, edits, start, tokens.len()).with_saes(&saes);
         let mut logits = Vec::new();
         let images = self.images_in(operation, start, start + tokens.len())?;
@@ -347,18 +359,19 @@ impl CandleSession {
             let step_start = at;
             at = end;
             // The plain forward pass: no hook is even consulted.
-            let step = match (plain, here.is_empty()) {
-                (true, true) => self.decoder.forward(part, &mut self.cache, rows, kind, &mut NoHooks),
-                (false, true) => self.decoder.forward(part, &mut self.cache, rows, kind, &mut hooks),
+            let (decoder, cache) = (&self.decoder, &mut self.cache);
+            let step = lora::with_plan(&[Some(&active)], &[part.len()], || match (plain, here.is_empty()) {
+                (true, true) => decoder.forward(part, cache, rows, kind, &mut NoHooks),
+                (false, true) => decoder.forward(part, cache, rows, kind, &mut hooks),
                 (true, false) => {
                     let mut h = ImageHooks { inner: NoHooks, images: &here, start: step_start, bidirectional };
-                    self.decoder.forward(part, &mut self.cache, rows, kind, &mut h)
+                    decoder.forward(part, cache, rows, kind, &mut h)
                 }
                 (false, false) => {
                     let mut h = ImageHooks { inner: &mut hooks, images: &here, start: step_start, bidirectional };
-                    self.decoder.forward(part, &mut self.cache, rows, kind, &mut h)
+                    decoder.forward(part, cache, rows, kind, &mut h)
                 }
-            };
+            });
             let step = step
                 .map_err(|source| CandleError::Candle {
                     context: format!("running {operation} at position {}", self.cache.len()),
@@ -421,6 +434,9 @@ impl CandleSession {
     /// Keeps `reusable` true after positions `start..` were appended, with (`clean`) or without
     /// only the kept edits.
     fn appended(&mut self, start: usize, clean: bool) {
+        if !self.cache_under_adapters(start) {
+            return;
+        }
         if clean && self.reusable == start {
             self.reusable = self.cache.len();
         }
@@ -499,6 +515,10 @@ impl BackendSession<CandleBackend> for CandleSession {
     }
 
     fn reusable_tokens(&self) -> &[u32] {
+        // Positions computed under other adapters serve no prompt run with these.
+        if !same_adapters(&self.adapters(), &self.cache_adapters) {
+            return &[];
+        }
         &self.tokens[..self.reusable.min(self.tokens.len())]
     }
 
@@ -614,27 +634,32 @@ impl BatchSession<CandleBackend> for CandleSession {
             edits.push(s.edits_for_call(input.interventions.clone())?);
         }
         let starts: Vec<usize> = sessions.iter().map(|s| s.cache.len()).collect();
-        let result = if edits.iter().all(ReadyEdits::is_empty) {
-            let mut items: Vec<BatchItem<'_, NoHooks>> = sessions
-                .iter_mut()
-                .zip(&inputs)
-                .map(|(s, i)| BatchItem { ids: &i.tokens, cache: &mut s.cache, hooks: NoHooks })
-                .collect();
-            decoder.forward_batch(&mut items, LogitsRows::All, StepKind::Decode)
-        } else {
-            let mut items: Vec<BatchItem<'_, StepHooks<'_>>> = sessions
-                .iter_mut()
-                .zip(&inputs)
-                .zip(&edits)
-                .zip(&starts)
-                .map(|(((s, i), e), &pos)| BatchItem {
-                    ids: &i.tokens,
-                    cache: &mut s.cache,
-                    hooks: StepHooks::new(None, e, pos, i.tokens.len()),
-                })
-                .collect();
-            decoder.forward_batch(&mut items, LogitsRows::All, StepKind::Decode)
-        };
+        let active: Vec<ActiveAdapters> = sessions.iter().map(|s| s.adapters()).collect();
+        let active: Vec<Option<&ActiveAdapters>> = active.iter().map(Some).collect();
+        let lens: Vec<usize> = inputs.iter().map(|i| i.tokens.len()).collect();
+        let result = lora::with_plan(&active, &lens, || {
+            if edits.iter().all(ReadyEdits::is_empty) {
+                let mut items: Vec<BatchItem<'_, NoHooks>> = sessions
+                    .iter_mut()
+                    .zip(&inputs)
+                    .map(|(s, i)| BatchItem { ids: &i.tokens, cache: &mut s.cache, hooks: NoHooks })
+                    .collect();
+                decoder.forward_batch(&mut items, LogitsRows::All, StepKind::Decode)
+            } else {
+                let mut items: Vec<BatchItem<'_, StepHooks<'_>>> = sessions
+                    .iter_mut()
+                    .zip(&inputs)
+                    .zip(&edits)
+                    .zip(&starts)
+                    .map(|(((s, i), e), &pos)| BatchItem {
+                        ids: &i.tokens,
+                        cache: &mut s.cache,
+                        hooks: StepHooks::new(None, e, pos, i.tokens.len()),
+                    })
+                    .collect();
+                decoder.forward_batch(&mut items, LogitsRows::All, StepKind::Decode)
+            }
+        });
         match result {
             Ok(logits) => Ok(sessions
                 .iter_mut()
@@ -675,6 +700,8 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             ring_slack: self.ring_slack,
             prefill_chunk: self.prefill_chunk,
             images: Vec::new(),
+            adapters: std::sync::Mutex::new(self.adapters()),
+            cache_adapters: self.cache_adapters.clone(),
         })
     }
 
@@ -692,6 +719,8 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             prefill_chunk: self.prefill_chunk,
             // A trace runs on an empty fork: the images staged for it go along.
             images: self.images.clone(),
+            adapters: std::sync::Mutex::new(self.adapters()),
+            cache_adapters: self.adapters(),
         })
     }
 
@@ -702,7 +731,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             kv_cache_type: self.decoder.cache_type(),
             fingerprint: self.decoder.fingerprint().to_owned(),
             // Only a cache computed with no edit at all is reusable by whoever restores it.
-            clean_prefix: if self.edits.set.is_empty() { self.reusable } else { 0 },
+            clean_prefix: if self.plain_cache() { self.reusable } else { 0 },
         })
     }
 
@@ -767,6 +796,8 @@ impl SnapshotSession<CandleBackend> for CandleSession {
         self.cache = cache;
         self.tokens = snap.tokens.clone();
         self.reusable = if self.edits.set.is_empty() { snap.clean_prefix.min(position) } else { 0 };
+        // A snapshot's clean prefix was computed with no adapter.
+        self.cache_adapters = Vec::new();
         Ok(())
     }
 }

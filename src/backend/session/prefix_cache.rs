@@ -281,7 +281,7 @@ impl PrefixCache {
     pub fn store_from(&mut self, session: &CandleSession) -> Result<()> {
         // Reusable tokens are those computed under the session's kept edits: the cache serves
         // sessions without any, so only an unedited session's positions may go in.
-        let tokens = if session.edits.set.is_empty() { session.reusable_tokens() } else { &[] };
+        let tokens = if session.plain_cache() { session.reusable_tokens() } else { &[] };
         let whole = tokens.len() / self.block_tokens;
         if whole == 0 || self.budget_bytes == 0 {
             return Ok(());

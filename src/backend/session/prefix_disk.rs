@@ -88,6 +88,10 @@ pub struct PrefixDisk {
     cap_bytes: u64,
     files: HashMap<String, DiskFile>,
     clock: u64,
+    /// The last modification time this process gave a file: each stamp is later than the one
+    /// before, because the kernel's file times are coarse (a few ms) and blocks written in one
+    /// step would otherwise tie, losing their order of use for the next process.
+    last_stamp: SystemTime,
     stats: PrefixDiskStats,
 }
 
@@ -108,11 +112,13 @@ impl PrefixDisk {
             found.push((meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), name, meta.len()));
         }
         found.sort();
+        let last_stamp = found.last().map_or(SystemTime::UNIX_EPOCH, |f| f.0);
         let mut disk = Self {
             dir: dir.to_path_buf(),
             cap_bytes,
             files: HashMap::new(),
             clock: 0,
+            last_stamp,
             stats: PrefixDiskStats::default(),
         };
         for (_, name, bytes) in found {
@@ -169,6 +175,8 @@ impl PrefixDisk {
         let name = Self::file_name(id, prefix);
         match self.try_write(&name, id, prefix, layers) {
             Ok(Some(bytes)) => {
+                let path = self.dir.join(&name);
+                self.stamp(&path);
                 self.clock += 1;
                 if let Some(old) = self.files.insert(name.clone(), DiskFile { bytes, last_used: self.clock }) {
                     self.stats.bytes -= old.bytes;
@@ -251,9 +259,7 @@ impl PrefixDisk {
                     f.last_used = self.clock;
                 }
                 // The file's time carries the order of use to the next process.
-                if let Ok(f) = fs::File::options().write(true).open(&path) {
-                    let _ = f.set_modified(SystemTime::now());
-                }
+                self.stamp(&path);
                 self.stats.loaded += 1;
                 Some(layers)
             }
@@ -273,6 +279,17 @@ impl PrefixDisk {
     }
 
     /// Deletes least recently used files (never `keep`) until the cap holds.
+    /// Sets `path`'s modification time to now, or just after the last stamp where the coarse
+    /// clock has not moved on, so that the next process reads the order of use back.
+    fn stamp(&mut self, path: &Path) {
+        let now = SystemTime::now().max(self.last_stamp + std::time::Duration::from_micros(1));
+        if let Ok(f) = fs::File::options().write(true).open(path) {
+            if f.set_modified(now).is_ok() {
+                self.last_stamp = now;
+            }
+        }
+    }
+
     fn evict(&mut self, keep: Option<&str>) {
         while self.stats.bytes > self.cap_bytes {
             let victim = self

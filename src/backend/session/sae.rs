@@ -100,23 +100,7 @@ impl CandleSession {
     /// one's observations. This session's own cache is not touched.
     pub fn collect(&self, documents: &[Vec<u32>], request: &ObservationRequest) -> Result<Vec<ObservationSet>> {
         request.validate(self.decoder.observation_points().iter().map(String::as_str))?;
-        let vocab = self.decoder.config().vocab_size;
-        for (d, doc) in documents.iter().enumerate() {
-            let refuse = |reason: String| CandleError::InvalidInput { operation: "collect", reason };
-            if doc.is_empty() {
-                return Err(refuse(format!("document {d} has no tokens")));
-            }
-            if doc.len() > self.cache.max_context() {
-                return Err(refuse(format!(
-                    "document {d} has {} tokens, more than the context of {}",
-                    doc.len(),
-                    self.cache.max_context()
-                )));
-            }
-            if let Some((index, &token)) = doc.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-                return Err(CandleError::TokenOutOfRange { token, index, vocab_size: vocab });
-            }
-        }
+        self.check_documents("collect", "document", documents)?;
         let last = self.last_layer_needed(request);
         let saes: Arc<Vec<Arc<Sae>>> = self.decoder.saes().current();
         let edits = self.edits.ready.clone();
@@ -143,12 +127,15 @@ impl CandleSession {
                 .map(|((d, cache), h)| BatchItem { ids: &d[from..(from + chunk).min(d.len())], cache, hooks: h })
                 .collect();
             let lens: Vec<usize> = items.iter().map(|it| it.ids.len()).collect();
-            self.decoder.forward_batch_until(&mut items, LogitsRows::Last, StepKind::Prompt, last).map_err(
-                |source| CandleError::Candle {
-                    context: format!("collecting activations of {} documents at position {from}", documents.len()),
-                    source: crate::backend::error::without_backtrace(source),
-                },
-            )?;
+            let adapters = self.adapters();
+            let active = vec![Some(&adapters); items.len()];
+            crate::backend::blocks::lora::with_plan(&active, &lens, || {
+                self.decoder.forward_batch_until(&mut items, LogitsRows::Last, StepKind::Prompt, last)
+            })
+            .map_err(|source| CandleError::Candle {
+                context: format!("collecting activations of {} documents at position {from}", documents.len()),
+                source: crate::backend::error::without_backtrace(source),
+            })?;
             for (it, t) in items.iter_mut().zip(lens) {
                 it.hooks.end_step(t)?;
             }

@@ -847,7 +847,8 @@ impl GgufWeights {
     }
 
     /// A matrix of a type candle lacks as the kernels take it: read straight into tiles of its
-    /// own format where this device runs them (IQ4_NL, IQ4_XS, MXFP4 at 4.25–4.5 bits a value),
+    /// own format where this device runs them (IQ4_NL, IQ4_XS, MXFP4 at 4.25–4.5 bits a value;
+    /// the grid i-quants and the ternary types at 1.56–3.44, `kernels/interleaved/grid.rs`),
     /// else re-encoded as Q8_0 (`extra_q8_0`); `None` where neither holds its values (float32).
     fn extra_weight(&self, part: &Part, name: &str, t: &ExtraTensor, device: &Device) -> Result<Option<Weight>> {
         if let (Some(format), &[n, k]) = (kernels::repacked_extra_format(t.ty, device), &t.shape[..]) {

@@ -2,6 +2,7 @@
 
 /// The GGUF types candle lacks, de-quantized in the kernels crate.
 pub use candlewick_kernels::extra_types;
+pub mod adapter;
 pub mod embedding;
 pub mod finite;
 pub mod gguf;

@@ -3,7 +3,7 @@
 use crate::backend::config::Architecture;
 
 /// A weight of the decoder, independent of how a format names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Slot {
     /// Token embedding table.
     Embed,

@@ -15,6 +15,8 @@ pub struct SafetensorsWeights {
     index: HashMap<String, (Vec<usize>, String)>,
     /// Whether tensors are checked for non-finite values as they load (`finite::check`).
     check_tensors: bool,
+    /// The stored name of each tensor indexed under another (`prefix_bare_names`).
+    stored: HashMap<String, String>,
 }
 
 impl SafetensorsWeights {
@@ -54,7 +56,31 @@ impl SafetensorsWeights {
             .into_iter()
             .map(|(name, view)| (name, (view.shape().to_vec(), format!("{:?}", view.dtype()))))
             .collect();
-        Ok(Self { files, index, check_tensors: true })
+        Ok(Self { files, index, check_tensors: true, stored: HashMap::new() })
+    }
+
+    /// Indexes the tensors of a checkpoint saved from the base model without its `prefix`
+    /// (sentence-transformers saves Qwen3-Embedding and EmbeddingGemma as `embed_tokens.weight`,
+    /// `layers.0...`, `norm.weight`) under `prefix`, so the usual names find them. Does nothing
+    /// where any name already starts with `prefix` or `{prefix}embed_tokens.weight` would not
+    /// exist; returns whether it renamed.
+    pub fn prefix_bare_names(&mut self, prefix: &str) -> bool {
+        if self.index.keys().any(|n| n.starts_with(prefix)) || !self.index.contains_key("embed_tokens.weight") {
+            return false;
+        }
+        let old = std::mem::take(&mut self.index);
+        for (name, entry) in old {
+            // The output projection keeps its name: it never had the prefix.
+            let public = if name.starts_with("lm_head.") { name.clone() } else { format!("{prefix}{name}") };
+            self.stored.insert(public.clone(), name);
+            self.index.insert(public, entry);
+        }
+        true
+    }
+
+    /// The name `name` is stored under.
+    fn stored_name<'a>(&'a self, name: &'a str) -> &'a str {
+        self.stored.get(name).map_or(name, String::as_str)
     }
 
     /// Turns the check for NaN and infinite values off (`false`) or on; on by default.
@@ -135,14 +161,14 @@ impl WeightSource for SafetensorsWeights {
             return Err(CandleError::UnsupportedTensorType { tensor: name.to_owned(), dtype: stored.clone() });
         };
         if let (true, Some(ggml)) = (self.check_tensors, finite::of_float(float)) {
-            let view = self.files.get(name).ctx(|| format!("reading tensor `{name}`"))?;
+            let view = self.files.get(self.stored_name(name)).ctx(|| format!("reading tensor `{name}`"))?;
             finite::check(ggml, view.data(), 0).map_err(|reason| CandleError::Malformed {
                 what: "safetensors tensor",
                 path: format!("`{name}`"),
                 reason: format!("{reason}; load with check_tensors=False to skip this check"),
             })?;
         }
-        let t = self.files.load(name, device).ctx(|| format!("loading tensor `{name}`"))?;
+        let t = self.files.load(self.stored_name(name), device).ctx(|| format!("loading tensor `{name}`"))?;
         convert(t, name, dtype)
     }
 }

@@ -3,7 +3,8 @@
 //! time, and a portable one (ggml's `block_q8_0x8` / `block_q4_Kx8` idea, candle's x86 repack).
 //! The 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are laid out here; the 256-value k-quants
 //! (Q3_K, Q4_K, Q5_K, Q6_K) in `k_quants.rs`; the formats whose 4-bit values index a table of
-//! levels (IQ4_NL, IQ4_XS, MXFP4, x86 only) in `i_quants.rs`.
+//! levels (IQ4_NL, IQ4_XS, MXFP4, x86 only) in `i_quants.rs`; the grid i-quants and the ternary
+//! types (IQ1_S … IQ3_S, TQ1_0, TQ2_0), decoded record by record in cache, in `grid.rs`.
 //!
 //! In ggml's row-major layout every (activation row, weight row) pair needs its own dot product
 //! and a horizontal sum, and the per-block scale arithmetic costs as much as the multiply.
@@ -34,6 +35,7 @@
 //! group, so the kernel adds 16 to the masked bytes with one masked `vpaddb` (Q5_K's fifth bits
 //! and Q3_K's third bits the same way, in `k_quants.rs`).
 
+mod grid;
 mod i_quants;
 mod k_quants;
 
@@ -78,6 +80,24 @@ pub enum Format {
     IQ4XS,
     /// `e8m0(e)·level[q]`, 4-bit `q` indexing the doubled e2m1 levels, a power-of-two scale.
     MXFP4,
+    /// IQ2_XXS (2.06 bits a value): 8-value points of a 256-point grid, signs, a scale per 32.
+    IQ2XXS,
+    /// IQ2_XS (2.31 bits): a 512-point grid, a scale per 16.
+    IQ2XS,
+    /// IQ2_S (2.56 bits): a 1024-point grid, explicit signs, a scale per 16.
+    IQ2S,
+    /// IQ3_XXS (3.06 bits): 4-value points of a 256-point grid, a scale per 32.
+    IQ3XXS,
+    /// IQ3_S (3.44 bits): a 512-point grid, explicit signs, a scale per 32.
+    IQ3S,
+    /// IQ1_S (1.56 bits): 8-value ternary points shifted by ±1/8, a scale per 32.
+    IQ1S,
+    /// IQ1_M (1.75 bits): IQ1_S's grid, a shift per 8 values, a scale per 16.
+    IQ1M,
+    /// TQ1_0 (1.69 bits): ternary values five to a byte in base 3.
+    TQ1_0,
+    /// TQ2_0 (2.06 bits): ternary values in 2 bits each.
+    TQ2_0,
 }
 
 impl Format {
@@ -103,7 +123,15 @@ impl Format {
             ExtraType::IQ4_NL => Self::IQ4NL,
             ExtraType::IQ4_XS => Self::IQ4XS,
             ExtraType::MXFP4 => Self::MXFP4,
-            _ => return None,
+            ExtraType::IQ2_XXS => Self::IQ2XXS,
+            ExtraType::IQ2_XS => Self::IQ2XS,
+            ExtraType::IQ2_S => Self::IQ2S,
+            ExtraType::IQ3_XXS => Self::IQ3XXS,
+            ExtraType::IQ3_S => Self::IQ3S,
+            ExtraType::IQ1_S => Self::IQ1S,
+            ExtraType::IQ1_M => Self::IQ1M,
+            ExtraType::TQ1_0 => Self::TQ1_0,
+            ExtraType::TQ2_0 => Self::TQ2_0,
         })
     }
 
@@ -119,7 +147,7 @@ impl Format {
             Self::Q5K => GgmlDType::Q5K,
             Self::Q6K => GgmlDType::Q6K,
             Self::Q3K => GgmlDType::Q3K,
-            Self::IQ4NL | Self::IQ4XS | Self::MXFP4 => return None,
+            _ => return None,
         })
     }
 
@@ -138,6 +166,15 @@ impl Format {
             Self::IQ4NL => "iq4_nl",
             Self::IQ4XS => "iq4_xs",
             Self::MXFP4 => "mxfp4",
+            Self::IQ2XXS => "iq2_xxs",
+            Self::IQ2XS => "iq2_xs",
+            Self::IQ2S => "iq2_s",
+            Self::IQ3XXS => "iq3_xxs",
+            Self::IQ3S => "iq3_s",
+            Self::IQ1S => "iq1_s",
+            Self::IQ1M => "iq1_m",
+            Self::TQ1_0 => "tq1_0",
+            Self::TQ2_0 => "tq2_0",
         }
     }
 
@@ -151,6 +188,7 @@ impl Format {
     const fn block_values(self) -> usize {
         match self {
             Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::IQ4XS => k_quants::QK_K,
+            _ if self.is_grid() => grid::QK_K,
             _ => QK,
         }
     }
@@ -167,6 +205,14 @@ impl Format {
             Self::Q5K => k_quants::Q5K_BYTES,
             Self::Q6K => k_quants::Q6K_BYTES,
             Self::Q3K => k_quants::Q3K_BYTES,
+            Self::IQ2XXS | Self::TQ2_0 => 66,
+            Self::IQ2XS => 74,
+            Self::IQ2S => 82,
+            Self::IQ3XXS => 98,
+            Self::IQ3S => 110,
+            Self::IQ1S => 50,
+            Self::IQ1M => 56,
+            Self::TQ1_0 => 54,
             _ => (self.header_bytes() + self.high_bytes()) / LANES + self.value_bytes(),
         }
     }
@@ -233,6 +279,8 @@ impl Format {
             Self::Q6K => 32,
             Self::Q3K => 4,
             Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K => 0,
+            // Decoded (`grid.rs`) to values plus 128.
+            _ => 128,
         }
     }
 
@@ -257,6 +305,7 @@ impl Format {
             Self::Q5K => return k_quants::place_q5k(block, lane, record),
             Self::Q6K => return k_quants::place_q6k(block, lane, record),
             Self::Q3K => return k_quants::place_q3k(block, lane, record),
+            _ if self.is_grid() => return grid::place(self, block, lane, record),
             _ => {}
         }
         let (header, rest) = record.split_at_mut(self.header_bytes());
@@ -540,6 +589,9 @@ impl Interleaved {
 
     /// Row `r` de-quantized into `out` (`k` values): an embedding lookup.
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        if self.format.is_grid() {
+            return grid::row_into(self, r, out);
+        }
         let (t, lane) = (r / LANES, r % LANES);
         for (u, chunk) in out.chunks_exact_mut(QK).enumerate() {
             let Unit { d, m, scale, q } = self.unpack(t, u, lane);
@@ -575,8 +627,11 @@ impl Interleaved {
         // Q6_K's and Q3_K's scales change every 16 values: their offsets need the activations'
         // sums per 16.
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-        let half_sums =
-            if matches!(self.format, Format::Q6K | Format::Q3K) { k_quants::half_sums(&xq.values) } else { Vec::new() };
+        let half_sums = if matches!(self.format, Format::Q6K | Format::Q3K) || self.format.is_grid() {
+            k_quants::half_sums(&xq.values)
+        } else {
+            Vec::new()
+        };
         let mut out = vec![0f32; m * self.n];
         let ptr = super::OutPtr(out.as_mut_ptr());
         // Work items are pairs of tiles (32 output columns) over every activation row.
@@ -614,6 +669,7 @@ impl Interleaved {
                             Format::IQ4NL => x86::columns::<IQ4NL>(self, &xq, m, t0, tiles, ptr.0),
                             Format::IQ4XS => x86::columns::<IQ4XS>(self, &xq, m, t0, tiles, ptr.0),
                             Format::MXFP4 => x86::columns::<MXFP4>(self, &xq, m, t0, tiles, ptr.0),
+                            _ => grid::x86::columns(self, &xq, &half_sums, m, t0, tiles, ptr.0),
                         }
                     }
                 }
@@ -636,12 +692,14 @@ impl Interleaved {
                             Format::Q3K => {
                                 k_quants::neon::q6k_columns::<Q3K>(self, &xq, &half_sums, m, t0, tiles, ptr.0)
                             }
+                            _ if self.format.is_grid() => grid::neon::columns(self, &xq, m, t0, tiles, ptr.0),
                             // A format without a NEON kernel is never repacked on Arm (`neon::runs`).
                             #[allow(unreachable_patterns)]
                             _ => self.portable_columns(&xq, m, t0, tiles, ptr),
                         }
                     }
                 }
+                _ if self.format.is_grid() => grid::portable_columns(self, &xq, m, t0, tiles, ptr),
                 _ => self.portable_columns(&xq, m, t0, tiles, ptr),
             }
         });
@@ -1012,7 +1070,7 @@ mod neon {
                 | Format::Q5K
                 | Format::Q6K
                 | Format::Q3K
-        )
+        ) || format.is_grid()
     }
 
     /// `$body` four times with `$l` the literal lane 0, 1, 2, 3: `sdot`'s lane must be a
@@ -1324,7 +1382,7 @@ mod tests {
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    const FORMATS: [Format; 12] = [
+    const FORMATS: [Format; 21] = [
         Format::Q8_0,
         Format::Q4_0,
         Format::Q4_1,
@@ -1337,6 +1395,15 @@ mod tests {
         Format::IQ4NL,
         Format::IQ4XS,
         Format::MXFP4,
+        Format::IQ2XXS,
+        Format::IQ2XS,
+        Format::IQ2S,
+        Format::IQ3XXS,
+        Format::IQ3S,
+        Format::IQ1S,
+        Format::IQ1M,
+        Format::TQ1_0,
+        Format::TQ2_0,
     ];
 
     /// The formats candle has a quantizer and a matmul for.
@@ -1389,6 +1456,23 @@ mod tests {
         (blocks, p)
     }
 
+    /// Makes a random block of a type candle lacks finite: its float16 scale loses the
+    /// exponent's top bit where all its bits are set (IQ1_M's scale is spread over the top
+    /// nibbles of its four u16 scales: bit 14 is byte 55's bit 6).
+    pub(super) fn finite_extra(ty: ExtraType, block: &mut [u8]) {
+        let high = match ty {
+            ExtraType::MXFP4 => return,
+            ExtraType::TQ1_0 => 53,
+            ExtraType::TQ2_0 => 65,
+            ExtraType::IQ1_M => 55,
+            _ => 1,
+        };
+        if !ty.finite_scale(block) {
+            block[high] &= !0x40;
+        }
+        assert!(ty.finite_scale(block), "{ty:?}");
+    }
+
     /// The largest MXFP4 exponent byte of `random` blocks: 2^72 scales, whose products with
     /// the test's activations stay far from float32's limit (the largest finite, 252, would not).
     const MXFP4_MAX_EXPONENT: u8 = 200;
@@ -1406,10 +1490,13 @@ mod tests {
                 let (size, halves, _) = crate::block_scales::scales(dtype).expect("float16 scales");
                 (size, halves)
             }
-            None if format == Format::MXFP4 => (format.block_bytes(), &[][..]),
+            None if format == Format::MXFP4 || format.is_grid() => (format.block_bytes(), &[][..]),
             None => (format.block_bytes(), &[0][..]),
         };
         for (i, block) in data.chunks_exact_mut(size).enumerate() {
+            if format.is_grid() {
+                finite_extra(format.grid_type(), block);
+            }
             for &at in halves {
                 // Infinity and NaN (exponent all ones) lose the exponent's top bit.
                 if block[at + 1] & 0x7C == 0x7C {
@@ -1718,11 +1805,15 @@ mod tests {
     #[ignore]
     fn iquant_timing() {
         let (n, k) = (4096, 1024);
-        for format in [Format::IQ4NL, Format::IQ4XS, Format::MXFP4] {
+        // The grid formats' random float16 scales (`random`) are left as they are: their values do
+        // not change the time.
+        let formats = [Format::IQ4NL, Format::IQ4XS, Format::MXFP4].into_iter().chain(grid::GRID_FORMATS);
+        for format in formats.filter(|f| std::env::var("FORMAT").map_or(true, |want| want == f.name())) {
             let (mut q, _) = random(format, n, k, 1);
             for block in q.data.chunks_exact_mut(format.block_bytes()) {
                 match format {
                     Format::MXFP4 => block[0] = 120,
+                    _ if format.is_grid() => {}
                     _ => block[..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes()),
                 }
             }
@@ -1731,11 +1822,12 @@ mod tests {
             let mut q8 = vec![0u8; ty.q8_0_bytes(q.data.len())];
             // IQ4_XS's scales `d·(ls − 32)` round to float16; the others' are exact.
             let conversion = ty.to_q8_0(&q.data, &mut q8).unwrap();
-            assert_eq!(conversion.exact + conversion.rounded_scale, n * k / QK);
+            // (The grid formats with two scales per 32 values are quantized afresh.)
+            assert!(format.is_grid() || conversion.exact + conversion.rounded_scale == n * k / QK);
             let before = Interleaved::repack(Format::Q8_0, &q8, n, k).unwrap();
             for (m, reps) in [(1, 40), (128, 2)] {
                 let x: Vec<f32> = Tensor::randn(0f32, 1.0, m * k, &Device::Cpu).unwrap().to_vec1().unwrap();
-                if format != Format::IQ4XS {
+                if format != Format::IQ4XS && !format.is_grid() {
                     assert_eq!(before.matmul(&x, m), p.matmul(&x, m), "{format:?}: the same values, the same sums");
                 }
                 let (old, new) =

@@ -1,0 +1,387 @@
+//! LoRA beside the linears (DESIGN §16): `y = W x + Σ s · B (A x)`, a small side product on top of
+//! the base product, whose weights stay shared and untouched. Adapters are chosen per sequence:
+//! a batched step whose sequences use different adapters (or none) adds each one's term to its
+//! own rows only.
+//!
+//! Which adapters a step runs with is set for the duration of one decoder pass (`with_plan`) on
+//! the thread that runs it, and read by `Linear::forward` (`apply`): the blocks' signatures (shared
+//! by every caller of the decoder) stay as they are, and a pass with no adapter pays one
+//! thread-local read per linear.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::{Arc, RwLock};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::backend::config::Architecture;
+use crate::backend::error::AdapterError;
+use crate::backend::weights::adapter::AdapterWeights;
+use crate::backend::weights::names::Slot;
+
+/// One weight slot a linear's output covers: rows `offset..offset + len` of its output are that
+/// slot's (a linear of stacked q, k and v has three).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SitePart {
+    /// The slot.
+    pub slot: Slot,
+    /// Its layer (0 for the output projection).
+    pub layer: usize,
+    /// Its first output column.
+    pub offset: usize,
+    /// Its output width.
+    pub len: usize,
+}
+
+/// Where a linear sits in the model, so an adapter's factors can find it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Site {
+    /// The slots its output covers, in order.
+    pub parts: Vec<SitePart>,
+    /// Its input width.
+    pub input: usize,
+}
+
+impl Site {
+    /// The site of a linear that is one slot.
+    pub fn one(slot: Slot, layer: usize, out: usize, input: usize) -> Self {
+        Self { parts: vec![SitePart { slot, layer, offset: 0, len: out }], input }
+    }
+
+    /// The sites of linears stacked side by side into one (`Linear::stack`).
+    pub fn stack(sites: &[&Site]) -> Option<Self> {
+        let input = sites.first()?.input;
+        let mut parts = Vec::new();
+        let mut offset = 0;
+        for s in sites {
+            if s.input != input {
+                return None;
+            }
+            for p in &s.parts {
+                parts.push(SitePart { offset: offset + p.offset, ..*p });
+            }
+            offset += s.parts.iter().map(|p| p.len).sum::<usize>();
+        }
+        Some(Self { parts, input })
+    }
+
+    /// The key an adapter's factors are stored under: the first slot's (unique per linear).
+    fn key(&self) -> (Slot, usize) {
+        (self.parts[0].slot, self.parts[0].layer)
+    }
+}
+
+/// One linear's factors, ready: the adapter's term of rows `x` is `x · at · bt`.
+#[derive(Debug, Clone)]
+struct Factors {
+    /// `Aᵀ` `[in, R]`: every adapted slot's `A` stacked.
+    at: Tensor,
+    /// `(s · B)ᵀ` `[R, out]`: each slot's scaled `B` in its own columns, zero elsewhere.
+    bt: Tensor,
+    /// The same two on the host, where the model is on the CPU: a decode step's few rows are
+    /// multiplied in place (two small loops), not through the matmul kernels, whose dispatch to
+    /// the thread pool costs more than the arithmetic at this size.
+    host: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// Rows at most this many go through `Factors::small` on the CPU.
+const SMALL_ROWS: usize = 8;
+
+impl Factors {
+    /// Adds `scale · row · at · bt` to `dst`, on the host (`t`: scratch of the rank's size).
+    fn add_row(host: &(Vec<f32>, Vec<f32>), row: &[f32], scale: f32, t: &mut Vec<f32>, dst: &mut [f32]) {
+        let (at, bt) = host;
+        let r = at.len() / row.len().max(1);
+        let out = dst.len();
+        t.clear();
+        t.resize(r, 0.0);
+        for (&xi, a) in row.iter().zip(at.chunks_exact(r)) {
+            for (tv, &av) in t.iter_mut().zip(a) {
+                *tv += xi * av;
+            }
+        }
+        for (&tv, b) in t.iter().zip(bt.chunks_exact(out)) {
+            let tv = tv * scale;
+            for (dv, &bv) in dst.iter_mut().zip(b) {
+                *dv += tv * bv;
+            }
+        }
+    }
+}
+
+/// A LoRA adapter fitted to one model: its factors on the model's device, per linear.
+#[derive(Debug)]
+pub struct Adapter {
+    /// The name it is loaded under.
+    pub name: String,
+    /// The file or directory it came from.
+    pub path: String,
+    /// `peft` or `gguf`.
+    pub format: &'static str,
+    /// The largest rank of its modules.
+    pub rank: usize,
+    /// How many of the model's weight slots it adapts.
+    pub modules: usize,
+    /// The scale it runs with where it is chosen by name alone.
+    pub scale: f32,
+    factors: HashMap<(Slot, usize), Factors>,
+}
+
+impl Adapter {
+    /// Fits `weights` to the linears at `sites` of a model of architecture `arch`: every module
+    /// must name one of them and have the shapes it needs; an error names the first that does not.
+    /// `scale` is what it runs with where it is chosen by name alone.
+    pub fn prepare(
+        name: &str,
+        scale: f32,
+        weights: AdapterWeights,
+        sites: &[&Site],
+        arch: Architecture,
+        device: &Device,
+    ) -> Result<Self, AdapterError> {
+        let path = weights.path.display().to_string();
+        let stems: HashMap<String, (usize, usize)> = sites
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| {
+                s.parts.iter().enumerate().map(move |(j, p)| (weights.naming.stem(arch, p.slot, p.layer), (i, j)))
+            })
+            .collect();
+        let example =
+            sites.first().map(|s| weights.naming.stem(arch, s.parts[0].slot, s.parts[0].layer)).unwrap_or_default();
+        let candle = |e: candle_core::Error| AdapterError::Malformed { path: path.clone(), reason: e.to_string() };
+        // site → [(part, A, scaled B)]
+        let mut per_site: HashMap<usize, Vec<(usize, Tensor, Tensor)>> = HashMap::new();
+        let mut rank = 0;
+        let count = weights.modules.len();
+        for m in weights.modules {
+            let Some(&(i, j)) = stems.get(&m.module) else {
+                return Err(AdapterError::UnknownModule { path, module: m.module, example });
+            };
+            let (site, part) = (sites[i], sites[i].parts[j]);
+            let (a, b) = (m.a.dims().to_vec(), m.b.dims().to_vec());
+            if a.len() != 2 || a[1] != site.input || a[0] == 0 {
+                let expected = format!("[r, {}]", site.input);
+                return Err(AdapterError::Shape { path, module: m.module, factor: "lora_A", got: a, expected });
+            }
+            let r = a[0];
+            if b.len() != 2 || b != [part.len, r] {
+                let expected = format!("[{}, {r}]", part.len);
+                return Err(AdapterError::Shape { path, module: m.module, factor: "lora_B", got: b, expected });
+            }
+            rank = rank.max(r);
+            let scaled_b = (m.b * m.scale).map_err(candle)?;
+            per_site.entry(i).or_default().push((j, m.a, scaled_b));
+        }
+        let mut factors = HashMap::with_capacity(per_site.len());
+        for (i, mut parts) in per_site {
+            let site = sites[i];
+            parts.sort_by_key(|(j, _, _)| *j);
+            let out: usize = site.parts.iter().map(|p| p.len).sum();
+            let a_all: Vec<&Tensor> = parts.iter().map(|(_, a, _)| a).collect();
+            let at = Tensor::cat(&a_all, 0).and_then(|a| a.t()?.contiguous()).map_err(candle)?;
+            let mut blocks = Vec::with_capacity(parts.len());
+            for (j, _, b) in &parts {
+                let p = site.parts[*j];
+                let r = b.dim(1).map_err(candle)?;
+                let bt = b.t().map_err(candle)?;
+                let mut row = Vec::with_capacity(3);
+                if p.offset > 0 {
+                    row.push(Tensor::zeros((r, p.offset), DType::F32, &Device::Cpu).map_err(candle)?);
+                }
+                row.push(bt);
+                if p.offset + p.len < out {
+                    row.push(Tensor::zeros((r, out - p.offset - p.len), DType::F32, &Device::Cpu).map_err(candle)?);
+                }
+                blocks.push(Tensor::cat(&row, 1).map_err(candle)?);
+            }
+            let bt = Tensor::cat(&blocks, 0).and_then(|b| b.contiguous()).map_err(candle)?;
+            let host = if device.is_cpu() {
+                let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                Some((flat(&at).map_err(candle)?, flat(&bt).map_err(candle)?))
+            } else {
+                None
+            };
+            let (at, bt) = (at.to_device(device).map_err(candle)?, bt.to_device(device).map_err(candle)?);
+            factors.insert(site.key(), Factors { at, bt, host });
+        }
+        Ok(Self { name: name.to_owned(), path, format: weights.format, rank, modules: count, scale, factors })
+    }
+}
+
+/// The adapters one sequence runs with, and the scale of each (several are summed, as llama.cpp does).
+pub type ActiveAdapters = Vec<(Arc<Adapter>, f32)>;
+
+/// Whether two choices of adapters are the same (same loaded adapters, same scales).
+pub fn same_adapters(a: &ActiveAdapters, b: &ActiveAdapters) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|((x, s), (y, t))| Arc::ptr_eq(x, y) && s == t)
+}
+
+/// The adapters loaded on a model, shared by every clone and session of it.
+#[derive(Debug, Default)]
+pub struct AdapterRegistry {
+    adapters: RwLock<Vec<Arc<Adapter>>>,
+}
+
+impl AdapterRegistry {
+    /// The adapters loaded now, in load order.
+    pub fn list(&self) -> Vec<Arc<Adapter>> {
+        self.adapters.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The adapter loaded as `name`.
+    pub fn get(&self, name: &str) -> Result<Arc<Adapter>, AdapterError> {
+        let list = self.adapters.read().unwrap_or_else(|e| e.into_inner());
+        list.iter()
+            .find(|a| a.name == name)
+            .cloned()
+            .ok_or_else(|| AdapterError::Unknown { name: name.to_owned(), loaded: names_or_none(&list) })
+    }
+
+    /// Adds `adapter`, refusing a name already loaded.
+    pub fn insert(&self, adapter: Adapter) -> Result<Arc<Adapter>, AdapterError> {
+        let mut list = self.adapters.write().unwrap_or_else(|e| e.into_inner());
+        if list.iter().any(|a| a.name == adapter.name) {
+            return Err(AdapterError::Duplicate { name: adapter.name });
+        }
+        let adapter = Arc::new(adapter);
+        list.push(Arc::clone(&adapter));
+        Ok(adapter)
+    }
+
+    /// Removes the adapter `name`, refusing one that a session still runs with.
+    pub fn remove(&self, name: &str) -> Result<(), AdapterError> {
+        let mut list = self.adapters.write().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = list.iter().position(|a| a.name == name) else {
+            return Err(AdapterError::Unknown { name: name.to_owned(), loaded: names_or_none(&list) });
+        };
+        // The registry holds one reference; any other is a session's (or a running request's).
+        let users = Arc::strong_count(&list[i]) - 1;
+        if users > 0 {
+            return Err(AdapterError::InUse { name: name.to_owned(), users });
+        }
+        list.remove(i);
+        Ok(())
+    }
+}
+
+fn names_or_none(list: &[Arc<Adapter>]) -> String {
+    if list.is_empty() {
+        "none".into()
+    } else {
+        list.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// The adapters of one decoder pass: each sequence's rows (`lens`, stacked in order) and, per
+/// distinct adapter, the sequences that use it with their scales.
+struct Plan {
+    lens: Vec<usize>,
+    groups: Vec<(Arc<Adapter>, Vec<(usize, f32)>)>,
+}
+
+thread_local! {
+    static PLAN: RefCell<Option<Rc<Plan>>> = const { RefCell::new(None) };
+}
+
+/// Clears the pass's plan when the pass ends, even by unwinding.
+struct PlanGuard(Option<Rc<Plan>>);
+
+impl Drop for PlanGuard {
+    fn drop(&mut self) {
+        let previous = self.0.take();
+        PLAN.with(|p| *p.borrow_mut() = previous);
+    }
+}
+
+/// Runs `pass` (one decoder pass over sequences of `lens` rows) with sequence `i` running
+/// `per_item[i]`'s adapters; with no adapter anywhere it is `pass()` itself.
+pub fn with_plan<T>(per_item: &[Option<&ActiveAdapters>], lens: &[usize], pass: impl FnOnce() -> T) -> T {
+    let mut groups: Vec<(Arc<Adapter>, Vec<(usize, f32)>)> = Vec::new();
+    for (i, active) in per_item.iter().enumerate() {
+        for (adapter, scale) in active.iter().flat_map(|a| a.iter()) {
+            match groups.iter_mut().find(|(a, _)| Arc::ptr_eq(a, adapter)) {
+                Some((_, users)) => users.push((i, *scale)),
+                None => groups.push((Arc::clone(adapter), vec![(i, *scale)])),
+            }
+        }
+    }
+    if groups.is_empty() {
+        return pass();
+    }
+    let plan = Rc::new(Plan { lens: lens.to_vec(), groups });
+    let previous = PLAN.with(|p| p.borrow_mut().replace(plan));
+    let _guard = PlanGuard(previous);
+    pass()
+}
+
+/// `y` (the base product of `x` `[rows, in]` at `site`) plus the term of every adapter the
+/// current pass runs at this site, each on its own sequences' rows.
+pub fn apply(site: &Site, x: &Tensor, y: Tensor) -> candle_core::Result<Tensor> {
+    let Some(plan) = PLAN.with(|p| p.borrow().clone()) else { return Ok(y) };
+    let key = site.key();
+    let rows = x.dim(0)?;
+    let items = plan.lens.len();
+    // The final norm and logits may cover only each sequence's last row.
+    let lens: Vec<usize> = if rows == plan.lens.iter().sum::<usize>() {
+        plan.lens.clone()
+    } else if rows == items {
+        vec![1; items]
+    } else {
+        candle_core::bail!("LoRA: {rows} rows do not match the step's sequences {:?}", plan.lens)
+    };
+    let mut starts = Vec::with_capacity(items);
+    let mut at = 0;
+    for &t in &lens {
+        starts.push(at);
+        at += t;
+    }
+    // A decode step's few rows on the CPU: every adapter's term in one pass on the host and one add.
+    let factors: Vec<(&Factors, &Vec<(usize, f32)>)> =
+        plan.groups.iter().filter_map(|(a, users)| a.factors.get(&key).map(|f| (f, users))).collect();
+    if factors.is_empty() {
+        return Ok(y);
+    }
+    if rows <= SMALL_ROWS && factors.iter().all(|(f, _)| f.host.is_some()) {
+        let inp = x.dim(1)?;
+        let out = y.dim(1)?;
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut d = vec![0f32; rows * out];
+        let mut t = Vec::new();
+        for (f, users) in &factors {
+            let host = f.host.as_ref().expect("checked above");
+            for &(i, scale) in users.iter() {
+                for row in starts[i]..starts[i] + lens[i] {
+                    let dst = &mut d[row * out..(row + 1) * out];
+                    Factors::add_row(host, &xs[row * inp..(row + 1) * inp], scale, &mut t, dst);
+                }
+            }
+        }
+        let d = Tensor::from_vec(d, (rows, out), y.device())?;
+        return y + d;
+    }
+    let mut y = y;
+    for (adapter, users) in &plan.groups {
+        let Some(f) = adapter.factors.get(&key) else { continue };
+        let everyone = users.len() == items && users.iter().all(|(_, s)| *s == users[0].1);
+        if everyone {
+            let d = x.matmul(&f.at)?.matmul(&f.bt)?;
+            let d = if users[0].1 == 1.0 { d } else { (d * users[0].1 as f64)? };
+            y = (y + d)?;
+            continue;
+        }
+        let mut index = Vec::new();
+        let mut scales = Vec::new();
+        for &(i, s) in users {
+            index.extend((starts[i]..starts[i] + lens[i]).map(|r| r as u32));
+            scales.extend(std::iter::repeat_n(s, lens[i]));
+        }
+        let n = index.len();
+        let index = Tensor::from_vec(index, n, x.device())?;
+        let scales = Tensor::from_vec(scales, (n, 1), x.device())?;
+        let d = x.index_select(&index, 0)?.matmul(&f.at)?.matmul(&f.bt)?.broadcast_mul(&scales)?;
+        y = y.index_add(&index, &d, 0)?;
+    }
+    Ok(y)
+}
