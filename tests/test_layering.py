@@ -38,7 +38,7 @@ ORDERS = {
         ["weights"],
         ["kv_cache"],
         ["blocks"],
-        ["decoder"],
+        ["decoder", "vision"],
         ["session"],
         ["provider"],
     ],

@@ -2,9 +2,9 @@
 http(s) URLs only when allowed (then capped in size and time), a typed 400 naming a bad image,
 and the images passed on to the engine as `images=[...]`.
 
-The runtime's side (`Engine.submit(..., images=)`) is another change of issue 39; until it lands
-here, the engine's `submit` is wrapped: the wrapper records the images the server passes and
-submits a text prompt in their place, so these tests check the server's part only.
+The engine's `submit` is wrapped here (Gemma 3 270M takes no images): the wrapper records the
+images the server passes and submits a text prompt in their place, so these tests check the
+server's part; tests/test_vision.py sends an image question end to end to a vision-language model.
 """
 
 import base64

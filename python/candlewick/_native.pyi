@@ -119,7 +119,7 @@ class Intervention:
     def __eq__(self, other: object, /) -> bool: ...
 
 def build_info() -> dict[str, Any]: ...
-def supported_architectures(format: str | None = None) -> list[str]: ...
+def supported_architectures(format: str | None = None, images: bool = False) -> list[str]: ...
 def generation_defaults() -> dict[str, Any]: ...
 def save_control_vector(
     path: str | PathLike[str], directions: Mapping[int, Sequence[float]], model_hint: str = ""
@@ -149,6 +149,8 @@ class Engine:
         interventions: Sequence[Intervention] | None = None,
         chat: bool = False,
         chat_template: str | None = None,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -394,6 +396,7 @@ class ModelRuntime:
         prefill_chunk: int | None = None,
         filename: str | None = None,
         revision: str | None = None,
+        mmproj: str | PathLike[str] | None = None,
     ) -> ModelRuntime: ...
     def close(self) -> None: ...
     @property
@@ -409,17 +412,29 @@ class ModelRuntime:
     @property
     def model_info(self) -> dict[str, Any]: ...
     def prefill(
-        self, tokens: Sequence[int], all_logits: bool = False, interventions: Sequence[Intervention] | None = None
+        self,
+        tokens: str | Sequence[int],
+        all_logits: bool = False,
+        interventions: Sequence[Intervention] | None = None,
+        *,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
     ) -> Submission: ...
+    def process(
+        self, prompt: Any, images: Sequence[Any] | None = None, *, chat_template: str | None = None
+    ) -> tuple[list[int], np.ndarray]: ...
     def decode(self, tokens: Sequence[int], interventions: Sequence[Intervention] | None = None) -> Submission: ...
     def observe_output(self, output: StepOutput) -> ObservationSet: ...
     def inspect_prefill(
         self,
-        tokens: Sequence[int],
+        tokens: str | Sequence[int],
         request: ObservationRequest | None = None,
         all_logits: bool = False,
         interventions: Sequence[Intervention] | None = None,
         adapters: _AdapterChoice | None = None,
+        *,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
     ) -> InspectedOutput: ...
     def inspect_decode(
         self,
@@ -430,10 +445,13 @@ class ModelRuntime:
     ) -> InspectedOutput: ...
     def trace(
         self,
-        tokens: Sequence[int],
+        tokens: str | Sequence[int],
         request: ObservationRequest | None = None,
         interventions: Sequence[Intervention] | None = None,
         adapters: _AdapterChoice | None = None,
+        *,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
     ) -> InspectedOutput: ...
     def trace_batch(
         self,
@@ -520,6 +538,8 @@ class ModelRuntime:
         prompt: str | Sequence[int],
         *,
         stream: Literal[False] = False,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -549,6 +569,8 @@ class ModelRuntime:
         prompt: str | Sequence[int],
         *,
         stream: Literal[True],
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -576,6 +598,8 @@ class ModelRuntime:
         self,
         prompt: str | Sequence[int],
         *,
+        images: Sequence[Any] | None = None,
+        pixel_values: Any | None = None,
         max_tokens: int | None = 256,
         temperature: float | None = None,
         top_k: int | None = None,

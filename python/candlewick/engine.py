@@ -166,10 +166,15 @@ class Engine:
         *,
         interventions: Optional[Sequence[Intervention]] = None,
         chat_template: Optional[str] = None,
+        images: Optional[Sequence[Any]] = None,
+        pixel_values: Any = None,
         **sampling: Any,
     ) -> EngineRequest:
         """Queues a prompt (text, token ids, or chat messages) with sampling keywords and this
         request's own interventions; a full queue raises ``QueueFullError`` at once.
+        `images` / `pixel_values`: a vision-language model's images, as ``ModelRuntime.generate``
+        takes them (chat messages may carry their own image parts instead); they are encoded
+        before the request is queued, and the request joins the running batch (docs/vision.md).
         `chat_template` renders chat messages; with a text or token-id prompt, which no template
         renders, it is refused (`InvalidOptionError`) rather than ignored."""
         chat = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
@@ -178,7 +183,8 @@ class Engine:
                 "chat_template: only chat messages (a list of {\"role\", \"content\"} dicts) go through a chat "
                 "template; this prompt is text or token ids")
         native = self._native.submit(
-            prompt, interventions=interventions, chat=chat, chat_template=chat_template, **sampling
+            prompt, interventions=interventions, chat=chat, chat_template=chat_template, images=images,
+            pixel_values=pixel_values, **sampling
         )
         return EngineRequest(native)
 

@@ -2,7 +2,7 @@
 //!
 //! Its floors, each using only those before it (a test over the `use` lines holds them):
 //! `error`, `device`, `host`, `threads` → `config` → `weights` → `kv_cache` → `blocks` →
-//! `decoder` → `session` → `provider`. This file only names them and re-exports what the
+//! `decoder`, `vision` → `session` → `provider`. This file only names them and re-exports what the
 //! layers above the backend use.
 
 pub mod blocks;
@@ -17,6 +17,7 @@ pub mod kv_cache;
 pub mod provider;
 pub mod session;
 pub mod threads;
+pub mod vision;
 pub mod weights;
 
 pub use device::CandleBackend;

@@ -9,12 +9,14 @@ use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 
 use super::config::metadata::Metadata;
+use super::config::vision::VisionConfig;
 use super::config::ArchConfig;
 use super::decoder::Decoder;
 use super::device::{self, CandleBackend};
 use super::error::{CandleError, Result};
 use super::kv_cache::KvType;
 use super::session::{CandleSession, PREFILL_CHUNK};
+use super::vision::VisionModel;
 use super::weights::gguf::GgufWeights;
 use super::weights::names::Naming;
 use super::weights::relayout;
@@ -43,6 +45,8 @@ pub struct LoadOptions {
     /// The most tokens one step of a longer prompt runs (its activations and attention scores
     /// are one chunk's); `None`: `PREFILL_CHUNK`.
     pub prefill_chunk: Option<usize>,
+    /// llama.cpp's mmproj GGUF beside a GGUF language model: its vision encoder and projector.
+    pub mmproj: Option<std::path::PathBuf>,
 }
 
 /// Parses a KV cache type: `f32`, `f16`, `bf16` or `q8_0`.
@@ -120,6 +124,9 @@ pub struct CandleModelConfig {
     pub kv_cache_type: Option<KvType>,
     /// The most tokens one step of its sessions runs.
     pub prefill_chunk: usize,
+    /// The vision encoder of a vision-language model, and where its tensors come from when not
+    /// from `weights` (llama.cpp's mmproj file).
+    pub vision: Option<(VisionConfig, Option<(Box<dyn WeightSource>, Naming)>)>,
 }
 
 /// A decoder ready to run, with the context its session will get; sessions share its weights.
@@ -148,6 +155,23 @@ impl BackendProvider for CandleBackend {
         let loader =
             WeightLoader::new(config.weights.as_ref(), config.dtype, self.device()).quantizing(config.quantize);
         let mut decoder = Decoder::load(config.arch, &loader, config.naming)?;
+        if let Some((vision, source)) = config.vision {
+            // The encoder runs dense in float32 (or the requested dtype): quantization at load
+            // is for the decoder's matmuls, as llama.cpp's mmproj is converted on its own.
+            let model = match &source {
+                Some((weights, naming)) => VisionModel::load(
+                    vision,
+                    &WeightLoader::new(weights.as_ref(), config.dtype, self.device()),
+                    *naming,
+                )?,
+                None => VisionModel::load(
+                    vision,
+                    &WeightLoader::new(config.weights.as_ref(), config.dtype, self.device()),
+                    config.naming,
+                )?,
+            };
+            decoder.set_vision(model);
+        }
         if let Some(ty) = config.kv_cache_type {
             decoder.set_cache_type(ty)?;
         }
@@ -188,6 +212,7 @@ impl CandleBackend {
         let text = std::fs::read_to_string(&config_path)
             .map_err(|source| CandleError::Io { path: config_path.display().to_string(), source })?;
         let mut arch = super::config::hf::parse_config(&text, &config_path.display().to_string())?;
+        let vision = super::config::vision::from_hf(&text, arch.hidden_size, &config_path.display().to_string())?;
         let mut weights = SafetensorsWeights::open_dir(dir)?;
         weights.set_check_tensors(!options.skip_tensor_check);
         let prefix = Naming::HuggingFace.layer_prefix(arch.architecture).trim_end_matches("layers.");
@@ -197,7 +222,7 @@ impl CandleBackend {
             arch.tie_word_embeddings = true;
         }
         let stored = weights.dominant_dtype().unwrap_or(DType::F32);
-        let weights = relayout::for_architecture(weights, &arch);
+        let weights = super::weights::prefixed::renamed(relayout::for_architecture(weights, &arch));
         check_no_extra_layers(
             &weights.names(),
             arch.num_layers(),
@@ -217,6 +242,7 @@ impl CandleBackend {
             quantize: options.quantize,
             kv_cache_type: options.kv_cache_type,
             prefill_chunk: prefill_chunk(options)?,
+            vision: vision.map(|v| (v, None)),
         })
     }
 
@@ -246,6 +272,10 @@ impl CandleBackend {
         let arch =
             super::config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size, n_tokens, &source)?;
         check_no_extra_layers(&weights.names(), arch.num_layers(), "blk.", &source)?;
+        let vision = match &options.mmproj {
+            Some(mmproj) => Some(self.mmproj(mmproj, arch.hidden_size, options)?),
+            None => None,
+        };
         let max_context = options.max_context.unwrap_or(arch.max_position_embeddings);
         validate_context(max_context)?;
         // The vocabulary has served the configuration's check; tens of MB not to hold while
@@ -262,7 +292,24 @@ impl CandleBackend {
             quantize: options.quantize,
             kv_cache_type: options.kv_cache_type,
             prefill_chunk: prefill_chunk(options)?,
+            vision,
         })
+    }
+
+    /// The vision configuration and weights of llama.cpp's mmproj file (its blocks de-quantized
+    /// as they load: the encoder runs dense).
+    #[allow(clippy::type_complexity)]
+    fn mmproj(
+        &self,
+        path: &Path,
+        text_hidden: usize,
+        options: &LoadOptions,
+    ) -> Result<(VisionConfig, Option<(Box<dyn WeightSource>, Naming)>)> {
+        let mut weights = GgufWeights::open(path, true)?;
+        weights.set_check_tensors(!options.skip_tensor_check);
+        let md = Metadata::new(weights.metadata());
+        let config = super::config::vision::from_mmproj(&md, text_hidden, &path.display().to_string())?;
+        Ok((config, Some((Box::new(weights), Naming::Gguf))))
     }
 
     /// The requested dtype, else the checkpoint's; half types run as float32 on the CPU unless asked for.

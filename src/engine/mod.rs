@@ -142,6 +142,8 @@ pub struct EngineStats {
 }
 
 struct Job {
+    /// The request's images, encoded at submission, at their positions in `prompt`.
+    images: Vec<crate::backend::session::images::ImageSpan>,
     prompt: Vec<u32>,
     options: GenerateOptions,
     interventions: Vec<Intervention>,
@@ -186,6 +188,8 @@ pub struct Engine {
     vocab_size: usize,
     max_context: usize,
     tokenizer: Option<Arc<crate::text::Tokenizer>>,
+    /// The model's vision encoder, which encodes a request's images as it is submitted.
+    vision: Option<Arc<crate::backend::vision::VisionModel>>,
 }
 
 impl Engine {
@@ -196,6 +200,7 @@ impl Engine {
         let vocab_size = template.runtime().session().vocab_size();
         let max_context = template.runtime().session().max_context();
         let tokenizer = template.tokenizer().ok().cloned();
+        let vision = template.vision().ok().cloned();
         template.runtime_mut().set_interventions(Vec::new()).map_err(ModelError::from)?;
         let mut prefix =
             (options.prefix_cache_bytes > 0).then(|| PrefixCache::new(PREFIX_BLOCK_TOKENS, options.prefix_cache_bytes));
@@ -238,7 +243,17 @@ impl Engine {
                     })
                 })?
         };
-        Ok(Self { queue: Some(tx), worker: Some(worker), stats, shutdown, options, vocab_size, max_context, tokenizer })
+        Ok(Self {
+            queue: Some(tx),
+            worker: Some(worker),
+            stats,
+            shutdown,
+            options,
+            vocab_size,
+            max_context,
+            tokenizer,
+            vision,
+        })
     }
 
     /// Queues a request; it joins the running batch at the next step. A full queue refuses at once.
@@ -248,11 +263,45 @@ impl Engine {
         options: GenerateOptions,
         interventions: Vec<Intervention>,
     ) -> Result<RequestHandle, EngineError> {
-        let queue = self.queue.as_ref().ok_or(EngineError::Closed)?;
         self.check(&prompt, &options)?;
+        self.queue_job(Vec::new(), prompt, options, interventions)
+    }
+
+    /// `submit` with images: `pixels` as the model's processor returns them, one image per run of
+    /// image tokens in `prompt`. They are encoded here, on the caller's thread (the encoder
+    /// cache serves a repeated image), so the batch's other requests keep decoding meanwhile.
+    pub fn submit_with_images(
+        &self,
+        prompt: Vec<u32>,
+        options: GenerateOptions,
+        interventions: Vec<Intervention>,
+        pixels: &crate::model::vision::PixelValues,
+    ) -> Result<RequestHandle, EngineError> {
+        self.queue.as_ref().ok_or(EngineError::Closed)?;
+        self.check(&prompt, &options)?;
+        let vision = self.vision.as_ref().ok_or_else(|| {
+            EngineError::Model(ModelError::Backend(CandleError::InvalidInput {
+                operation: "images",
+                reason: "this model takes no images: it has no vision encoder".into(),
+            }))
+        })?;
+        let (vision_edits, interventions) = crate::model::vision::split_vision_edits(interventions);
+        let (spans, _) =
+            crate::model::vision::encode_images(vision, self.max_context, &prompt, 0, pixels, None, &vision_edits)?;
+        self.queue_job(spans, prompt, options, interventions)
+    }
+
+    fn queue_job(
+        &self,
+        images: Vec<crate::backend::session::images::ImageSpan>,
+        prompt: Vec<u32>,
+        options: GenerateOptions,
+        interventions: Vec<Intervention>,
+    ) -> Result<RequestHandle, EngineError> {
+        let queue = self.queue.as_ref().ok_or(EngineError::Closed)?;
         let (events, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let job = Job { prompt, options, interventions, events, cancel: Arc::clone(&cancel) };
+        let job = Job { images, prompt, options, interventions, events, cancel: Arc::clone(&cancel) };
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         match queue.try_send(job) {
             Ok(()) => {
@@ -484,7 +533,8 @@ impl Worker {
             Err(e) => return self.fail(&job.events, e.into()),
         };
         let plain = job.interventions.is_empty() && adapters.is_empty();
-        let mut model = match self.session_for(&job.prompt, plain) {
+        // A prompt with images is never restored from the prefix cache by its token ids.
+        let mut model = match self.session_for(&job.prompt, plain && job.images.is_empty()) {
             Ok(m) => m,
             Err(e) => return self.fail(&job.events, e.into()),
         };
@@ -493,8 +543,13 @@ impl Worker {
             self.idle.push(model);
             return self.fail(&job.events, ModelError::from(e).into());
         }
+        if let Err(e) = model.stage_spans(job.images) {
+            self.idle.push(model);
+            return self.fail(&job.events, e.into());
+        }
         self.publish_prefix_stats(); // blocks read back from disk, files skipped
         if let Err(e) = model.runtime_mut().set_interventions(job.interventions) {
+            model.clear_images();
             self.idle.push(model);
             return self.fail(&job.events, ModelError::from(e).into());
         }
@@ -512,6 +567,7 @@ impl Worker {
                 self.joining.push(Joining { pending, model, events: job.events, cancel: job.cancel })
             }
             Err(e) => {
+                model.clear_images();
                 self.idle.push(model);
                 self.fail(&job.events, e.into());
             }
@@ -540,7 +596,8 @@ impl Worker {
         match j.pending.advance(j.model.runtime_mut(), budget) {
             Ok(None) => {}
             Ok(Some(generation)) => {
-                let j = self.joining.remove(0);
+                let mut j = self.joining.remove(0);
+                j.model.clear_images();
                 if let Some(cache) = &mut self.prefix {
                     // A prompt that cannot be kept (no memory for the copy) is only not cached:
                     // its request goes on.
@@ -637,6 +694,7 @@ impl Worker {
 
     /// Keeps a finished request's session for prefix reuse (at most a batch's worth).
     fn retire(&mut self, mut model: Model) {
+        model.clear_images();
         if model.runtime_mut().set_interventions(Vec::new()).is_err() {
             return;
         }

@@ -356,6 +356,8 @@ impl PendingPrefill {
         max_tokens: usize,
     ) -> Result<Option<Generation>, GenerationError<B::Error>> {
         let end = self.prompt.len().min(self.done.saturating_add(max_tokens.max(1)));
+        // Never through an image's tokens (they run in one step).
+        let end = rt.session().step_end(self.done, end).min(self.prompt.len());
         if rt.session().tokens() != &self.prompt[..self.done] {
             return Err(GenerationError::SessionChanged);
         }

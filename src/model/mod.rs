@@ -5,6 +5,7 @@ mod adapters;
 pub mod control_vector;
 pub mod embedding;
 mod info;
+pub mod vision;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -95,6 +96,8 @@ pub struct ModelOptions {
     /// A smaller model sharing the tokenizer that proposes tokens for speculative decoding
     /// (loaded with the same device, dtype, context, threads, quantization and checks).
     pub draft_model: Option<PathBuf>,
+    /// llama.cpp's mmproj GGUF beside a GGUF language model (its vision encoder; docs/vision.md).
+    pub mmproj: Option<PathBuf>,
 }
 
 impl Default for ModelOptions {
@@ -109,6 +112,7 @@ impl Default for ModelOptions {
             kv_cache_type: None,
             prefill_chunk: None,
             draft_model: None,
+            mmproj: None,
         }
     }
 }
@@ -132,6 +136,8 @@ pub struct Model {
     info: ModelInfo,
     /// The draft model's runtime, when speculative decoding has one (its own session).
     draft: Option<Runtime>,
+    /// A vision-language model's processor configuration (what `candlewick.images` reads).
+    processor: Option<vision::ProcessorFiles>,
     /// How hidden states become embeddings, read on the first `embed` (shared by forks).
     embedding: Arc<std::sync::Mutex<Option<Arc<embedding::EmbeddingSetup>>>>,
 }
@@ -153,7 +159,17 @@ impl Model {
             skip_tensor_check: !options.check_tensors,
             kv_cache_type,
             prefill_chunk: options.prefill_chunk,
+            mmproj: options.mmproj.clone(),
         };
+        if options.mmproj.is_some() && format != ArtifactFormat::Gguf {
+            return Err(ModelError::Backend(CandleError::InvalidOption {
+                argument: "mmproj",
+                value: path.display().to_string(),
+                accepted:
+                    "an mmproj file beside a GGUF language model (a Hugging Face directory holds its own vision tower)"
+                        .into(),
+            }));
+        }
         let (tokenizer, runtime) = match format {
             // The tokenizer first: its conversion's temporaries are freed (and handed back to the
             // OS) before the weights arrive, so the two never add up in the peak resident size.
@@ -198,6 +214,17 @@ impl Model {
             }
             None => None,
         };
+        let processor = match (format, runtime.session().decoder().vision()) {
+            (ArtifactFormat::HuggingFace, Some(_)) => Some(vision::ProcessorFiles::from_hf_dir(path)?),
+            (ArtifactFormat::Gguf, Some(v)) => {
+                // The mmproj file does not name the image token: the language model's tokenizer does.
+                if let Some(id) = tokenizer.as_ref().ok().and_then(|t| t.token_to_id("<image_soft_token>")) {
+                    v.set_image_token_id(id);
+                }
+                Some(vision::ProcessorFiles::from_mmproj(v.config()))
+            }
+            _ => None,
+        };
         Ok(Self {
             runtime,
             tokenizer,
@@ -205,6 +232,7 @@ impl Model {
             defaults: GenerateOptions::default(),
             info,
             draft,
+            processor,
             embedding: Default::default(),
         })
     }
@@ -230,6 +258,7 @@ impl Model {
             defaults: self.defaults.clone(),
             info: self.info.clone(),
             draft: self.draft.as_ref().map(Runtime::fork_empty).transpose()?,
+            processor: self.processor.clone(),
             embedding: self.embedding.clone(),
         })
     }

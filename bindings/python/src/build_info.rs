@@ -49,6 +49,12 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 ///         ``"gguf"`` for the subset whose GGUF files (llama.cpp's ``general.architecture``) load;
 ///         ``None`` (the default) for all of them.
 ///
+///     images (bool): only the vision-language families that take images (``images=`` on
+///         ``generate``, ``chat`` and the step API; docs/vision.md), by their config.json
+///         ``model_type``: ``"gemma3"`` (``Gemma3ForConditionalGeneration``) and ``"llava"``
+///         (``LlavaForConditionalGeneration``, whose language model is listed by its own name);
+///         with ``"gguf"``, those that load as a GGUF plus an mmproj file.
+///
 /// Returns:
 ///     list[str]: names such as ``"llama"``, ``"gemma2"``, ``"gpt_neox"``, in the order they were added.
 ///
@@ -59,8 +65,8 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 ///     >>> "gemma3" in candlewick.supported_architectures("gguf")
 ///     True
 #[pyfunction]
-#[pyo3(signature = (format = None))]
-pub fn supported_architectures(py: Python<'_>, format: Option<&str>) -> PyResult<Vec<&'static str>> {
+#[pyo3(signature = (format = None, images = false))]
+pub fn supported_architectures(py: Python<'_>, format: Option<&str>, images: bool) -> PyResult<Vec<&'static str>> {
     let gguf_only = match format {
         None | Some("hf") => false,
         Some("gguf") => true,
@@ -68,6 +74,14 @@ pub fn supported_architectures(py: Python<'_>, format: Option<&str>) -> PyResult
             return Err(invalid_option(py, format!("format must be \"hf\", \"gguf\" or None, not {other:?}")))
         }
     };
+    if images {
+        use candlewick::backend::config::vision::VisionFamily;
+        return Ok(VisionFamily::ALL
+            .into_iter()
+            .filter(|f| !gguf_only || *f == VisionFamily::Gemma3)
+            .map(VisionFamily::name)
+            .collect());
+    }
     Ok(Architecture::ALL
         .into_iter()
         .filter(|a| !gguf_only || a.gguf_name().is_some())

@@ -91,7 +91,7 @@ impl PyEngine {
     }
 
     #[doc = concat!(
-        "submit($self, prompt, *, interventions=None, chat=False, chat_template=None, ",
+        "submit($self, prompt, *, interventions=None, chat=False, chat_template=None, images=None, pixel_values=None, ",
         sampling_signature!(),
         ")\n--\n"
     )]
@@ -102,6 +102,10 @@ impl PyEngine {
     ///     interventions (Sequence[Intervention] | None): this request's own edits.
     ///     chat (bool): ``prompt`` is a conversation, rendered through the chat template.
     ///     chat_template (str | None): a Jinja template to use instead of the model's.
+    ///     images (list | None): a vision-language model's images: with text, one per placeholder
+    ///         (docs/vision.md); with ``chat``, one per bare ``{"type": "image"}`` part (messages'
+    ///         own image parts need none). Encoded here, before the request is queued.
+    ///     pixel_values (numpy.ndarray | None): processed images; the prompt holds their tokens.
     #[doc = sampling_args_doc!()]
     ///
     /// Returns:
@@ -110,7 +114,7 @@ impl PyEngine {
     /// Example:
     ///     >>> req = engine.submit("The capital of France is", max_tokens=16)
     #[pyo3(text_signature = None, signature = (prompt, *, interventions=None, chat=false, chat_template=None,
-        max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+        images=None, pixel_values=None, max_tokens=Given::Omitted, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, logit_bias=None, stop=None, seed=None, ignore_eos=false,
         logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None))]
@@ -122,6 +126,8 @@ impl PyEngine {
         interventions: Option<Vec<PyRef<'py, PyIntervention>>>,
         chat: bool,
         chat_template: Option<&str>,
+        images: Option<Bound<'py, PyAny>>,
+        pixel_values: Option<Bound<'py, PyAny>>,
         max_tokens: Given<'py>,
         temperature: Option<Bound<'py, PyAny>>,
         top_k: Option<Bound<'py, PyAny>>,
@@ -171,11 +177,23 @@ impl PyEngine {
         };
         let rt = self.runtime.get();
         let opts = args.options(rt.lock(py)?.defaults())?;
-        let ids = if chat { rt.chat_ids(py, prompt, chat_template)? } else { rt.prompt_ids(py, prompt)? };
+        let call = match (chat, pixel_values.as_ref().filter(|v| !v.is_none())) {
+            (true, None) => rt.chat_image_call(py, prompt, chat_template, images.as_ref())?,
+            _ => rt.image_call(py, prompt, images.as_ref(), pixel_values.as_ref())?,
+        };
+        let ids = match &call {
+            Some(c) => c.ids.clone(),
+            None if chat => rt.chat_ids(py, prompt, chat_template)?,
+            None => rt.prompt_ids(py, prompt)?,
+        };
         let edits = edits_of(interventions);
         let guard = lock_released(py, &self.inner).map_err(|_| InternalError::new_err("engine poisoned"))?;
         let engine = guard.as_ref().ok_or_else(|| engine_err(EngineError::Closed))?;
-        let handle = engine.submit(ids, opts, edits).map_err(engine_err)?;
+        let handle = match &call {
+            // The images are encoded on this thread, with the GIL released.
+            Some(c) => py.detach(|| engine.submit_with_images(ids, opts, edits, &c.pixels)).map_err(engine_err)?,
+            None => engine.submit(ids, opts, edits).map_err(engine_err)?,
+        };
         Ok(PyEngineRequest { handle })
     }
 

@@ -13,7 +13,7 @@ use super::errors::{
 };
 use super::gil::lock_released;
 use super::result::{logprobs_to_py, to_result, PyGenerationResult};
-use super::runtime::PyModelRuntime;
+use super::runtime::{ImageCall, PyModelRuntime};
 use super::sampling::SamplingArgs;
 use super::text::{conversation, template_value, tool_calls_to_py, tool_choice_of, tools_of};
 use candlewick::generation::{GenerateOptions, Generation};
@@ -21,12 +21,16 @@ use candlewick::text::ToolChoice;
 
 #[pymethods]
 impl PyModelRuntime {
-    #[doc = concat!("generate($self, prompt, *, stream=False, ", sampling_signature!(), ")\n--\n")]
+    #[doc = concat!("generate($self, prompt, *, stream=False, images=None, pixel_values=None, ", sampling_signature!(), ")\n--\n")]
     /// Generates text from a prompt; a new prompt that shares a prefix with what the session
     /// holds prefills only the rest. Ctrl-C stops it within one step.
     ///
     /// Args:
     ///     prompt (str | Sequence[int]): text (encoded with the model's special tokens) or ids.
+    ///     images (list | None): a vision-language model's images (paths, bytes, data: URLs, PIL
+    ///         images, HxWxC uint8 arrays), each in place of a placeholder of the prompt (one in
+    ///         front per image when it has none), processed as transformers' processor does.
+    ///     pixel_values (numpy.ndarray | None): processed images; the prompt holds their tokens.
     ///     stream (bool): return a ``GenerationStream`` of text pieces instead of the result.
     #[doc = sampling_args_doc!()]
     ///
@@ -38,7 +42,7 @@ impl PyModelRuntime {
     ///     >>> r = rt.generate("The capital of France is", max_tokens=16, temperature=0.7, seed=1)
     ///     >>> r.finish_reason, r.usage["completion_tokens"]
     ///     ('length', 16)
-    #[pyo3(text_signature = None, signature = (prompt, *, stream=false, max_tokens=Given::Omitted, temperature=None,
+    #[pyo3(text_signature = None, signature = (prompt, *, stream=false, images=None, pixel_values=None, max_tokens=Given::Omitted, temperature=None,
         top_k=None, top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None))]
@@ -47,6 +51,8 @@ impl PyModelRuntime {
         slf: &Bound<'py, Self>,
         prompt: &Bound<'py, PyAny>,
         stream: bool,
+        images: Option<Bound<'py, PyAny>>,
+        pixel_values: Option<Bound<'py, PyAny>>,
         max_tokens: Given<'py>,
         temperature: Option<Bound<'py, PyAny>>,
         top_k: Option<Bound<'py, PyAny>>,
@@ -96,18 +102,27 @@ impl PyModelRuntime {
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
-        let ids = slf.get().prompt_ids(py, prompt)?;
+        let call = slf.get().image_call(py, prompt, images.as_ref(), pixel_values.as_ref())?;
+        let ids = match &call {
+            Some(c) => c.ids.clone(),
+            None => slf.get().prompt_ids(py, prompt)?,
+        };
         if stream {
-            return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
+            let s = with_images(py, slf.get(), &call, || PyGenerationStream::start(py, slf, ids, opts))?;
+            return Ok(Bound::new(py, s)?.into_any());
         }
-        Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any())
+        Ok(Bound::new(py, with_images(py, slf.get(), &call, || run_to_end(py, slf.get(), ids, opts))?)?.into_any())
     }
 
-    #[doc = concat!("stream($self, prompt, *, ", sampling_signature!(), ")\n--\n")]
+    #[doc = concat!("stream($self, prompt, *, images=None, pixel_values=None, ", sampling_signature!(), ")\n--\n")]
     /// Generates from a prompt, yielding text pieces as they become final.
     ///
     /// Args:
     ///     prompt (str | Sequence[int]): text (encoded with the model's special tokens) or ids.
+    ///     images (list | None): a vision-language model's images (paths, bytes, data: URLs, PIL
+    ///         images, HxWxC uint8 arrays), each in place of a placeholder of the prompt (one in
+    ///         front per image when it has none), processed as transformers' processor does.
+    ///     pixel_values (numpy.ndarray | None): processed images; the prompt holds their tokens.
     #[doc = sampling_args_doc!()]
     ///
     /// Returns:
@@ -117,7 +132,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> for piece in rt.stream("def fibonacci(n):", max_tokens=64, stop=["\n\n"]):
     ///     ...     print(piece, end="", flush=True)
-    #[pyo3(text_signature = None, signature = (prompt, *, max_tokens=Given::Omitted, temperature=None, top_k=None,
+    #[pyo3(text_signature = None, signature = (prompt, *, images=None, pixel_values=None, max_tokens=Given::Omitted, temperature=None, top_k=None,
         top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         logit_bias=None, stop=None, seed=None, ignore_eos=false, logprobs=None, skip_special_tokens=true, response_format=None, grammar=None, grammar_format=None, regex=None,
         choice=None, prompt_lookup_num_tokens=None, num_draft_tokens=None, adapters=None))]
@@ -125,6 +140,8 @@ impl PyModelRuntime {
     fn stream<'py>(
         slf: &Bound<'py, Self>,
         prompt: &Bound<'py, PyAny>,
+        images: Option<Bound<'py, PyAny>>,
+        pixel_values: Option<Bound<'py, PyAny>>,
         max_tokens: Given<'py>,
         temperature: Option<Bound<'py, PyAny>>,
         top_k: Option<Bound<'py, PyAny>>,
@@ -174,8 +191,12 @@ impl PyModelRuntime {
         };
         let py = slf.py();
         let opts = args.options(slf.get().lock(py)?.defaults())?;
-        let ids = slf.get().prompt_ids(py, prompt)?;
-        PyGenerationStream::start(py, slf, ids, opts)
+        let call = slf.get().image_call(py, prompt, images.as_ref(), pixel_values.as_ref())?;
+        let ids = match &call {
+            Some(c) => c.ids.clone(),
+            None => slf.get().prompt_ids(py, prompt)?,
+        };
+        with_images(py, slf.get(), &call, || PyGenerationStream::start(py, slf, ids, opts))
     }
 
     #[doc = concat!(
@@ -189,7 +210,9 @@ impl PyModelRuntime {
     ///
     /// Args:
     ///     messages (Sequence[dict]): ``{"role", "content"}`` dicts; a content may be a string
-    ///         or a list of ``{"type": "text", "text": ...}`` parts, as OpenAI clients send it.
+    ///         or a list of ``{"type": "text", "text": ...}`` parts, as OpenAI clients send it,
+    ///         with image parts (``{"type": "image_url", "image_url": {"url": "data:..."}}`` or
+    ///         ``{"type": "image", "image": ...}``) for a vision-language model.
     ///     stream (bool): return a ``GenerationStream`` of text pieces instead of the result.
     ///     chat_template (str | None): a Jinja template to use instead of the model's.
     ///     tools (list[dict] | None): OpenAI tool objects, rendered by the template; the answer's
@@ -287,11 +310,18 @@ impl PyModelRuntime {
             if !stray.is_empty() {
                 return Err(invalid_option(py, format!("{}: only with tools, and none were given", stray.join(", "))));
             }
-            let ids = slf.get().chat_ids(py, messages, chat_template)?;
+            // Image content parts: rendered by the template, expanded and encoded (docs/vision.md).
+            let call = slf.get().chat_image_call(py, messages, chat_template, None)?;
+            let ids = match &call {
+                Some(c) => c.ids.clone(),
+                None => slf.get().chat_ids(py, messages, chat_template)?,
+            };
             if stream {
-                return Ok(Bound::new(py, PyGenerationStream::start(py, slf, ids, opts)?)?.into_any());
+                let s = with_images(py, slf.get(), &call, || PyGenerationStream::start(py, slf, ids, opts))?;
+                return Ok(Bound::new(py, s)?.into_any());
             }
-            return Ok(Bound::new(py, run_to_end(py, slf.get(), ids, opts)?)?.into_any());
+            let r = with_images(py, slf.get(), &call, || run_to_end(py, slf.get(), ids, opts))?;
+            return Ok(Bound::new(py, r)?.into_any());
         };
         let tool_values = tools_of(&tools)?;
         let choice = tool_choice_of(tool_choice.as_ref())?;
@@ -609,4 +639,22 @@ impl PyGenerationStream {
         let running = lock_released(py, &self.state).map_err(poisoned)?.is_some();
         Ok(format!("GenerationStream({})", if running { "running" } else { "ended" }))
     }
+}
+
+/// Runs `f` (which starts a generation from position 0, prefilling its prompt) with the call's
+/// images staged, and unstages them after, whatever `f` returned.
+fn with_images<T>(
+    py: Python<'_>,
+    rt: &PyModelRuntime,
+    call: &Option<ImageCall>,
+    f: impl FnOnce() -> PyResult<T>,
+) -> PyResult<T> {
+    if let Some(c) = call {
+        rt.stage(py, c, Some(0), None, &[])?;
+    }
+    let out = f();
+    if call.is_some() {
+        rt.unstage(py);
+    }
+    out
 }

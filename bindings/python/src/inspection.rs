@@ -11,9 +11,9 @@ use super::convert::{adapter_choice, extract_ids};
 use super::errors::{backend_err, catch_panic, model_err, runtime_err, InternalError, SessionError};
 use super::intervention::{edits_of, PyIntervention};
 use super::observation::{to_python, PyObservationRequest, PyObservationSet};
-use super::runtime::{PyModelRuntime, PyStepOutput};
+use super::runtime::{call_edits, ImageCall, PyModelRuntime, PyStepOutput};
 use candlewick::backend::StepOutput;
-use candlewick::core::{DecodeInput, InspectedOutput, ObservationRequest, PrefillInput};
+use candlewick::core::{DecodeInput, InspectedOutput, ObservationRequest, ObservationSet, PrefillInput};
 
 impl PyModelRuntime {
     /// An inspected step's output and observations, as Python objects.
@@ -21,6 +21,27 @@ impl PyModelRuntime {
         let output = Py::new(py, PyStepOutput { inner: r.output, runtime_id: self.id })?;
         let observations = Py::new(py, to_python(py, r.observations)?)?;
         Ok(PyInspectedOutput { output, observations })
+    }
+}
+
+/// `r` with the vision points recorded while its images were encoded, those first (forward order).
+fn with_vision(mut r: InspectedOutput<StepOutput>, vision: ObservationSet) -> PyResult<InspectedOutput<StepOutput>> {
+    if vision.is_empty() {
+        return Ok(r);
+    }
+    let mut all = vision;
+    for (k, v) in std::mem::take(&mut r.observations).into_entries() {
+        all.insert(k, v).map_err(|e| InternalError::new_err(e.to_string()))?;
+    }
+    r.observations = all;
+    Ok(r)
+}
+
+/// The ids of an inspected call: its images' (placeholders expanded), or `tokens` as given.
+fn ids_of(call: &Option<ImageCall>, tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    match call {
+        Some(c) => Ok(c.ids.clone()),
+        None => extract_ids("tokens", tokens),
     }
 }
 
@@ -69,7 +90,8 @@ impl PyModelRuntime {
     ///     >>> r = rt.inspect_prefill([2, 651], candlewick.ObservationRequest.select(["model.layers.1"]))
     ///     >>> r.observations["model.layers.1.output"].shape
     ///     (2, 640)
-    #[pyo3(signature = (tokens, request=None, all_logits=false, interventions=None, adapters=None))]
+    #[pyo3(signature = (tokens, request=None, all_logits=false, interventions=None, adapters=None, *, images=None, pixel_values=None))]
+    #[allow(clippy::too_many_arguments)]
     fn inspect_prefill(
         &self,
         py: Python<'_>,
@@ -78,12 +100,18 @@ impl PyModelRuntime {
         all_logits: bool,
         interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
         adapters: Option<Bound<'_, PyAny>>,
+        images: Option<&Bound<'_, PyAny>>,
+        pixel_values: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyInspectedOutput> {
-        let input = PrefillInput::new(extract_ids("tokens", tokens)?)
-            .all_logits(all_logits)
-            .with_interventions(edits_of(interventions));
+        let call = self.image_call(py, tokens, images, pixel_values)?;
+        let (vision_edits, edits) = call_edits(&call, edits_of(interventions));
+        let input = PrefillInput::new(ids_of(&call, tokens)?).all_logits(all_logits).with_interventions(edits);
         let req = request_of(request);
         let choice = adapters.map(|a| adapter_choice("adapters", &a)).transpose()?;
+        let vision = match &call {
+            Some(c) => self.stage(py, c, None, Some(&req), &vision_edits)?,
+            None => ObservationSet::new(),
+        };
         let r = py.detach(|| {
             catch_panic(|| {
                 self.lock_detached()?
@@ -91,8 +119,11 @@ impl PyModelRuntime {
                     .map_err(model_err)?
                     .map_err(runtime_err)
             })
-        })?;
-        self.inspected(py, r)
+        });
+        if call.is_some() {
+            self.unstage(py);
+        }
+        self.inspected(py, with_vision(r?, vision)?)
     }
 
     /// A decode that also returns the requested observation points.
@@ -148,7 +179,8 @@ impl PyModelRuntime {
     ///     >>> r = rt.trace([2, 651, 6037], interventions=[iv.scale("model.layers.3.attention.heads", [2], 0.0)])
     ///     >>> rt.unembed(r.observations["model.layers.5.output"]).shape
     ///     (3, 262144)
-    #[pyo3(signature = (tokens, request=None, interventions=None, adapters=None))]
+    #[pyo3(signature = (tokens, request=None, interventions=None, adapters=None, *, images=None, pixel_values=None))]
+    #[allow(clippy::too_many_arguments)]
     fn trace(
         &self,
         py: Python<'_>,
@@ -156,10 +188,19 @@ impl PyModelRuntime {
         request: Option<PyRef<'_, PyObservationRequest>>,
         interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
         adapters: Option<Bound<'_, PyAny>>,
+        images: Option<&Bound<'_, PyAny>>,
+        pixel_values: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyInspectedOutput> {
-        let input = PrefillInput::new(extract_ids("tokens", tokens)?).with_interventions(edits_of(interventions));
+        let call = self.image_call(py, tokens, images, pixel_values)?;
+        let (vision_edits, edits) = call_edits(&call, edits_of(interventions));
+        let input = PrefillInput::new(ids_of(&call, tokens)?).with_interventions(edits);
         let req = request_of(request);
         let choice = adapters.map(|a| adapter_choice("adapters", &a)).transpose()?;
+        // A trace runs from position 0 on a scratch session that takes the staged images along.
+        let vision = match &call {
+            Some(c) => self.stage_for_trace(py, c, &req, &vision_edits)?,
+            None => ObservationSet::new(),
+        };
         let r = py.detach(|| {
             catch_panic(|| {
                 self.lock_detached()?
@@ -167,8 +208,11 @@ impl PyModelRuntime {
                     .map_err(model_err)?
                     .map_err(runtime_err)
             })
-        })?;
-        self.inspected(py, r)
+        });
+        if call.is_some() {
+            self.unstage(py);
+        }
+        self.inspected(py, with_vision(r?, vision)?)
     }
 
     /// Runs each token list on a fresh context of its own, as ``trace`` does; the session is

@@ -35,11 +35,13 @@
 //! 17. `sae` (`errors`, `convert`, `observation`, `intervention`, `runtime`): `attach_sae`,
 //!     `detach_sae`, `saes`, `top_features`, `collect_batch`, `last_layer_needed`; the feature
 //!     edits `Intervention.sae_steer/sae_clamp/sae_splice`.
+//! 18. `vision` (`errors`, `runtime`): `process`, the ids and pixel values of a call with images
+//!     (the calls take `images=` / `pixel_values=` through `runtime`'s helpers).
 //! 19. `adapters` (`errors`, `convert`, `runtime`): `load_adapter`, `unload_adapter`,
 //!     `loaded_adapters`, `adapters`, `active_adapters`, `set_adapters` (LoRA).
 //! 20. `embedding` (`errors`, `convert`, `runtime`): `embed`, `rerank`, `embedding_info`.
 //!
-//! `ModelRuntime` is defined in `runtime` and its methods are spread over 11-15, one
+//! `ModelRuntime` is defined in `runtime` and its methods are spread over 11-18, one
 //! `#[pymethods]` block per domain (pyo3's `multiple-pymethods` feature), so that a domain's
 //! methods sit beside its classes and import the class, never the other way round.
 
@@ -125,6 +127,7 @@ mod sampling;
 mod session;
 mod steering;
 mod text;
+mod vision;
 
 use pyo3::prelude::*;
 

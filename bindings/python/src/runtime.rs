@@ -13,19 +13,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{LockResult, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayD, IxDyn};
-use numpy::PyArray;
+use numpy::{PyArray, PyReadonlyArrayDyn};
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict};
 
 use super::convert::{count_option, extract_ids, prompt_of, py_repr};
-use super::errors::{backend_err, catch_panic, model_err, runtime_err, InternalError, RuntimeClosedError};
+use super::errors::{
+    backend_err, catch_panic, invalid_option, model_err, runtime_err, InternalError, RuntimeClosedError,
+};
 use super::gil::lock_released;
 use super::hub::resolve_model;
 use super::intervention::{edits_of, PyIntervention};
 use super::text::{conversation, PyTokenizer};
 use candlewick::backend::session::CandleCompletion;
 use candlewick::backend::StepOutput;
-use candlewick::core::{BackendSession, Completion, DecodeInput, PrefillInput};
+use candlewick::core::{
+    BackendSession, Completion, DecodeInput, Intervention, ObservationRequest, ObservationSet, PrefillInput,
+};
+use candlewick::model::vision::{split_vision_edits, PixelValues};
 use candlewick::model::{Model, ModelOptions};
 
 static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
@@ -177,6 +182,9 @@ impl PyModelRuntime {
     ///         ``"q8_0"`` (about half of float16's memory; the CPU only, docs/cpu.md), ``"f32"`` or
     ///         ``"bf16"`` (llama.cpp's ``-ctk``/``-ctv``); None: float16 for a quantized model on
     ///         the CPU, the compute dtype otherwise. Another name raises ``ValueError``.
+    ///     mmproj (str | os.PathLike | None): llama.cpp's mmproj GGUF (its vision encoder and
+    ///         projector, as ``convert_hf_to_gguf.py --mmproj`` writes it) beside a GGUF language
+    ///         model: the model then takes images (Gemma 3; docs/vision.md).
     ///     prefill_chunk (int | None): the most tokens one step runs; a longer prompt runs in
     ///         chunks of this many, so its activations and attention scores are one chunk's
     ///         (observations and interventions span the chunks). None: 512. Below 1 raises
@@ -196,7 +204,7 @@ impl PyModelRuntime {
     /// Example:
     ///     >>> rt = candlewick.ModelRuntime.load("gemma-3-270m.gguf", device="cpu", max_context=2048)
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None, prefill_chunk=None, filename=None, revision=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, max_context=None, threads=None, quantize=None, check_tensors=true, draft_model=None, kv_cache_type=None, prefill_chunk=None, filename=None, revision=None, mmproj=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -212,6 +220,7 @@ impl PyModelRuntime {
         prefill_chunk: Option<Bound<'_, PyAny>>,
         filename: Option<String>,
         revision: Option<String>,
+        mmproj: Option<PathBuf>,
     ) -> PyResult<Self> {
         let path = resolve_model(py, &path, filename.as_deref(), revision.as_deref())?;
         let draft_model = draft_model.map(|d| resolve_model(py, &d, None, None)).transpose()?;
@@ -225,6 +234,7 @@ impl PyModelRuntime {
             draft_model,
             kv_cache_type,
             prefill_chunk: count_option(py, "prefill_chunk", prefill_chunk.as_ref())?,
+            mmproj,
         };
         let model = py.detach(|| catch_panic(|| Model::load(&path, &options).map_err(model_err)))?;
         if let Some(report) = &model.info().quantized_at_load {
@@ -334,7 +344,12 @@ impl PyModelRuntime {
     ///     tokens (Sequence[int]): token ids to append.
     ///     all_logits (bool): return every position's logits, not only the last one's.
     ///     interventions (Sequence[Intervention] | None): edits for this step only, on top of
-    ///         the kept ones.
+    ///         the kept ones (with images, also on the ``vision.*`` points).
+    ///     images (list | None): a vision-language model's images (paths, bytes, data: URLs, PIL
+    ///         images, HxWxC uint8 arrays), run through the model's processor; each placeholder
+    ///         of ``tokens`` (text or ids) is expanded to the image's tokens (docs/vision.md).
+    ///     pixel_values (numpy.ndarray | None): processed images ``[n, 3, S, S]`` as the model's
+    ///         transformers processor returns them; ``tokens`` then hold the image tokens.
     ///
     /// Returns:
     ///     Submission: ``.wait()`` gives the ``StepOutput`` (logits ``[rows, vocab]``).
@@ -343,19 +358,31 @@ impl PyModelRuntime {
     ///     >>> out = rt.prefill([2, 651, 6037]).wait()
     ///     >>> out.logits.shape
     ///     (1, 262144)
-    #[pyo3(signature = (tokens, all_logits=false, interventions=None))]
+    #[pyo3(signature = (tokens, all_logits=false, interventions=None, *, images=None, pixel_values=None))]
     fn prefill(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         all_logits: bool,
         interventions: Option<Vec<PyRef<'_, PyIntervention>>>,
+        images: Option<&Bound<'_, PyAny>>,
+        pixel_values: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySubmission> {
-        let input = PrefillInput::new(extract_ids("tokens", tokens)?)
-            .all_logits(all_logits)
-            .with_interventions(edits_of(interventions));
-        let sub =
-            py.detach(|| catch_panic(|| self.lock_detached()?.runtime_mut().prefill(input).map_err(runtime_err)))?;
+        let call = self.image_call(py, tokens, images, pixel_values)?;
+        let (vision_edits, edits) = call_edits(&call, edits_of(interventions));
+        let ids = match &call {
+            Some(c) => c.ids.clone(),
+            None => extract_ids("tokens", tokens)?,
+        };
+        if let Some(c) = &call {
+            self.stage(py, c, None, None, &vision_edits)?;
+        }
+        let input = PrefillInput::new(ids).all_logits(all_logits).with_interventions(edits);
+        let sub = py.detach(|| catch_panic(|| self.lock_detached()?.runtime_mut().prefill(input).map_err(runtime_err)));
+        if call.is_some() {
+            self.unstage(py);
+        }
+        let sub = sub?;
         self.wrap_output(py, sub.output, Some(sub.completion))
     }
 
@@ -514,5 +541,157 @@ impl PySubmission {
     #[getter]
     fn output(&self, py: Python<'_>) -> Py<PyStepOutput> {
         self.output.clone_ref(py)
+    }
+}
+
+/// A call's images: the prompt's ids holding each image's tokens, and the pixel values to encode.
+pub(crate) struct ImageCall {
+    /// The ids, placeholders expanded.
+    pub ids: Vec<u32>,
+    /// Float32 `[images, 3, S, S]`.
+    pub pixels: PixelValues,
+}
+
+/// A call's edits split into those on the vision points and the rest, when it has images; without
+/// images every edit goes to the session (which refuses a vision point's as unknown there).
+pub(crate) fn call_edits(call: &Option<ImageCall>, edits: Vec<Intervention>) -> (Vec<Intervention>, Vec<Intervention>) {
+    match call {
+        Some(_) => split_vision_edits(edits),
+        None => (Vec::new(), edits),
+    }
+}
+
+/// Pixel values from a numpy array (or anything `numpy.asarray` reads, a torch tensor included).
+fn pixels_of(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<PixelValues> {
+    let array = py.import("numpy")?.call_method1("ascontiguousarray", (v, "float32"))?;
+    let array: PyReadonlyArrayDyn<'_, f32> = array.extract()?;
+    let view = array.as_array();
+    Ok(PixelValues { shape: view.shape().to_vec(), data: view.iter().copied().collect() })
+}
+
+impl PyModelRuntime {
+    /// The model's processor files and tokenizer, as `candlewick.images._runtime` takes them;
+    /// a text-only model is refused with the runtime's typed error.
+    fn image_glue<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, PyTokenizer)> {
+        let model = self.lock(py)?;
+        model.vision().map_err(model_err)?;
+        let files = model.processor_files().ok_or_else(|| {
+            model_err(candlewick::model::ModelError::Backend(candlewick::backend::CandleError::InvalidInput {
+                operation: "images",
+                reason: "this model has no processor configuration: pass pixel_values= (as its processor returns them)"
+                    .into(),
+            }))
+        })?;
+        let files = (files.model_type.clone(), files.processor.clone(), files.config.clone()).into_pyobject(py)?;
+        let tokenizer = PyTokenizer {
+            inner: model.tokenizer().map_err(model_err)?.clone(),
+            template: model.chat_template().cloned(),
+        };
+        Ok((py.import("candlewick.images._runtime")?.into_any(), files.into_any(), tokenizer))
+    }
+
+    /// `prompt`'s ids and pixel values when `images` (raw images, run through the model's
+    /// processor and its placeholders expanded) or `pixel_values` (processed already; the ids
+    /// hold the image tokens) is given; `None` when neither is.
+    pub(crate) fn image_call(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        images: Option<&Bound<'_, PyAny>>,
+        pixel_values: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<ImageCall>> {
+        let images = images.filter(|v| !v.is_none());
+        let pixel_values = pixel_values.filter(|v| !v.is_none());
+        match (images, pixel_values) {
+            (None, None) => Ok(None),
+            (Some(_), Some(_)) => {
+                Err(invalid_option(py, "images and pixel_values: give one (raw images, or processed ones)".into()))
+            }
+            (None, Some(p)) => Ok(Some(ImageCall { ids: self.prompt_ids(py, prompt)?, pixels: pixels_of(py, p)? })),
+            (Some(images), None) => {
+                let (glue, files, tokenizer) = self.image_glue(py)?;
+                let out = glue.call_method1("prepare", (files, tokenizer, prompt, images))?;
+                let (expanded, pixels): (Bound<'_, PyAny>, Bound<'_, PyAny>) = out.extract()?;
+                Ok(Some(ImageCall { ids: self.prompt_ids(py, &expanded)?, pixels: pixels_of(py, &pixels)? }))
+            }
+        }
+    }
+
+    /// Chat `messages` with image content parts as ids and pixel values (`None` without images);
+    /// with `images`, the messages' bare `{"type": "image"}` parts stand for them, in order.
+    pub(crate) fn chat_image_call(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        template: Option<&str>,
+        images: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<ImageCall>> {
+        let images = images.filter(|v| !v.is_none());
+        if images.is_none() {
+            let has = py.import("candlewick.images._runtime")?.call_method1("has_images", (messages,))?;
+            if !has.is_truthy()? {
+                return Ok(None);
+            }
+        }
+        let (glue, files, tokenizer) = self.image_glue(py)?;
+        let out = glue.call_method1("prepare_chat", (files, tokenizer, messages, template, images))?;
+        let (ids, pixels): (Vec<u32>, Bound<'_, PyAny>) = out.extract()?;
+        Ok(Some(ImageCall { ids, pixels: pixels_of(py, &pixels)? }))
+    }
+
+    /// Encodes and stages a call's images at `base` (`None`: the session's position), applying
+    /// `edits` on the vision points and recording what `request` selects of them.
+    pub(crate) fn stage(
+        &self,
+        py: Python<'_>,
+        call: &ImageCall,
+        base: Option<usize>,
+        request: Option<&ObservationRequest>,
+        edits: &[Intervention],
+    ) -> PyResult<ObservationSet> {
+        py.detach(|| {
+            catch_panic(|| {
+                let mut model = self.lock_detached()?;
+                let base = base.unwrap_or_else(|| model.runtime().session().position());
+                model.stage_images(&call.ids, base, &call.pixels, request, edits).map_err(model_err)
+            })
+        })
+    }
+
+    /// `stage` at position 0 without touching the session's cache: a trace runs on a scratch
+    /// session, which takes the staged images along.
+    pub(crate) fn stage_for_trace(
+        &self,
+        py: Python<'_>,
+        call: &ImageCall,
+        request: &ObservationRequest,
+        edits: &[Intervention],
+    ) -> PyResult<ObservationSet> {
+        py.detach(|| {
+            catch_panic(|| {
+                let mut model = self.lock_detached()?;
+                let vision = std::sync::Arc::clone(model.vision().map_err(model_err)?);
+                let max = model.runtime().session().max_context();
+                let (spans, set) = candlewick::model::vision::encode_images(
+                    &vision,
+                    max,
+                    &call.ids,
+                    0,
+                    &call.pixels,
+                    Some(request),
+                    edits,
+                )
+                .map_err(model_err)?;
+                model.runtime_mut().session_mut().stage_images(spans).map_err(backend_err)?;
+                Ok(set)
+            })
+        })
+    }
+
+    /// Unstages the images of the call that ran.
+    pub(crate) fn unstage(&self, py: Python<'_>) {
+        if let Ok(mut model) = self.lock(py) {
+            model.clear_images();
+        }
     }
 }

@@ -156,6 +156,12 @@ pub trait BackendSession<B: BackendProvider> {
     fn can_truncate(&self, n: usize) -> bool {
         n <= self.position()
     }
+    /// Where a step of prompt positions `start..end` should end instead so that it cuts no unit
+    /// the model must run whole (an image's tokens): `end`, or later. A chunked prefill asks.
+    fn step_end(&self, start: usize, end: usize) -> usize {
+        let _ = start;
+        end
+    }
     /// Empties the cache (and clears any earlier internal failure).
     fn reset(&mut self);
     /// The ids the model itself declares as ending a sequence.

@@ -82,6 +82,10 @@ pub struct StepTables {
     /// cache with `kernels::attention` (prompts keep the batched products, so a prompt's last row
     /// is the same number whether it ran with the prompt or alone after a reused prefix).
     pub decoding: bool,
+    /// Absolute position ranges `[start, end)` attended in both directions (an image's tokens in
+    /// Gemma 3): a query sees the later keys of its own block too. Such a step materialises its
+    /// scores (the tiled kernel masks causally).
+    pub blocks: Vec<(usize, usize)>,
     /// Whether queries also attend the step's later keys (embedding models: `ArchConfig::bidirectional`);
     /// a sliding window then keeps keys closer than it on either side.
     pub bidirectional: bool,
@@ -99,7 +103,17 @@ impl StepTables {
         // Transformers' convention: a window of w keeps the query and the w - 1 keys before it,
         // so keys before the first query's window are never attended and are not even read.
         let key_start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        Ok(Self { rope, key_start, pos, t, window, device: device.clone(), decoding: false, bidirectional: false })
+        Ok(Self {
+            rope,
+            key_start,
+            pos,
+            t,
+            window,
+            device: device.clone(),
+            decoding: false,
+            blocks: Vec::new(),
+            bidirectional: false,
+        })
     }
 
     /// The additive mask `[t, pos + t - key_start]` (0 or -inf), or `None` when nothing is
@@ -115,9 +129,10 @@ impl StepTables {
             let q = pos + i;
             for (j, cell) in m[i * keys..(i + 1) * keys].iter_mut().enumerate() {
                 let k = key_start + j;
+                let same_block = || self.blocks.iter().any(|&(s, e)| (s..e).contains(&q) && (s..e).contains(&k));
                 let masked = match self.bidirectional {
                     true => window.is_some_and(|w| q.abs_diff(k) >= w),
-                    false => k > q || window.is_some_and(|w| q - k >= w),
+                    false => (k > q && !same_block()) || window.is_some_and(|w| q.saturating_sub(k) >= w),
                 };
                 if masked {
                     *cell = f32::NEG_INFINITY;
@@ -228,8 +243,13 @@ impl Attention {
             softcap: self.softcap.map(|c| c as f32),
         };
         // Attention sinks (gpt-oss) take their share in the materialised softmax below only.
-        // The tiled kernels mask causally: bidirectional steps materialise their scores.
-        if !pattern_wanted && self.sinks.is_none() && !tables.bidirectional && kernels::attention::takes(&q, &view) {
+        // The tiled kernels mask causally: bidirectional steps and image blocks materialise their scores.
+        if !pattern_wanted
+            && self.sinks.is_none()
+            && tables.blocks.is_empty()
+            && !tables.bidirectional
+            && kernels::attention::takes(&q, &view)
+        {
             if tables.decoding && t == 1 {
                 let heads = kernels::attention::decode(&q, &view, p)?; // [1, nh, d]
                 return hooks.at(Point::Layer(layer, LayerPoint::AttentionHeads), heads);

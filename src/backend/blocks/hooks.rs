@@ -25,6 +25,11 @@ pub trait Hooks {
     fn is_noop(&self) -> bool {
         false
     }
+    /// Absolute position ranges `[start, end)` whose tokens attend each other in both directions
+    /// within the causal mask (an image's tokens in Gemma 3); empty for plain text.
+    fn bidirectional_blocks(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
 }
 
 impl<H: Hooks> Hooks for &mut H {
@@ -36,6 +41,9 @@ impl<H: Hooks> Hooks for &mut H {
     }
     fn is_noop(&self) -> bool {
         (**self).is_noop()
+    }
+    fn bidirectional_blocks(&self) -> Vec<(usize, usize)> {
+        (**self).bidirectional_blocks()
     }
 }
 

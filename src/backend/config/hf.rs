@@ -452,6 +452,16 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         Some(other) => return Err(invalid(path, "model_type", format!("expected a string, got {other}"))),
         None => return Err(malformed("no `model_type`".into())),
     };
+    // LLaVA wraps a language model of another family: its text_config names it (Llama by default).
+    let model_type = match model_type.as_str() {
+        "llava" => map
+            .get("text_config")
+            .and_then(|t| t.get("model_type"))
+            .and_then(Value::as_str)
+            .unwrap_or("llama")
+            .to_owned(),
+        _ => model_type,
+    };
     let arch = architecture(&model_type)?;
     // Multimodal Gemma 3 checkpoints nest the language model's config.
     match map.get("text_config").cloned() {

@@ -3,6 +3,7 @@
 pub mod gguf;
 pub mod hf;
 pub mod metadata;
+pub mod vision;
 
 use crate::backend::error::{CandleError, Result};
 

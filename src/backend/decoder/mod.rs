@@ -23,6 +23,7 @@ use crate::backend::weights::names::{Naming, Slot};
 use crate::backend::config::{ArchConfig, ExpertGlu, LayerConfig, NormKind, QkNorm};
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::kv_cache::{KvCache, KvType};
+use crate::backend::vision::VisionModel;
 use crate::backend::weights::quantize::QuantizeReport;
 use crate::backend::weights::WeightLoader;
 use crate::core::{LayerPoint, Point, SaePoint};
@@ -88,6 +89,8 @@ pub struct Decoder {
     quantized_at_load: Option<QuantizeReport>,
     /// The sparse autoencoders attached to this model, shared with every clone and session.
     saes: std::sync::Arc<SaeRegistry>,
+    /// The vision encoder and projector of a vision-language model (DESIGN §13).
+    vision: Option<std::sync::Arc<VisionModel>>,
     /// The LoRA adapters loaded on this model, shared with every clone and session (`adapters.rs`).
     adapters: std::sync::Arc<AdapterRegistry>,
 }
@@ -244,6 +247,7 @@ impl Decoder {
             fingerprint: String::new(),
             quantized_at_load: w.quantize_report(),
             saes: Default::default(),
+            vision: None,
             adapters: Default::default(),
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
@@ -402,11 +406,26 @@ impl Decoder {
 
     /// Every observation path this decoder offers, in forward order, then the attached SAEs' points.
     pub fn observation_points(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.points().iter().map(Point::to_string).collect();
+        // A vision-language model's encoder runs first.
+        let mut names: Vec<String> = self.vision.iter().flat_map(|v| v.points()).collect();
+        names.extend(self.points().iter().map(Point::to_string));
         for sae in self.saes.current().iter() {
             names.extend(SaePoint::ALL.iter().map(|p| p.path(&sae.name)));
         }
         names
+    }
+
+    /// The vision encoder of a vision-language model (`None` for a text-only one).
+    pub fn vision(&self) -> Option<&std::sync::Arc<VisionModel>> {
+        self.vision.as_ref()
+    }
+
+    /// Gives the model its vision encoder (loaded beside the decoder), and folds its
+    /// configuration into the fingerprint.
+    pub fn set_vision(&mut self, vision: VisionModel) {
+        self.fingerprint =
+            format!("{}-v{:08x}", self.fingerprint, crc32fast::hash(format!("{:?}", vision.config()).as_bytes()));
+        self.vision = Some(std::sync::Arc::new(vision));
     }
 
     /// The sparse autoencoders attached to this model (shared by all its sessions).
@@ -495,6 +514,7 @@ impl Decoder {
                         let rope = rope.as_ref().map(|r| r.tables(pos, t, &self.device)).transpose()?;
                         let mut tables = StepTables::new(rope, pos, t, lc.sliding_window, &self.device)?;
                         tables.decoding = kind == StepKind::Decode;
+                        tables.blocks = it.hooks.bidirectional_blocks();
                         tables.bidirectional = self.config.bidirectional;
                         Ok(tables)
                     })

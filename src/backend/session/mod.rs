@@ -2,6 +2,7 @@
 
 mod adapters;
 pub mod embed;
+pub mod images;
 pub mod prefix_cache;
 pub mod prefix_disk;
 pub mod sae;
@@ -18,6 +19,7 @@ use crate::backend::device::CandleBackend;
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::host::to_host_f32;
 use crate::backend::kv_cache::{HeldKv, KvCache};
+use images::{ImageHooks, ImageSpan};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use prefix_disk::{PrefixDisk, PrefixDiskStats};
 pub use snapshot::SessionSnapshot;
@@ -94,6 +96,8 @@ pub struct CandleSession {
     /// The most tokens one step of a longer call runs (`PREFILL_CHUNK` unless the model was
     /// loaded with `prefill_chunk`).
     prefill_chunk: usize,
+    /// Images staged for the next calls that cover their positions (`stage_images`).
+    images: Vec<ImageSpan>,
     /// The LoRA adapters its steps run with (swapped per call through a shared reference, so a
     /// generation in progress does not count the swap as a change of its session), and those its
     /// reusable positions were computed under (`adapters.rs`).
@@ -123,9 +127,62 @@ impl CandleSession {
             reusable: 0,
             ring_slack: None,
             prefill_chunk: prefill_chunk.max(1),
+            images: Vec::new(),
             adapters: Default::default(),
             cache_adapters: Vec::new(),
         }
+    }
+
+    /// Stages images: a later call covering an image's positions reads its embeddings there
+    /// (each `[tokens, hidden]`, float32) instead of the tokens'. They stay staged until
+    /// `clear_images`. Refused (nothing staged) when one is the wrong width or images overlap.
+    pub fn stage_images(&mut self, mut images: Vec<ImageSpan>) -> Result<()> {
+        let h = self.decoder.config().hidden_size;
+        images.sort_by_key(|s| s.start);
+        for (i, s) in images.iter().enumerate() {
+            let dims = s.embeds.dims();
+            if dims.len() != 2 || dims[1] != h || dims[0] == 0 {
+                return Err(CandleError::InvalidInput {
+                    operation: "images",
+                    reason: format!("image {i}'s embeddings are {dims:?}; [tokens, {h}] expected"),
+                });
+            }
+            if i > 0 && images[i - 1].end() > s.start {
+                return Err(CandleError::InvalidInput {
+                    operation: "images",
+                    reason: format!("image {i} overlaps the image before it"),
+                });
+            }
+        }
+        self.images = images;
+        Ok(())
+    }
+
+    /// Unstages every image.
+    pub fn clear_images(&mut self) {
+        self.images.clear();
+    }
+
+    /// The images lying in positions `start..end`; an image cut by either end is refused.
+    fn images_in(&self, operation: &'static str, start: usize, end: usize) -> Result<Vec<ImageSpan>> {
+        let mut inside = Vec::new();
+        for s in &self.images {
+            if s.end() <= start || s.start >= end {
+                continue;
+            }
+            if s.start < start || s.end() > end {
+                return Err(CandleError::InvalidInput {
+                    operation,
+                    reason: format!(
+                        "positions {start}..{end} cut the image at positions {}..{}: an image's tokens run in one call",
+                        s.start,
+                        s.end()
+                    ),
+                });
+            }
+            inside.push(s.clone());
+        }
+        Ok(inside)
     }
 
     /// The decoder this session runs (shared with every session of the same model).
@@ -293,14 +350,26 @@ impl CandleSession {
         let active = self.adapters();
         let mut hooks = StepHooks::new(request, edits, start, tokens.len()).with_saes(&saes);
         let mut logits = Vec::new();
-        for part in tokens.chunks(chunk) {
+        let images = self.images_in(operation, start, start + tokens.len())?;
+        let bidirectional = self.decoder.vision().is_some_and(|v| v.config().bidirectional);
+        let mut at = start;
+        for end in images::step_ends(start, tokens.len(), chunk, &images) {
+            let part = &tokens[at - start..end - start];
+            let here: Vec<ImageSpan> = images.iter().filter(|s| s.start >= at && s.end() <= end).cloned().collect();
+            let step_start = at;
+            at = end;
             // The plain forward pass: no hook is even consulted.
             let (decoder, cache) = (&self.decoder, &mut self.cache);
-            let step = lora::with_plan(&[Some(&active)], &[part.len()], || {
-                if plain {
-                    decoder.forward(part, cache, rows, kind, &mut NoHooks)
-                } else {
-                    decoder.forward(part, cache, rows, kind, &mut hooks)
+            let step = lora::with_plan(&[Some(&active)], &[part.len()], || match (plain, here.is_empty()) {
+                (true, true) => decoder.forward(part, cache, rows, kind, &mut NoHooks),
+                (false, true) => decoder.forward(part, cache, rows, kind, &mut hooks),
+                (true, false) => {
+                    let mut h = ImageHooks { inner: NoHooks, images: &here, start: step_start, bidirectional };
+                    decoder.forward(part, cache, rows, kind, &mut h)
+                }
+                (false, false) => {
+                    let mut h = ImageHooks { inner: &mut hooks, images: &here, start: step_start, bidirectional };
+                    decoder.forward(part, cache, rows, kind, &mut h)
                 }
             });
             let step = step
@@ -353,9 +422,10 @@ impl CandleSession {
         if let Some(r) = request {
             r.validate(self.decoder.observation_points().iter().map(String::as_str))?;
         }
-        let clean = call_edits.is_empty();
-        let edits = self.edits_for_call(call_edits)?;
         let start = self.cache.len();
+        // Positions computed from an image are not reusable by token ids alone.
+        let clean = call_edits.is_empty() && self.images_in(operation, start, start + tokens.len())?.is_empty();
+        let edits = self.edits_for_call(call_edits)?;
         let result = self.run_steps(operation, tokens, rows, request, &edits)?;
         self.appended(start, clean);
         Ok(result)
@@ -500,6 +570,10 @@ impl BackendSession<CandleBackend> for CandleSession {
     fn stop_token_ids(&self) -> Vec<u32> {
         self.decoder.config().eos_token_ids.clone()
     }
+
+    fn step_end(&self, _start: usize, end: usize) -> usize {
+        images::unsplit(&self.images, end)
+    }
 }
 
 impl InspectableBackendSession<CandleBackend> for CandleSession {
@@ -625,6 +699,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             reusable: self.reusable,
             ring_slack: self.ring_slack,
             prefill_chunk: self.prefill_chunk,
+            images: Vec::new(),
             adapters: std::sync::Mutex::new(self.adapters()),
             cache_adapters: self.cache_adapters.clone(),
         })
@@ -642,6 +717,8 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             reusable: 0,
             ring_slack: self.ring_slack,
             prefill_chunk: self.prefill_chunk,
+            // A trace runs on an empty fork: the images staged for it go along.
+            images: self.images.clone(),
             adapters: std::sync::Mutex::new(self.adapters()),
             cache_adapters: self.adapters(),
         })

@@ -7,6 +7,7 @@ pub mod embedding;
 pub mod finite;
 pub mod gguf;
 pub mod names;
+pub mod prefixed;
 pub mod quantize;
 pub mod relayout;
 pub mod requant;

@@ -158,3 +158,108 @@ impl Naming {
         }
     }
 }
+
+/// A weight of the vision encoder or its projector, independent of how a format names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VisionSlot {
+    /// The patch embedding (a convolution with stride = kernel = patch size).
+    PatchEmbed,
+    /// The learned position table.
+    PosEmbed,
+    /// CLIP's class embedding (`[hidden]`).
+    ClassEmbed,
+    /// CLIP's LayerNorm before the layers.
+    PreNorm,
+    /// The LayerNorm after the last layer.
+    PostNorm,
+    /// A layer's norm before attention.
+    AttnNorm,
+    /// A layer's query projection.
+    Q,
+    /// A layer's key projection.
+    K,
+    /// A layer's value projection.
+    V,
+    /// A layer's attention output projection.
+    O,
+    /// A layer's norm before the MLP.
+    MlpNorm,
+    /// A layer's MLP up projection (`fc1`).
+    Up,
+    /// A layer's MLP down projection (`fc2`).
+    Down,
+    /// Gemma 3's projector matrix (`[vision hidden, text hidden]` in both formats' logical order).
+    ProjInput,
+    /// Gemma 3's soft-embedding RMS norm.
+    ProjNorm,
+    /// LLaVA's first projector layer.
+    ProjFirst,
+    /// LLaVA's second projector layer.
+    ProjSecond,
+}
+
+impl Naming {
+    /// The stem of a vision slot's tensor name (without `.weight` / `.bias`): Hugging Face
+    /// `vision_tower.vision_model.…` / `multi_modal_projector.…` (after `weights::prefixed`'s
+    /// renaming), or llama.cpp's mmproj `v.…` / `mm.…`.
+    pub fn vision_stem(self, slot: VisionSlot, layer: usize) -> String {
+        use VisionSlot as V;
+        match self {
+            Self::HuggingFace => {
+                let s = match slot {
+                    V::PatchEmbed => "embeddings.patch_embedding",
+                    V::PosEmbed => "embeddings.position_embedding",
+                    V::ClassEmbed => "embeddings.class_embedding",
+                    // CLIP's own spelling.
+                    V::PreNorm => "pre_layrnorm",
+                    V::PostNorm => "post_layernorm",
+                    V::ProjInput => return "multi_modal_projector.mm_input_projection_weight".into(),
+                    V::ProjNorm => return "multi_modal_projector.mm_soft_emb_norm".into(),
+                    V::ProjFirst => return "multi_modal_projector.linear_1".into(),
+                    V::ProjSecond => return "multi_modal_projector.linear_2".into(),
+                    layer_slot => {
+                        let s = match layer_slot {
+                            V::AttnNorm => "layer_norm1",
+                            V::Q => "self_attn.q_proj",
+                            V::K => "self_attn.k_proj",
+                            V::V => "self_attn.v_proj",
+                            V::O => "self_attn.out_proj",
+                            V::MlpNorm => "layer_norm2",
+                            V::Up => "mlp.fc1",
+                            _ => "mlp.fc2",
+                        };
+                        return format!("vision_tower.vision_model.encoder.layers.{layer}.{s}");
+                    }
+                };
+                format!("vision_tower.vision_model.{s}")
+            }
+            Self::Gguf => {
+                let s = match slot {
+                    V::PatchEmbed => "v.patch_embd",
+                    V::PosEmbed => "v.position_embd",
+                    V::ClassEmbed => "v.class_embd",
+                    V::PreNorm => "v.pre_ln",
+                    V::PostNorm => "v.post_ln",
+                    V::ProjInput => "mm.input_projection",
+                    V::ProjNorm => "mm.soft_emb_norm",
+                    V::ProjFirst => "mm.0",
+                    V::ProjSecond => "mm.2",
+                    layer_slot => {
+                        let s = match layer_slot {
+                            V::AttnNorm => "ln1",
+                            V::Q => "attn_q",
+                            V::K => "attn_k",
+                            V::V => "attn_v",
+                            V::O => "attn_out",
+                            V::MlpNorm => "ln2",
+                            V::Up => "ffn_up",
+                            _ => "ffn_down",
+                        };
+                        return format!("v.blk.{layer}.{s}");
+                    }
+                };
+                s.into()
+            }
+        }
+    }
+}

@@ -1,0 +1,382 @@
+"""Tiny vision-language models (Gemma 3 with SigLIP, LLaVA-1.5 with CLIP) and transformers'
+reference outputs for them, for tests/test_vision.py.
+
+The checkpoints are not stored (weights stay out of git): every float32 weight is drawn from
+numpy's PCG64 generator with a fixed seed, in the order of the names the checkpoint holds, so a
+test rebuilds the directory without torch (`materialise`), as tests/shared_expert_fixtures.py
+does. What is stored, in tests/data/vision/<case>/: `config.json` and `preprocessor_config.json`
+as transformers saved them, `weights.json` (names, shapes, seed, SHA-256 of the draw),
+`reference.safetensors` / `reference.json` computed by transformers from the rebuilt weights;
+and, shared, a small word-level `tokenizer.json` with the image tokens and a chat template.
+
+    python tests/vision_fixtures.py [case ...]   (needs torch and transformers 5.x)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+DATA = Path(__file__).resolve().parent / "data" / "vision"
+VOCAB = 512
+BOI, EOI, SOFT, LLAVA_IMAGE, SOT, EOT = 500, 501, 502, 503, 504, 505
+SPECIAL = {0: "<pad>", 1: "<bos>", 2: "<eos>", 3: "<unk>", BOI: "<start_of_image>", EOI: "<end_of_image>",
+           SOFT: "<image_soft_token>", LLAVA_IMAGE: "<image>", SOT: "<start_of_turn>", EOT: "<end_of_turn>"}
+WORDS = ["\n\n", "\n", " ", "user", "model", "Describe", "the", "image", "What", "is", "this", "?", ".", ",",
+         "a", "cat", "dog", "red", "blue", "picture", "Here", "it", "and", "of", "in"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}{{ image_token }}{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+CASES = {
+    # name: seed, placeholder text the chat template writes
+    "gemma3": (51, "<start_of_image>"),
+    "llava": (52, "<image>"),
+}
+
+
+def _is_norm(name):
+    return name.endswith(("norm.weight", "layernorm.weight", "norm1.weight", "norm2.weight", "layrnorm.weight",
+                          "layer_norm1.weight", "layer_norm2.weight", "mm_soft_emb_norm.weight"))
+
+
+def weights(case):
+    """The checkpoint's tensors as `weights.json` says: norms 1 + 0.1·N(0, 1), the rest 0.1·N(0, 1)."""
+    spec = json.loads((DATA / case / "weights.json").read_text())
+    rng = np.random.default_rng(spec["seed"])
+    out = {}
+    for name, shape in spec["tensors"]:
+        t = np.float32(0.1) * rng.standard_normal(shape, dtype=np.float32)
+        out[name] = t + np.float32(1.0) if _is_norm(name) else t
+    return out, spec["sha256"]
+
+
+def _digest(tensors):
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(tensors[name]).tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_json() -> str:
+    """A word-level tokenizer: the special tokens at their ids, the words after them."""
+    vocab = {tok: i for i, tok in SPECIAL.items()}
+    for i, w in enumerate(WORDS):
+        vocab[w] = 4 + i
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, t in sorted(SPECIAL.items())]
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\\n\\n|\\n| |[A-Za-z]+|[^A-Za-z\\s]"},
+                          "behavior": "Isolated", "invert": False},
+        "post_processor": {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {"<bos>": {"id": "<bos>", "ids": [1], "tokens": ["<bos>"]}}},
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    })
+
+
+def tokenizer_config(case) -> dict:
+    return {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": CHAT_TEMPLATE.replace("{{ image_token }}", CASES[case][1])}
+
+
+def materialise(case, dest):
+    """Writes the checkpoint directory of `case` (config, processor config, tokenizer, weights) at `dest`."""
+    from safetensors.numpy import save_file
+
+    tensors, sha = weights(case)
+    if _digest(tensors) != sha:
+        raise RuntimeError(f"{case}: numpy drew other weights than the reference was computed from")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(DATA / case / name, dest / name)
+    (dest / "tokenizer.json").write_text(tokenizer_json())
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(case)))
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
+def reference(case):
+    """transformers' outputs for `case`."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(DATA / case / "reference.safetensors"))
+
+
+def draw_images() -> list:
+    """Two PNG images (bytes), drawn from a seeded generator: 40 x 50 and 32 x 32."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3900)
+    out = []
+    for h, w in ((40, 50), (32, 32)):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def word_ids(text: str) -> list:
+    """`text` in the tiny tokenizer's ids (words and special tokens, no BOS)."""
+    import re
+
+    vocab = {t: i for i, t in SPECIAL.items()} | {w: 4 + i for i, w in enumerate(WORDS)}
+    specials = "|".join(re.escape(t) for t in SPECIAL.values())
+    return [vocab.get(p, 3) for p in re.findall(f"{specials}|\\n\\n|\\n| |[A-Za-z]+|[^A-Za-z\\s]", text)]
+
+
+def image_text(case, tokens: int) -> str:
+    """One image's expansion as transformers' processor writes it."""
+    if case == "gemma3":
+        return "\n\n<start_of_image>" + "<image_soft_token>" * tokens + "<end_of_image>\n\n"
+    return "<image>" * tokens
+
+
+def _configs(case):
+    import transformers
+
+    if case == "gemma3":
+        text = transformers.Gemma3TextConfig(**TEXT, head_dim=32, sliding_window=24, query_pre_attn_scalar=32,
+                                             layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                             initializer_range=0.1)
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, image_size=32, patch_size=4,
+                                                 layer_norm_eps=1e-6, vision_use_head=False)
+        config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                                           boi_token_index=BOI, eoi_token_index=EOI, image_token_index=SOFT)
+        proc = transformers.Gemma3ImageProcessor(size={"height": 32, "width": 32})
+        return config, "Gemma3ForConditionalGeneration", proc, 16
+    text = transformers.LlamaConfig(**TEXT, tie_word_embeddings=False)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=LLAVA_IMAGE,
+                                      image_seq_length=16, vision_feature_layer=-2,
+                                      vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    proc = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return config, "LlavaForConditionalGeneration", proc, 16
+
+
+def _build(case):
+    import tempfile
+
+    import torch
+    import transformers
+    from PIL import Image
+    from safetensors.numpy import load_file, save_file
+
+    config, model_name, proc, tokens = _configs(case)
+    seed = CASES[case][0]
+    dest = DATA / case
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        getattr(transformers, model_name)(config).save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+        shutil.copy(Path(tmp) / "config.json", dest / "config.json")
+    proc.save_pretrained(str(dest))
+    spec = {"seed": seed, "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    tensors, _ = weights(case)
+    spec["sha256"] = _digest(tensors)
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = getattr(transformers, model_name).from_pretrained(materialise(case, tmp), dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    model.eval()
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in draw_images()]
+    pixels = proc(images=images, return_tensors="pt")["pixel_values"].float()
+    # One image: text, the image, text; two images: each with its own block.
+    one = [1] + word_ids("Describe the picture" + image_text(case, tokens) + "What is this ?")
+    two = [1] + word_ids("a" + image_text(case, tokens) + "and" + image_text(case, tokens) + "red ?")
+    # The chat the tests send through the processor glue: the template's text, expanded.
+    chat = [1] + word_ids("<start_of_turn>user\n" + image_text(case, tokens) + "What is this ?<end_of_turn>\n"
+                          "<start_of_turn>model\n")
+    lm = model.model.language_model
+    vt = model.model.vision_tower
+    obs = {}
+    hooks = [lm.register_forward_pre_hook(
+        lambda _m, a, kw: obs.__setitem__("model.embed_tokens", kw["inputs_embeds"][0].detach().numpy().copy()),
+        with_kwargs=True)]
+    for i, layer in enumerate(lm.layers):
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: obs.__setitem__(
+            f"model.layers.{i}.output", (out[0] if isinstance(out, tuple) else out)[0].detach().numpy().copy())))
+    for i, layer in enumerate(getattr(vt, "vision_model", vt).encoder.layers):
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: obs.__setitem__(
+            f"vision.layers.{i}.output", (out[0] if isinstance(out, tuple) else out)[0].detach().numpy().copy())))
+    def projector_hook(_m, a, out):
+        obs["vision.output"] = a[0][0].detach().numpy().copy()
+        obs["vision.projector.output"] = out[0].detach().numpy().copy()
+
+    hooks.append(model.model.multi_modal_projector.register_forward_hook(projector_hook))
+
+    def run(ids, pv):
+        kw = {}
+        if case == "gemma3":
+            kw["token_type_ids"] = (torch.tensor(ids) == SOFT).long()[None]
+        with torch.no_grad():
+            return model(input_ids=torch.tensor(ids)[None], pixel_values=pv, use_cache=False, **kw).logits[0].numpy()
+
+    out = {"pixel_values": pixels.numpy(), "one_ids": np.array(one, np.int64), "two_ids": np.array(two, np.int64),
+           "chat_ids": np.array(chat, np.int64)}
+    out["one_logits"] = run(one, pixels[:1])
+    out.update({f"one.{k}": v for k, v in obs.items()})
+    for h in hooks:
+        h.remove()
+    out["two_logits"] = run(two, pixels)
+    out["chat_logits"] = run(chat, pixels[1:])
+    kw = {"token_type_ids": (torch.tensor(one) == SOFT).long()[None]} if case == "gemma3" else {}
+    with torch.no_grad():
+        gen = model.generate(input_ids=torch.tensor(one)[None], pixel_values=pixels[:1], max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+    out["one_greedy"] = gen[0, len(one):].numpy().astype(np.int64)
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dest / "reference.safetensors"))
+    meta = {"case": case, "architecture": model_name,
+            "reference": f"transformers {transformers.__version__}, torch {torch.__version__}, eager attention, float32",
+            "tokens_per_image": tokens, "keys": sorted(out)}
+    (dest / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(case, "->", dest, sorted(out))
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or CASES:
+        _build(name)
+
+
+# -- GGUF: the language model (tests/gguf_convert.py) and llama.cpp's mmproj ---------------------
+
+def _text_dir(case, src, dest):
+    """The language model of `src` as a text checkpoint (config and `model.*` tensors) for
+    tests/gguf_convert.py, which converts text models."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    text = {**cfg["text_config"], "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(text))
+    t = load_file(str(Path(src) / "model.safetensors"))
+    save_file({"model." + k[len("language_model.model."):]: v for k, v in t.items()
+               if k.startswith("language_model.model.")}, str(dest / "model.safetensors"))
+    return dest
+
+
+def _vocab(w, cfg):
+    """Departure (as tests/gguf_convert.py's): the tiny tokenizer is word-level, which the
+    converter cannot write; a SentencePiece-style list of its tokens is, the special ones named
+    as Gemma 3's (llama.cpp and candlewick find `<image_soft_token>` by name)."""
+    names = {i: t for i, t in SPECIAL.items()} | {4 + i: f"<w{i}>" for i in range(len(WORDS))}
+    n = cfg["vocab_size"]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([names.get(i, f"<t{i}>") for i in range(n)])
+    w.add_token_scores([0.0] * n)
+    w.add_token_types([3 if i in SPECIAL else 1 for i in range(n)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def write_mmproj(case, src, dest, outtype="f32"):
+    """llama.cpp's mmproj GGUF of the tiny Gemma 3, as `convert_hf_to_gguf.py --mmproj` writes it
+    (conversion/gemma.py's `Gemma3VisionModel`; checked tensor for tensor and key for key against
+    the converter's own output by `_check_mmproj`): `clip.*` metadata, `v.*` / `mm.*` tensors,
+    the soft-embedding norm + 1, the input projection in F16, 2-D encoder weights in `outtype`."""
+    import gguf
+
+    assert case == "gemma3"
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    v = cfg["vision_config"]
+    tensors, _ = weights(case)
+    w = gguf.GGUFWriter(str(dest), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
+    for key, value in (("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
+                       ("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
+                       ("block_count", v["num_hidden_layers"]), ("attention.head_count", v["num_attention_heads"])):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
+    w.add_bool("clip.use_gelu", True)
+    side = int(cfg["mm_tokens_per_image"] ** 0.5)
+    w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    q = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
+    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+             "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+             "self_attn.v_proj": "attn_v"}
+    out = [("mm.input_projection.weight", tensors["multi_modal_projector.mm_input_projection_weight"],
+            gguf.GGMLQuantizationType.F16),
+           ("mm.soft_emb_norm.weight", tensors["multi_modal_projector.mm_soft_emb_norm.weight"] + np.float32(1), None),
+           ("v.patch_embd.bias", tensors["vision_tower.embeddings.patch_embedding.bias"], None),
+           ("v.patch_embd.weight", tensors["vision_tower.embeddings.patch_embedding.weight"], None),
+           ("v.position_embd.weight", tensors["vision_tower.embeddings.position_embedding.weight"], None)]
+    for i in range(v["num_hidden_layers"]):
+        for hf, gg in layer.items():
+            for kind in ("bias", "weight"):
+                t = tensors[f"vision_tower.encoder.layers.{i}.{hf}.{kind}"]
+                out.append((f"v.blk.{i}.{gg}.{kind}", t, q if t.ndim == 2 else None))
+    out += [("v.post_ln.bias", tensors["vision_tower.post_layernorm.bias"], None),
+            ("v.post_ln.weight", tensors["vision_tower.post_layernorm.weight"], None)]
+    for name, t, dtype in out:
+        dtype = dtype or gguf.GGMLQuantizationType.F32
+        data = np.ascontiguousarray(t, np.float32)
+        w.add_tensor(name, gguf.quants.quantize(data, dtype), raw_dtype=dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+def write_gguf(case, src, dest, outtype="f32"):
+    """`(language model GGUF, mmproj GGUF)` of the checkpoint at `src`, written under `dest`."""
+    import gguf_convert
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    text = _text_dir(case, src, dest / "text")
+    keep = gguf_convert._minimal_vocab
+    gguf_convert._minimal_vocab = _vocab
+    try:
+        lm = gguf_convert.convert(text, dest / f"model-{outtype}.gguf", outtype=outtype)
+    finally:
+        gguf_convert._minimal_vocab = keep
+    return lm, write_mmproj(case, src, dest / f"mmproj-{outtype}.gguf", outtype)
+
+
+def _check_mmproj(converted, outtype):
+    """Our mmproj equals llama.cpp's converter's (`converted`) in every key and tensor."""
+    import tempfile
+
+    import gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = materialise("gemma3", tmp)
+        ours = gguf.GGUFReader(str(write_mmproj("gemma3", src, Path(tmp) / "m.gguf", outtype)))
+        theirs = gguf.GGUFReader(str(converted))
+        skip = {"general.name", "general.size_label", "GGUF.kv_count"}
+        keys = lambda r: {k: (f.types, [f.parts[i].tolist() for i in f.data]) for k, f in r.fields.items()
+                          if k not in skip}
+        a, b = keys(ours), keys(theirs)
+        assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        ta = {t.name: (t.tensor_type, bytes(t.data)) for t in ours.tensors}
+        tb = {t.name: (t.tensor_type, bytes(t.data)) for t in theirs.tensors}
+        assert ta == tb, [k for k in set(ta) | set(tb) if ta.get(k) != tb.get(k)]
+    print("mmproj", outtype, "equals the converter's")
