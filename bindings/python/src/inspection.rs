@@ -82,6 +82,9 @@ impl PyModelRuntime {
     ///     all_logits (bool): return every position's logits.
     ///     interventions (Sequence[Intervention] | None): edits for this step only.
     ///     adapters (str | list | dict | None): LoRA adapters for this step only (None: the runtime's).
+    ///     images (Sequence | None): images for the prompt's image tokens (paths, bytes, PIL images,
+    ///         arrays), prepared as the model's processor does (docs/vision.md).
+    ///     pixel_values (numpy.ndarray | None): already prepared pixel values instead of ``images``.
     ///
     /// Returns:
     ///     InspectedOutput: ``.output`` and ``.observations`` (path -> numpy array).
@@ -171,6 +174,9 @@ impl PyModelRuntime {
     ///     request (ObservationRequest | None): which points; None: all of them.
     ///     interventions (Sequence[Intervention] | None): edits for this run only.
     ///     adapters (str | list | dict | None): LoRA adapters for this run only (None: the runtime's).
+    ///     images (Sequence | None): images for the prompt's image tokens (paths, bytes, PIL images,
+    ///         arrays), prepared as the model's processor does (docs/vision.md).
+    ///     pixel_values (numpy.ndarray | None): already prepared pixel values instead of ``images``.
     ///
     /// Returns:
     ///     InspectedOutput: every row's logits and the requested points.

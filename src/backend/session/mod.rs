@@ -158,6 +158,11 @@ impl CandleSession {
         Ok(())
     }
 
+    /// Whether images are staged.
+    pub fn has_images(&self) -> bool {
+        !self.images.is_empty()
+    }
+
     /// Unstages every image.
     pub fn clear_images(&mut self) {
         self.images.clear();
