@@ -122,6 +122,40 @@ def materialise(root: Path) -> dict[str, Path]:
     return {name: write_adapter(root, name) for name in ADAPTERS}
 
 
+GGUF_SLOTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf_lora(path: Path, factors: dict[str, np.ndarray], architecture: str, alpha: float,
+                    heads: tuple[int, int] | None = None) -> Path:
+    """PEFT factors (`...layers.L.self_attn.q_proj.lora_A.weight` and the like) as llama.cpp's GGUF
+    LoRA, laid out as `convert_lora_to_gguf.py` writes it: `blk.L.attn_q.weight.lora_a` [r, in] and
+    `.lora_b` [out, r] in float32, `adapter.lora.alpha`. `heads` = (query heads, key/value heads)
+    for the Llama family, whose converter permutes q's and k's `lora_B` rows as the base's
+    (`LlamaModel.permute`)."""
+    import gguf
+
+    from gguf_convert import _permute
+
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(alpha))
+    for name, t in sorted(factors.items()):
+        layer, module = name.split(".layers.")[1].split(".", 1)
+        module, factor = module.rsplit(".lora_", 1)
+        slot = GGUF_SLOTS[module]
+        if heads and factor.startswith("B") and slot in ("attn_q", "attn_k"):
+            t = _permute(t, heads[0], heads[0] if slot == "attn_q" else heads[1])
+        w.add_tensor(f"blk.{layer}.{slot}.weight.lora_{factor[0].lower()}", np.ascontiguousarray(t, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def main() -> None:
     import tempfile
 

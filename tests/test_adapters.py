@@ -75,12 +75,108 @@ def test_peft_adapter_matches_peft(adapters, name):
     assert rel_l2(base.output.logits, REF[f"{name}/logits"]) > 1e-2
 
 
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_merged_adapter_matches_peft_with_no_adapter_chosen(adapters, name):
+    arch = ADAPTERS[name][0]
+    rt = cw.ModelRuntime.load(TINY / arch, device="cpu")
+    ids = prompt_of(arch)
+    rt.trace(ids, request())
+    info = rt.load_adapter(adapters[name], name=name, merge=True)
+    assert info["merged"] and info["name"] == name
+    # Folded into the weights: every call runs with it, and nothing is chosen per call.
+    check_against_peft(rt.trace(ids, request()), name)
+    assert rt.active_adapters == {} and [a["merged"] for a in rt.adapters] == [True]
+    with pytest.raises(cw.AdapterError, match="merged into the weights"):
+        rt.unload_adapter(name)
+    with pytest.raises(cw.AdapterError, match="already loaded"):
+        rt.load_adapter(adapters[name], name=name, merge=True)
+
+
+def test_merge_is_refused_for_quantized_weights_and_shared_models(adapters, with_tokenizer):
+    rt = cw.ModelRuntime.load(TINY / "qwen2", device="cpu", quantize="q8_0")
+    ids = prompt_of("qwen2")
+    before = rt.trace(ids, request()).output.logits
+    with pytest.raises(cw.AdapterError, match="merge needs dense weights"):
+        rt.load_adapter(adapters["qwen2_r4"], name="a", merge=True)
+    # Nothing changed: no adapter, the same outputs, the cached prompt still reused.
+    assert rt.adapters == []
+    np.testing.assert_array_equal(rt.trace(ids, request()).output.logits, before)
+    rt = cw.ModelRuntime.load(with_tokenizer, device="cpu")
+    with cw.Engine(rt, max_batch_size=2):
+        with pytest.raises(cw.AdapterError, match="shared with"):
+            rt.load_adapter(adapters["qwen2_r4"], name="a", merge=True)
+    # Once the engine is closed the model is the runtime's alone again.
+    rt.load_adapter(adapters["qwen2_r4"], name="a", merge=True)
+    assert rt.generate(prompt_of("qwen2"), **GREEDY).token_ids == META["qwen2_r4"]["greedy_ids"]
+
+
 def test_gguf_lora_from_convert_lora_to_gguf_matches_peft():
     rt = cw.ModelRuntime.load(TINY / "qwen2", device="cpu")
     info = rt.load_adapter(DATA / "qwen2_r4.gguf")
     assert info["format"] == "gguf" and info["name"] == "qwen2_r4" and info["rank"] == 4
     out = rt.trace(prompt_of("qwen2"), request(), adapters="qwen2_r4")
     check_against_peft(out, "qwen2_r4")
+
+
+def test_llama_q_k_rows_between_gguf_and_hugging_face(adapters, tmp_path):
+    """llama.cpp's converter permutes the Llama family's q/k rows, and its LoRA converter permutes
+    q's and k's lora_B alike: a PEFT adapter on a GGUF llama base, and a GGUF LoRA on a Hugging
+    Face llama base, are reordered to fit (llama_r8 adapts q_proj)."""
+    import gguf_convert
+    from adapter_fixtures import ADAPTERS as SPECS, write_gguf_lora
+
+    ids = prompt_of("llama")
+    base = gguf_convert.convert(TINY / "llama", tmp_path / "llama.gguf", gguf_convert.F32)
+    rt = cw.ModelRuntime.load(base, device="cpu")
+    rt.load_adapter(adapters["llama_r8"], name="peft")
+    check_against_peft(rt.trace(ids, request(), adapters="peft"), "llama_r8")
+    config = json.loads((TINY / "llama" / "config.json").read_text())
+    heads = (config["num_attention_heads"], config["num_key_value_heads"])
+    factors = load_file(str(adapters["llama_r8"] / "adapter_model.safetensors"))
+    lora = write_gguf_lora(tmp_path / "llama_r8.gguf", factors, "llama", SPECS["llama_r8"][2], heads)
+    rt.load_adapter(lora, name="gguf")
+    check_against_peft(rt.trace(ids, request(), adapters="gguf"), "llama_r8")
+    hf = cw.ModelRuntime.load(TINY / "llama", device="cpu")
+    hf.load_adapter(lora, name="gguf")
+    check_against_peft(hf.trace(ids, request(), adapters="gguf"), "llama_r8")
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("name", ["qwen2_r4", "llama_r8"])
+def test_llama_cpp_reads_the_gguf_loras_as_peft_and_candlewick(adapters, name, tmp_path):
+    """llama.cpp (llama-cpp-python) runs the same all-F32 base and GGUF LoRA: its logits on the
+    fixture's prompt within DESIGN §7's de-quantized bound of PEFT's and of candlewick's.
+    qwen2_r4.gguf is convert_lora_to_gguf.py's own output; the llama one is written as it writes
+    the Llama family (q/k lora_B permuted), which llama.cpp's reading checks here."""
+    from conftest import llama_cpp_or_skip
+
+    import gguf_convert
+    from adapter_fixtures import ADAPTERS as SPECS, write_gguf_lora
+    from test_reference_gguf import F32_TOL, top20_errors
+
+    llama_cpp = llama_cpp_or_skip()
+    arch = SPECS[name][0]
+    base = gguf_convert.convert(TINY / arch, tmp_path / f"{arch}.gguf", gguf_convert.F32)
+    if name == "qwen2_r4":
+        lora = DATA / "qwen2_r4.gguf"
+    else:
+        config = json.loads((TINY / arch / "config.json").read_text())
+        factors = load_file(str(adapters[name] / "adapter_model.safetensors"))
+        lora = write_gguf_lora(tmp_path / f"{name}.gguf", factors, arch, SPECS[name][2],
+                               (config["num_attention_heads"], config["num_key_value_heads"]))
+    ids = prompt_of(arch)
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(str(base), n_ctx=64, logits_all=True, verbose=False, n_threads=1, type_k=f32, type_v=f32,
+                          lora_path=str(lora))
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)])
+    rt = cw.ModelRuntime.load(base, device="cpu")
+    rt.load_adapter(lora, name="lora")
+    ours = rt.trace(ids, request(), adapters="lora").output.logits
+    for want, what in ((REF[f"{name}/logits"], "peft"), (ours, "candlewick")):
+        errs = top20_errors(theirs, np.asarray(want))
+        print(f"\n[llama.cpp + {name}.gguf vs {what}] top-20 rel L2 max {errs.max():.2e}")
+        assert errs.max() <= F32_TOL, what
 
 
 def test_set_adapters_is_the_default_and_a_call_overrides_it(adapters):
@@ -264,6 +360,10 @@ def test_cli_lora_flag_applies_the_adapter(adapters, with_tokenizer):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == want
+    # --lora-merge folds it into the weights: the same greedy text.
+    r = subprocess.run(cmd[:-1] + ["--lora-merge", prompt], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == want
 
 
 def test_server_routes_base_colon_adapter_and_adapters_field(adapters, with_tokenizer):
@@ -283,8 +383,10 @@ def test_server_routes_base_colon_adapter_and_adapters_field(adapters, with_toke
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    template = with_tokenizer.parent / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
     cmd = [sys.executable, "-m", "candlewick", "serve", "--model", str(with_tokenizer), "--device", "cpu",
-           "--port", str(port), "--lora", f"a={adapters['qwen2_r4']}"]
+           "--port", str(port), "--lora", f"a={adapters['qwen2_r4']}", "--chat-template", str(template)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -296,11 +398,14 @@ def test_server_routes_base_colon_adapter_and_adapters_field(adapters, with_toke
                 assert proc.poll() is None, proc.stderr.read()
                 time.sleep(0.2)
 
-        def post(body):
-            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+        def call(path, body):
+            req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
-                return json.loads(r.read())["choices"][0]["text"]
+                return json.loads(r.read())
+
+        def post(body):
+            return call("/v1/completions", body)["choices"][0]["text"]
 
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
             ids = [m["id"] for m in json.loads(r.read())["data"]]
@@ -316,6 +421,31 @@ def test_server_routes_base_colon_adapter_and_adapters_field(adapters, with_toke
         with pytest.raises(urllib.error.HTTPError) as e:
             post({**common, "model": "qwen2:b"})
         assert e.value.code == 404
+        # The agent APIs route adapters as chat completions does.
+        words = prompt.split()
+        msgs = [{"role": "user", "content": " ".join(words)}]
+        chat = {"messages": msgs, "max_tokens": 8, "temperature": 0}
+
+        def chat_text(body):
+            return call("/v1/chat/completions", body)["choices"][0]["message"]["content"]
+
+        def responses_text(body):
+            out = call("/v1/responses", body)["output"]
+            return "".join(p["text"] for item in out for p in item.get("content", []))
+
+        def messages_text(body):
+            return "".join(b["text"] for b in call("/v1/messages", body)["content"] if b["type"] == "text")
+
+        tuned, plain = chat_text({**chat, "model": "qwen2:a"}), chat_text(chat)
+        assert tuned != plain
+        resp = {"input": msgs, "max_output_tokens": 8, "temperature": 0}
+        assert responses_text({**resp, "model": "qwen2:a"}) == tuned
+        assert responses_text({**resp, "adapters": {"a": 1.0}}) == tuned
+        assert responses_text(resp) == plain
+        anth = {"messages": msgs, "max_tokens": 8, "temperature": 0, "model": "qwen2"}
+        assert messages_text({**anth, "model": "qwen2:a"}) == tuned
+        assert messages_text({**anth, "adapters": {"a": 1.0}}) == tuned
+        assert messages_text(anth) == plain
     finally:
         proc.terminate()
         proc.wait(timeout=30)

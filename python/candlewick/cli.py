@@ -118,12 +118,15 @@ def load(args: argparse.Namespace) -> ModelRuntime:
         if args.verbose:
             print(f"control vector {file} x {scale}: {len(edits)} layers", file=sys.stderr)
     chosen: dict[str, float] = {}
-    for spec in getattr(args, "lora", None) or []:
+    merge = bool(getattr(args, "lora_merge", False))
+    for i, spec in enumerate(getattr(args, "lora", None) or []):
         file, scale = parse_lora(spec)
-        info = rt.load_adapter(file, name=f"lora{len(chosen)}", scale=scale)
-        chosen[info["name"]] = scale
+        info = rt.load_adapter(file, name=f"lora{i}", scale=scale, merge=merge)
+        if not merge:
+            chosen[info["name"]] = scale
         if args.verbose:
-            print(f"LoRA {file} x {scale}: rank {info['rank']}, {info['modules']} weights", file=sys.stderr)
+            how = "merged" if merge else "beside the weights"
+            print(f"LoRA {file} x {scale} ({how}): rank {info['rank']}, {info['modules']} weights", file=sys.stderr)
     if chosen:
         # Several adapters are summed, as llama.cpp's repeated --lora.
         rt.set_adapters(chosen)
@@ -363,6 +366,8 @@ def parser() -> argparse.ArgumentParser:
                         help="CPU threads (default: one per physical core)")
     common.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
                         help="a LoRA adapter (PEFT directory or GGUF LoRA) applied beside the weights (repeatable: summed)")
+    common.add_argument("--lora-merge", action="store_true",
+                        help="fold the --lora adapters into the weights instead (dense models only: the base model's speed)")
     common.add_argument("--verbose", "-v", action="store_true")
     common.add_argument("--quiet", "-q", action="store_true", help="no statistics on stderr")
     sample = argparse.ArgumentParser(add_help=False)

@@ -391,6 +391,32 @@ pub enum AdapterError {
         /// How many sessions hold it.
         users: usize,
     },
+    /// `merge=True` on a linear whose weight is quantized: folding would need a re-quantization
+    /// that loses the adapter's small change, so it is run beside the weights instead.
+    #[error("LoRA adapter {path}: cannot merge into `{module}`, whose weight is {storage} (merge needs dense weights: load the model as float, or run the adapter beside the weights without merge)")]
+    MergeQuantized {
+        /// The file.
+        path: String,
+        /// The module, in the file's naming.
+        module: String,
+        /// The weight's storage type (`q4_k`, ...).
+        storage: String,
+    },
+    /// `merge=True` while the model's weights are shared with another session (an `Engine`, a
+    /// speculative draft's target): changing them would change that session's model under it.
+    #[error("cannot merge LoRA adapter `{name}`: the model's weights are shared with {others} other session(s) (close the Engine first)")]
+    MergeShared {
+        /// The adapter.
+        name: String,
+        /// How many other holders the weights have.
+        others: usize,
+    },
+    /// A merged adapter is part of the weights and cannot be taken out.
+    #[error("LoRA adapter `{name}` was merged into the weights and cannot be unloaded (reload the model)")]
+    Merged {
+        /// The name.
+        name: String,
+    },
     /// A scale is not a finite number.
     #[error("LoRA adapter `{name}`: scale {scale} is not a finite number")]
     BadScale {

@@ -24,12 +24,14 @@ pub struct AdapterInfo {
     pub rank: usize,
     /// How many weight slots it adapts.
     pub modules: usize,
-    /// The scale it runs with where chosen by name alone.
+    /// The scale it runs with where chosen by name alone (merged: the scale it was merged with).
     pub scale: f32,
+    /// Whether it was merged into the weights (always on, cannot be unloaded).
+    pub merged: bool,
 }
 
 impl AdapterInfo {
-    fn of(a: &Adapter) -> Self {
+    fn of(a: &Adapter, merged: bool) -> Self {
         Self {
             name: a.name.clone(),
             path: a.path.clone(),
@@ -37,6 +39,7 @@ impl AdapterInfo {
             rank: a.rank,
             modules: a.modules,
             scale: a.scale,
+            merged,
         }
     }
 }
@@ -55,20 +58,45 @@ impl Model {
     /// Loads the LoRA adapter at `path` (a PEFT directory or a GGUF LoRA) as `name` (default: its
     /// file or directory name), run with `scale` where it is chosen by name alone. It is not
     /// switched on: `set_adapters`, or `adapters` on a call, chooses it.
-    pub fn load_adapter(&self, path: &Path, name: Option<&str>, scale: f32) -> Result<AdapterInfo, ModelError> {
+    ///
+    /// With `merge`, `scale · B A` is folded into the model's dense weights instead: every call
+    /// runs with it from then on, at the base model's speed, and it cannot be unloaded. That
+    /// empties the session's cache, and is refused (nothing changes) for quantized weights or
+    /// while another session (an `Engine`) shares the model.
+    pub fn load_adapter(
+        &mut self,
+        path: &Path,
+        name: Option<&str>,
+        scale: f32,
+        merge: bool,
+    ) -> Result<AdapterInfo, ModelError> {
         let name = name.map_or_else(|| default_adapter_name(path), str::to_owned);
-        let adapter = self.decoder().load_adapter(path, &name, scale).map_err(CandleError::from)?;
-        Ok(AdapterInfo::of(&adapter))
+        if !merge {
+            let adapter = self.decoder().load_adapter(path, &name, scale).map_err(CandleError::from)?;
+            return Ok(AdapterInfo::of(&adapter, false));
+        }
+        let merged = self
+            .runtime
+            .session_mut()
+            .change_decoder(|d| d.merge_adapter(path, &name, scale))
+            .map_err(|others| CandleError::from(AdapterError::MergeShared { name: name.clone(), others }))?;
+        let adapter = merged.map_err(CandleError::from)?;
+        Ok(AdapterInfo::of(&adapter, true))
     }
 
-    /// Unloads the adapter `name`; refused while a session runs with it.
+    /// Unloads the adapter `name`; refused while a session runs with it, and for one merged into
+    /// the weights.
     pub fn unload_adapter(&self, name: &str) -> Result<(), ModelError> {
+        if self.decoder().merged_adapters().iter().any(|a| a.name == name) {
+            return Err(CandleError::from(AdapterError::Merged { name: name.to_owned() }).into());
+        }
         Ok(self.decoder().adapters().remove(name).map_err(CandleError::from)?)
     }
 
-    /// The adapters loaded on this model, in load order.
+    /// The adapters on this model, in load order: those merged into its weights first.
     pub fn adapters(&self) -> Vec<AdapterInfo> {
-        self.decoder().adapters().list().iter().map(|a| AdapterInfo::of(a)).collect()
+        let merged = self.decoder().merged_adapters().iter().map(|a| AdapterInfo::of(a, true));
+        merged.chain(self.decoder().adapters().list().iter().map(|a| AdapterInfo::of(a, false))).collect()
     }
 
     /// The adapters this model's session runs with now (its default between calls), and their scales.

@@ -18,41 +18,53 @@ fn info_dict<'py>(py: Python<'py>, info: AdapterInfo) -> PyResult<Bound<'py, PyD
     d.set_item("rank", info.rank)?;
     d.set_item("modules", info.modules)?;
     d.set_item("scale", info.scale)?;
+    d.set_item("merged", info.merged)?;
     Ok(d)
 }
 
 #[pymethods]
 impl PyModelRuntime {
-    /// Loads a LoRA adapter beside the model's weights (never merged into them): a PEFT directory
+    /// Loads a LoRA adapter beside the model's weights (not merged into them): a PEFT directory
     /// (``adapter_config.json`` + ``adapter_model.safetensors``) or a llama.cpp GGUF LoRA. It is
     /// shared by every session of the model (an ``Engine`` made from this runtime included) and is
     /// not switched on: ``set_adapters`` or ``adapters=`` on a call chooses it.
     ///
+    /// With ``merge=True`` it is folded into the model's dense weights instead (``W + scale · B A``):
+    /// every call runs with it from then on at the base model's speed, the session's cache is
+    /// emptied, and it cannot be unloaded. Quantized weights are refused (re-quantizing would lose
+    /// the adapter's small change), as is a model an open ``Engine`` shares.
+    ///
     /// Args:
     ///     path (str | os.PathLike): the adapter's directory or file.
     ///     name (str | None): its name; default the directory's or file's name.
-    ///     scale (float): the scale it runs with where it is chosen by name alone.
+    ///     scale (float): the scale it runs with where it is chosen by name alone (merged: the
+    ///         scale it is merged with).
+    ///     merge (bool): fold it into the weights.
     ///
     /// Returns:
-    ///     dict: name, path, format (``peft`` or ``gguf``), rank, modules (weights it adapts), scale.
+    ///     dict: name, path, format (``peft`` or ``gguf``), rank, modules (weights it adapts),
+    ///     scale, merged.
     ///
     /// Raises:
     ///     AdapterError: no adapter there, DoRA or another unsupported feature, a module this
-    ///         model lacks, a shape of another base model, or the name already loaded.
+    ///         model lacks, a shape of another base model, the name already loaded; with
+    ///         ``merge=True``, a quantized weight or a model shared with an Engine. Nothing
+    ///         changes.
     ///
     /// Example:
     ///     >>> rt.load_adapter("adapters/sql-lora", name="sql")["rank"]
     ///     16
-    #[pyo3(signature = (path, name=None, scale=1.0))]
+    #[pyo3(signature = (path, name=None, scale=1.0, merge=false))]
     fn load_adapter<'py>(
         &self,
         py: Python<'py>,
         path: std::path::PathBuf,
         name: Option<String>,
         scale: f32,
+        merge: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let info = py.detach(|| {
-            catch_panic(|| self.lock_detached()?.load_adapter(&path, name.as_deref(), scale).map_err(model_err))
+            catch_panic(|| self.lock_detached()?.load_adapter(&path, name.as_deref(), scale, merge).map_err(model_err))
         })?;
         info_dict(py, info)
     }
@@ -63,8 +75,8 @@ impl PyModelRuntime {
     ///     name (str): the adapter's name.
     ///
     /// Raises:
-    ///     AdapterError: none is loaded under that name, or a session still runs with it (the
-    ///         runtime's ``set_adapters`` default, or an engine request).
+    ///     AdapterError: none is loaded under that name, a session still runs with it (the
+    ///         runtime's ``set_adapters`` default, or an engine request), or it was merged.
     ///
     /// Example:
     ///     >>> rt.unload_adapter("sql")

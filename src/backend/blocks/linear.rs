@@ -3,7 +3,7 @@
 use candle_core::quantized::QMatMul;
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::lora::Site;
 use crate::backend::kernels::interleaved::Interleaved;
@@ -52,6 +52,24 @@ impl Linear {
             v.push((dtype_name(b.dtype()), b.elem_count()));
         }
         v
+    }
+
+    /// The weight's storage type (`q4_k`, `bf16`, ...).
+    pub fn storage(&self) -> String {
+        weight_summary(&self.weight).0
+    }
+
+    /// Adds `delta` (`[out, in]`, float32) to the weight, which must be dense: a LoRA adapter
+    /// merged into it (`Decoder::merge_adapter`). The sum is taken in float32 and stored back in
+    /// the weight's own type.
+    pub fn add_to_weight(&mut self, delta: &Tensor) -> candle_core::Result<()> {
+        let add = |t: &Tensor| (t.to_dtype(DType::F32)? + delta.to_device(t.device())?)?.to_dtype(t.dtype());
+        self.weight = match &self.weight {
+            Weight::Candle(QMatMul::Tensor(t)) => Weight::Candle(QMatMul::Tensor(add(t)?)),
+            Weight::Candle(QMatMul::TensorF16(t)) => Weight::Candle(QMatMul::TensorF16(add(t)?)),
+            w => candle_core::bail!("cannot add to a {} weight", weight_summary(w).0),
+        };
+        Ok(())
     }
 
     /// Whether the weight is stored in quantized blocks.

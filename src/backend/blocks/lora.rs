@@ -110,6 +110,33 @@ impl Factors {
     }
 }
 
+/// How the rows of q's and k's `lora_B` are reordered to fit the base: llama.cpp's converter
+/// permutes the Llama family's q/k rows so that RoPE rotates adjacent pairs (`LlamaModel.permute`),
+/// and `convert_lora_to_gguf.py` permutes `lora_B` the same way; a PEFT adapter on such a GGUF
+/// base needs that done here (`to_pairs`), a GGUF LoRA on a Hugging Face base the inverse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QkRows {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// From halves (Hugging Face) to adjacent pairs (GGUF); false: back.
+    pub to_pairs: bool,
+}
+
+impl QkRows {
+    /// `b` (`[heads · head_dim, r]`) with each head's rows reordered.
+    fn apply(&self, b: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+        let (out, r) = b.dims2()?;
+        let half = out / heads.max(1) / 2;
+        if half == 0 || heads * half * 2 != out {
+            candle_core::bail!("{out} rows are not {heads} heads of an even width");
+        }
+        let shape = if self.to_pairs { (heads, 2, half, r) } else { (heads, half, 2, r) };
+        b.reshape(shape)?.transpose(1, 2)?.contiguous()?.reshape((out, r))
+    }
+}
+
 /// A LoRA adapter fitted to one model: its factors on the model's device, per linear.
 #[derive(Debug)]
 pub struct Adapter {
@@ -131,13 +158,15 @@ pub struct Adapter {
 impl Adapter {
     /// Fits `weights` to the linears at `sites` of a model of architecture `arch`: every module
     /// must name one of them and have the shapes it needs; an error names the first that does not.
-    /// `scale` is what it runs with where it is chosen by name alone.
+    /// `scale` is what it runs with where it is chosen by name alone; `qk_rows`, where the
+    /// adapter's q/k row order differs from the base's.
     pub fn prepare(
         name: &str,
         scale: f32,
         weights: AdapterWeights,
         sites: &[&Site],
         arch: Architecture,
+        qk_rows: Option<QkRows>,
         device: &Device,
     ) -> Result<Self, AdapterError> {
         let path = weights.path.display().to_string();
@@ -171,7 +200,12 @@ impl Adapter {
                 return Err(AdapterError::Shape { path, module: m.module, factor: "lora_B", got: b, expected });
             }
             rank = rank.max(r);
-            let scaled_b = (m.b * m.scale).map_err(candle)?;
+            let b = match (qk_rows, part.slot) {
+                (Some(q), Slot::Q) => q.apply(&m.b, q.heads).map_err(candle)?,
+                (Some(q), Slot::K) => q.apply(&m.b, q.kv_heads).map_err(candle)?,
+                _ => m.b,
+            };
+            let scaled_b = (b * m.scale).map_err(candle)?;
             per_site.entry(i).or_default().push((j, m.a, scaled_b));
         }
         let mut factors = HashMap::with_capacity(per_site.len());
@@ -207,6 +241,27 @@ impl Adapter {
             factors.insert(site.key(), Factors { at, bt, host });
         }
         Ok(Self { name: name.to_owned(), path, format: weights.format, rank, modules: count, scale, factors })
+    }
+}
+
+impl Adapter {
+    /// Whether it has factors for the linear at `site`.
+    pub fn reaches(&self, site: &Site) -> bool {
+        self.factors.contains_key(&site.key())
+    }
+
+    /// The change `scale · B A` it makes to the weight (`[out, in]`, float32) of the linear at
+    /// `site`, where it reaches it: what `merge` folds in.
+    pub fn delta(&self, site: &Site, scale: f32) -> candle_core::Result<Option<Tensor>> {
+        let Some(f) = self.factors.get(&site.key()) else { return Ok(None) };
+        let d = f.at.matmul(&f.bt)?.t()?.contiguous()?;
+        Ok(Some(if scale == 1.0 { d } else { (d * scale as f64)? }))
+    }
+
+    /// Itself with no factors: what is kept of an adapter merged into the weights (its description).
+    pub fn into_description(mut self) -> Self {
+        self.factors = HashMap::new();
+        self
     }
 }
 

@@ -43,6 +43,14 @@ impl Mlp {
         }
     }
 
+    /// The MLP's projections, to change their weights (`linears`' order).
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        match &mut self.gate_up {
+            GateUp::Separate { gate, up } => vec![gate, up, &mut self.down],
+            GateUp::Fused(l) | GateUp::Ungated(l) => vec![l, &mut self.down],
+        }
+    }
+
     /// Applies the MLP to `[rows, hidden]`, passing its hidden activation through `at_hidden`
     /// (where hooks observe or edit it).
     pub fn forward(

@@ -42,6 +42,20 @@ impl FeedForward {
         }
     }
 
+    /// Every projection, to change their weights (`linears`' order).
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        match self {
+            Self::Dense(mlp) => mlp.linears_mut(),
+            Self::Moe(moe) => {
+                let shared = moe.shared.iter_mut().flat_map(|s| s.mlp.linears_mut().into_iter().chain(&mut s.gate));
+                std::iter::once(&mut moe.router)
+                    .chain(moe.experts.iter_mut().flat_map(Mlp::linears_mut))
+                    .chain(shared)
+                    .collect()
+            }
+        }
+    }
+
     /// Applies the feed-forward to float32 `[rows, hidden]`; `at` is offered `mlp.hidden` (dense)
     /// or `mlp.router_logits` and `mlp.expert_weights` (mixture), and returns them, edited or not.
     pub fn forward(

@@ -138,16 +138,7 @@ pub fn parse_config(
         max_position_embeddings: context_length.unwrap_or(4096),
         tie_word_embeddings: !has_tensor("output.weight"),
         partial_rotary_factor: rotary as f64 / head_dim as f64,
-        // llama.cpp's converter permutes q and k rows of the Llama family (`LlamaModel.permute`) so
-        // that RoPE rotates adjacent pairs; the others keep Hugging Face's halves.
-        rope_interleaved: matches!(
-            arch,
-            Architecture::Llama
-                | Architecture::Mistral
-                | Architecture::SmolLm3
-                | Architecture::Granite
-                | Architecture::GraniteMoe
-        ),
+        rope_interleaved: converter_permutes_qk(arch),
         qkv_bias: has_tensor("blk.0.attn_q.bias") || has_tensor("blk.0.attn_qkv.bias"),
         o_bias: has_tensor("blk.0.attn_output.bias"),
         mlp_bias: has_tensor("blk.0.ffn_down.bias"),
@@ -226,6 +217,20 @@ pub fn parse_config(
 /// The mixture of experts llama.cpp's keys describe (`{arch}.expert_count` and the rest), added to
 /// a config read as the dense architecture: a `llama` file with experts is Mixtral. Each
 /// architecture routes as llama.cpp's graph for it does.
+/// Whether llama.cpp's converter permutes q and k rows of `arch` (the Llama family,
+/// `LlamaModel.permute`) so that RoPE rotates adjacent pairs; the others keep Hugging Face's halves.
+/// Its LoRA converter permutes `lora_B` of q and k likewise.
+pub fn converter_permutes_qk(arch: Architecture) -> bool {
+    matches!(
+        arch,
+        Architecture::Llama
+            | Architecture::Mistral
+            | Architecture::SmolLm3
+            | Architecture::Granite
+            | Architecture::GraniteMoe
+    )
+}
+
 fn with_experts(
     mut config: ArchConfig,
     md: &Metadata<'_>,

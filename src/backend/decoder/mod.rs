@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::backend::blocks::attention::{Attention, QkNorms, QkvProj, StepTables};
 use crate::backend::blocks::hooks::Hooks;
 use crate::backend::blocks::linear::Linear;
-use crate::backend::blocks::lora::{AdapterRegistry, Site};
+use crate::backend::blocks::lora::{Adapter, AdapterRegistry, Site};
 use crate::backend::blocks::mlp::{GateUp, Mlp};
 use crate::backend::blocks::moe::{FeedForward, Moe};
 use crate::backend::blocks::norm::Norm;
@@ -93,6 +93,8 @@ pub struct Decoder {
     vision: Option<std::sync::Arc<VisionModel>>,
     /// The LoRA adapters loaded on this model, shared with every clone and session (`adapters.rs`).
     adapters: std::sync::Arc<AdapterRegistry>,
+    /// The LoRA adapters merged into its weights (their descriptions, no factors), in merge order.
+    merged: Vec<std::sync::Arc<Adapter>>,
 }
 
 impl Decoder {
@@ -249,6 +251,7 @@ impl Decoder {
             saes: Default::default(),
             vision: None,
             adapters: Default::default(),
+            merged: Vec::new(),
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
         Ok(decoder)

@@ -195,6 +195,25 @@ impl CandleSession {
         &self.decoder
     }
 
+    /// Runs `change` on the decoder (to change its weights: a merged LoRA adapter) where no other
+    /// session shares it. When it succeeds, the cache, computed with the old weights, is emptied;
+    /// when it fails, nothing changed. Err: how many other holders the decoder has.
+    pub fn change_decoder<T, E>(
+        &mut self,
+        change: impl FnOnce(&mut Decoder) -> std::result::Result<T, E>,
+    ) -> std::result::Result<std::result::Result<T, E>, usize> {
+        let others = Arc::strong_count(&self.decoder) - 1;
+        let Some(decoder) = Arc::get_mut(&mut self.decoder) else { return Err(others) };
+        let result = change(decoder);
+        if result.is_ok() {
+            self.cache.reset();
+            self.tokens.clear();
+            self.reusable = 0;
+            self.cache_adapters = Vec::new();
+        }
+        Ok(result)
+    }
+
     /// The most tokens one step runs: a longer call runs in steps of this many.
     pub fn prefill_chunk(&self) -> usize {
         self.prefill_chunk
