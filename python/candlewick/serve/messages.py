@@ -29,12 +29,13 @@ FIELDS = {
     "model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
     "tools", "tool_choice", "metadata", "output_config", "cache_control",
     "seed", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
-    "interventions", "control_vector", "observe", "grammar", "grammar_format",
+    "interventions", "control_vector", "observe", "grammar", "grammar_format", "sae_edits", "adapters",
 }
 # output_config constrains the answer, not the prompt: the count is the same with it.
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "output_config", "cache_control"}
 PASSED = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "repeat_penalty", "presence_penalty",
-          "frequency_penalty", "interventions", "control_vector", "observe", "grammar", "grammar_format", "stream")
+          "frequency_penalty", "interventions", "control_vector", "observe", "grammar", "grammar_format", "stream",
+          "sae_edits", "adapters", "model")
 # `cache_control` (on a block, or at the top for the last block) marks where Anthropic's prompt
 # cache may cut: the engine's prefix cache reuses every prompt prefix it holds anyway, so the
 # mark is honoured by being unnecessary.

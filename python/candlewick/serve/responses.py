@@ -32,12 +32,12 @@ FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
     "tool_choice", "parallel_tool_calls", "text", "previous_response_id", "store", "metadata", "user",
     "seed", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "stop",
-    "interventions", "control_vector", "observe", "grammar", "grammar_format",
+    "interventions", "control_vector", "observe", "grammar", "grammar_format", "sae_edits", "adapters",
 }
 # Passed to the chat body as they are.
 PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
           "stop", "user", "interventions", "control_vector", "observe", "grammar", "grammar_format", "stream",
-          "parallel_tool_calls")
+          "parallel_tool_calls", "sae_edits", "adapters", "model")
 # The conversations kept for `previous_response_id`: the most recently used this many.
 STORE_SIZE = 1024
 MESSAGE_PARTS = ("input_text", "output_text", "text")
