@@ -327,6 +327,14 @@ def test_names_in_use_and_unknown_are_refused(adapters, with_tokenizer):
     rt.unload_adapter("a")
     with pytest.raises(cw.AdapterError, match="no LoRA adapter called `a`"):
         rt.unload_adapter("a")
+    # A cache computed under an adapter does not keep it loaded: once chosen by no session, it unloads.
+    rt.load_adapter(adapters["qwen2_r4"], name="a")
+    rt.generate([1, 2, 3], adapters="a", **GREEDY)
+    rt.set_adapters("a")
+    rt.generate([1, 2, 3], **GREEDY)
+    rt.set_adapters(None)
+    rt.unload_adapter("a")
+    assert rt.generate([1, 2, 3], **GREEDY).usage["cached_tokens"] == 0
     with pytest.raises(TypeError):
         rt.set_adapters(3)
 

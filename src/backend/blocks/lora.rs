@@ -11,7 +11,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, Weak};
 
 use candle_core::{DType, Device, Tensor};
 
@@ -268,9 +268,20 @@ impl Adapter {
 /// The adapters one sequence runs with, and the scale of each (several are summed, as llama.cpp does).
 pub type ActiveAdapters = Vec<(Arc<Adapter>, f32)>;
 
-/// Whether two choices of adapters are the same (same loaded adapters, same scales).
-pub fn same_adapters(a: &ActiveAdapters, b: &ActiveAdapters) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|((x, s), (y, t))| Arc::ptr_eq(x, y) && s == t)
+/// The adapters a session's cached positions were computed under: weak references, so that a
+/// cache never keeps an adapter loaded (once unloaded, it matches no choice again).
+pub type CachedAdapters = Vec<(Weak<Adapter>, f32)>;
+
+/// `active` as a cache records it.
+pub fn cached(active: &ActiveAdapters) -> CachedAdapters {
+    active.iter().map(|(a, s)| (Arc::downgrade(a), *s)).collect()
+}
+
+/// Whether `active` is what the positions `cached` describes were computed under (the same
+/// adapters, the same scales).
+pub fn computed_under(active: &ActiveAdapters, cached: &CachedAdapters) -> bool {
+    active.len() == cached.len()
+        && active.iter().zip(cached).all(|((x, s), (y, t))| std::ptr::eq(Arc::as_ptr(x), y.as_ptr()) && s == t)
 }
 
 /// The adapters loaded on a model, shared by every clone and session of it.

@@ -3,7 +3,7 @@
 //! decoder (`Decoder::load_adapter`), shared by every session of the model.
 
 use super::CandleSession;
-use crate::backend::blocks::lora::{same_adapters, ActiveAdapters};
+use crate::backend::blocks::lora::{cached, computed_under, ActiveAdapters};
 use crate::backend::error::{AdapterError, Result};
 
 impl CandleSession {
@@ -35,11 +35,11 @@ impl CandleSession {
     /// takes the current adapters as its own.
     pub(super) fn cache_under_adapters(&mut self, start: usize) -> bool {
         let adapters = self.adapters();
-        if same_adapters(&adapters, &self.cache_adapters) {
+        if computed_under(&adapters, &self.cache_adapters) {
             return true;
         }
         if start == 0 {
-            self.cache_adapters = adapters;
+            self.cache_adapters = cached(&adapters);
             self.reusable = 0;
             return true;
         }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 use crate::backend::blocks::hooks::{NoHooks, ReadyEdits, StepHooks};
-use crate::backend::blocks::lora::{self, same_adapters, ActiveAdapters};
+use crate::backend::blocks::lora::{self, cached, computed_under, ActiveAdapters, CachedAdapters};
 use crate::backend::decoder::{BatchItem, Decoder, LogitsRows, StepKind};
 use crate::backend::device::CandleBackend;
 use crate::backend::error::{CandleContext, CandleError, Result};
@@ -102,7 +102,7 @@ pub struct CandleSession {
     /// generation in progress does not count the swap as a change of its session), and those its
     /// reusable positions were computed under (`adapters.rs`).
     adapters: std::sync::Mutex<ActiveAdapters>,
-    cache_adapters: ActiveAdapters,
+    cache_adapters: CachedAdapters,
 }
 
 /// The most prompt tokens one step runs by default: a longer prompt runs in chunks. The KV
@@ -540,7 +540,7 @@ impl BackendSession<CandleBackend> for CandleSession {
 
     fn reusable_tokens(&self) -> &[u32] {
         // Positions computed under other adapters serve no prompt run with these.
-        if !same_adapters(&self.adapters(), &self.cache_adapters) {
+        if !computed_under(&self.adapters(), &self.cache_adapters) {
             return &[];
         }
         &self.tokens[..self.reusable.min(self.tokens.len())]
@@ -744,7 +744,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             // A trace runs on an empty fork: the images staged for it go along.
             images: self.images.clone(),
             adapters: std::sync::Mutex::new(self.adapters()),
-            cache_adapters: self.adapters(),
+            cache_adapters: cached(&self.adapters()),
         })
     }
 
