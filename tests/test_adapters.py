@@ -269,32 +269,17 @@ def test_cli_lora_flag_applies_the_adapter(adapters, with_tokenizer):
 def test_server_routes_base_colon_adapter_and_adapters_field(adapters, with_tokenizer):
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
-    import socket
-    import subprocess
-    import sys
-    import time
     import urllib.request
+
+    from server_helpers import launch
 
     rt = cw.ModelRuntime.load(with_tokenizer, device="cpu")
     rt.load_adapter(adapters["qwen2_r4"], name="a")
     prompt = " ".join(f"t{i}" for i in prompt_of("qwen2")[1:])
     want = rt.generate(prompt, adapters="a", **GREEDY).text
     base = rt.generate(prompt, **GREEDY).text
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "candlewick", "serve", "--model", str(with_tokenizer), "--device", "cpu",
-           "--port", str(port), "--lora", f"a={adapters['qwen2_r4']}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = launch("--model", str(with_tokenizer), "--lora", f"a={adapters['qwen2_r4']}", timeout=60)
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.2)
 
         def post(body):
             req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
