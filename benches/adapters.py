@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 import candlewick as cw
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from adapter_fixtures import save_safetensors  # noqa: E402
-from intervention_cost import cpu_name  # noqa: E402
+from intervention_cost import cpu_name
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -44,7 +41,7 @@ def write_adapter(root: Path, info: dict, rank: int, seed: int) -> Path:
             tensors[f"{stem}.lora_A.weight"] = rng.normal(0, 0.01, (rank, inp)).astype(np.float32)
             tensors[f"{stem}.lora_B.weight"] = rng.normal(0, 0.01, (out, rank)).astype(np.float32)
     root.mkdir(parents=True)
-    save_safetensors(root / "adapter_model.safetensors", tensors)
+    save_file(tensors, str(root / "adapter_model.safetensors"))
     (root / "adapter_config.json").write_text(
         '{"peft_type": "LORA", "r": %d, "lora_alpha": %d, "target_modules": ["q_proj", "k_proj", "v_proj", '
         '"o_proj", "gate_proj", "up_proj", "down_proj"]}' % (rank, 2 * rank))

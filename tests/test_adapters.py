@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import candlewick as cw
-from adapter_fixtures import ADAPTERS, materialise, save_safetensors
+from adapter_fixtures import ADAPTERS, materialise
 from conftest import TINY, rel_l2
 
 DATA = Path(__file__).resolve().parent / "data" / "adapters"
@@ -157,7 +157,7 @@ def test_engine_batches_requests_with_different_adapters(adapters, with_tokenize
 def write_peft(dir_: Path, config: dict, tensors: dict) -> Path:
     dir_.mkdir(parents=True, exist_ok=True)
     (dir_ / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2, **config}))
-    save_safetensors(dir_ / "adapter_model.safetensors", tensors)
+    save_file(tensors, str(dir_ / "adapter_model.safetensors"))
     return dir_
 
 
