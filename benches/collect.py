@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,18 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from compare import cpu_name  # benches/compare.py: one way to name the host
+
 MODEL = "/work/bench/qwen2.5-coder-0.5b.gguf"
 REF_PY = "/work/bench/venv-ref/bin/python"
-
-
-def cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def corpus_ids(tokenizer_encode, docs: int, doc_tokens: int) -> list[list[int]]:

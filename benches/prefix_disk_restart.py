@@ -27,28 +27,14 @@ from pathlib import Path
 from compare import cpu_name  # benches/compare.py: one way to name the host
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_server import free_port  # noqa: E402  (the loopback port helper the server tests use)
+from server_helpers import launch  # noqa: E402  (the server tests' start-up on a loopback port)
 
 DEFAULT_MODEL = "/work/bench/qwen2.5-coder-0.5b.gguf"
 
 
 def start(model, directory=None):
-    port = free_port()
-    cmd = [sys.executable, "-m", "candlewick", "serve", "--model", model, "--device", "cpu", "--port", str(port),
-           "--request-timeout", "0"]
-    if directory is not None:
-        cmd += ["--prefix-cache-dir", str(directory)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1):
-                return proc, base
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not come up")
+    extra = ["--prefix-cache-dir", str(directory)] if directory is not None else []
+    return launch("--model", model, "--request-timeout", "0", *extra, timeout=300, stderr=subprocess.DEVNULL)
 
 
 def stop(proc):

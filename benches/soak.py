@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from intervention_cost import cpu_name
+from compare import cpu_name  # benches/compare.py: one way to name the host
 
 SHORT = [
     "The capital of France is", "Once upon a time", "Here is a recipe for bread:", "The three laws of motion are",

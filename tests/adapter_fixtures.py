@@ -15,7 +15,6 @@ the final norm, a greedy continuation), and `qwen2_r4.gguf`, the `qwen2_r4` adap
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 
@@ -63,20 +62,9 @@ def module_name(layer: int | None, target: str) -> str:
     return f"model.layers.{layer}.{part}.{target}"
 
 
-def save_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """The safetensors format by hand (8-byte header length, JSON header, little-endian data)."""
-    header, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name], dtype="<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        blobs.append(a.tobytes())
-        offset += a.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-
-
 def write_adapter(root: Path, name: str) -> Path:
+    from safetensors.numpy import save_file
+
     arch, r, alpha, targets, rslora, rank_pattern, alpha_pattern, seed = ADAPTERS[name]
     config = json.loads((TINY / arch / "config.json").read_text())
     rng = np.random.Generator(np.random.PCG64(seed))
@@ -91,7 +79,7 @@ def write_adapter(root: Path, name: str) -> Path:
             tensors[f"base_model.model.{module}.lora_B.weight"] = rng.normal(0, STD, (out, rank)).astype(np.float32)
     out_dir = root / name
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_safetensors(out_dir / "adapter_model.safetensors", tensors)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     (out_dir / "adapter_config.json").write_text(
         json.dumps(
             {

@@ -14,13 +14,14 @@ different draw is an error, not a silently different model) and `reference.safet
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from fixture_writers import write_spec, write_weights
 
 DATA = Path(__file__).resolve().parent / "data" / "shared_experts"
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -42,37 +43,10 @@ def _is_norm(name):
     return name.endswith(("norm.weight", "layernorm.weight"))
 
 
-def weights(case):
-    """The checkpoint's tensors, drawn as `weights.json` says: norms 1 + 0.1·N(0, 1), the rest
-    0.1·N(0, 1) (generate_tiny_more.py's `randomise`, with numpy's generator instead of torch's)."""
-    spec = json.loads((DATA / case / "weights.json").read_text())
-    rng = np.random.default_rng(spec["seed"])
-    out = {}
-    for name, shape in spec["tensors"]:
-        t = np.float32(0.1) * rng.standard_normal(shape, dtype=np.float32)
-        out[name] = t + np.float32(1.0) if _is_norm(name) else t
-    return out, spec["sha256"]
-
-
-def _digest(tensors):
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(tensors[name]).tobytes())
-    return h.hexdigest()
-
-
 def materialise(case, dest):
     """Writes the checkpoint directory of `case` (config.json, model.safetensors) at `dest`."""
-    from safetensors.numpy import save_file
-
-    tensors, sha = weights(case)
-    if _digest(tensors) != sha:
-        raise RuntimeError(f"{case}: numpy drew other weights than the reference was computed from")
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    dest = write_weights(DATA / case, _is_norm, dest)
     shutil.copy(DATA / case / "config.json", dest / "config.json")
-    save_file(tensors, str(dest / "model.safetensors"))
     return dest
 
 
@@ -103,11 +77,7 @@ def _build(case):
         getattr(transformers, model_name)(config).save_pretrained(tmp, safe_serialization=True)
         saved = load_file(str(Path(tmp) / "model.safetensors"))
         shutil.copy(Path(tmp) / "config.json", dest / "config.json")
-    spec = {"seed": seed, "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
-    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
-    tensors, _ = weights(case)
-    spec["sha256"] = _digest(tensors)
-    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    write_spec(dest, seed, saved, _is_norm)
     with tempfile.TemporaryDirectory() as tmp:
         model = getattr(transformers, model_name).from_pretrained(materialise(case, tmp), dtype=torch.float32)
     model.config._attn_implementation = "eager"

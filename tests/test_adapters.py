@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import candlewick as cw
-from adapter_fixtures import ADAPTERS, materialise, save_safetensors
+from adapter_fixtures import ADAPTERS, materialise
 from conftest import TINY, rel_l2
 
 DATA = Path(__file__).resolve().parent / "data" / "adapters"
@@ -253,7 +253,7 @@ def test_engine_batches_requests_with_different_adapters(adapters, with_tokenize
 def write_peft(dir_: Path, config: dict, tensors: dict) -> Path:
     dir_.mkdir(parents=True, exist_ok=True)
     (dir_ / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2, **config}))
-    save_safetensors(dir_ / "adapter_model.safetensors", tensors)
+    save_file(tensors, str(dir_ / "adapter_model.safetensors"))
     return dir_
 
 
@@ -377,34 +377,20 @@ def test_cli_lora_flag_applies_the_adapter(adapters, with_tokenizer):
 def test_server_routes_base_colon_adapter_and_adapters_field(adapters, with_tokenizer):
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
-    import socket
-    import subprocess
-    import sys
-    import time
     import urllib.request
+
+    from server_helpers import launch
 
     rt = cw.ModelRuntime.load(with_tokenizer, device="cpu")
     rt.load_adapter(adapters["qwen2_r4"], name="a")
     prompt = " ".join(f"t{i}" for i in prompt_of("qwen2")[1:])
     want = rt.generate(prompt, adapters="a", **GREEDY).text
     base = rt.generate(prompt, **GREEDY).text
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     template = with_tokenizer.parent / "plain.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
-    cmd = [sys.executable, "-m", "candlewick", "serve", "--model", str(with_tokenizer), "--device", "cpu",
-           "--port", str(port), "--lora", f"a={adapters['qwen2_r4']}", "--chat-template", str(template)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = launch("--model", str(with_tokenizer), "--lora", f"a={adapters['qwen2_r4']}",
+                       "--chat-template", str(template), timeout=60)
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.2)
 
         def call(path, body):
             req = urllib.request.Request(url + path, data=json.dumps(body).encode(),

@@ -6,19 +6,14 @@ L2 ≤ 1e-4)."""
 from __future__ import annotations
 
 import base64
-import json
-import subprocess
-import sys
-import time
-import urllib.request
 
 import numpy as np
 import pytest
 
 import embedding_fixtures as fx
 from conftest import rel_l2
+from server_helpers import get_json, launch, post, stop
 from test_embeddings import META, REF, TOL
-from test_server import free_port, post, stop
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -26,21 +21,9 @@ pytest.importorskip("uvicorn")
 
 
 def start(model) -> tuple:
-    port = free_port()
-    cmd = [sys.executable, "-m", "candlewick", "serve", "--model", str(model), "--device", "cpu", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()}")
-        try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=1) as r:
-                return proc, base, json.loads(r.read())["data"][0]["id"]
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not come up in time")
+    """The server over `model`, with the name it serves it under."""
+    proc, base = launch("--model", str(model))
+    return proc, base, get_json(base, "/v1/models")["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")

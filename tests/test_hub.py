@@ -3,7 +3,6 @@
 HF_HUB_OFFLINE=1. Each error a user can meet is checked, and what is downloaded: only the
 chosen files."""
 
-import contextlib
 import inspect
 import json
 import os
@@ -12,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,7 @@ from candlewick import hub as cwhub
 import fake_hub
 import gguf_convert
 from conftest import TINY
+from server_helpers import get_json, launch
 
 hf_constants = pytest.importorskip("huggingface_hub.constants")
 
@@ -604,29 +603,11 @@ def test_generate_options_and_errors(hub, home, files):
     assert r.returncode == 1 and "UnknownRepositoryError" in r.stderr and "org/missing" in r.stderr
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_a_hub_name(hub, home):
     pytest.importorskip("uvicorn")
-    port = free_port()
-    env = cli_env(hub.url, home)
-    proc = subprocess.Popen([sys.executable, "-m", "candlewick", "serve", "-m", f"{GGUF}:Q8_0", "--device", "cpu",
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc, base = launch("-m", f"{GGUF}:Q8_0", env=cli_env(hub.url, home), timeout=60)
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1) as r:
-                    models = json.load(r)
-                    break
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        models = get_json(base, "/v1/models")
         assert [m["id"] for m in models["data"]] == [f"{GGUF}:Q8_0"]
     finally:
         proc.terminate()

@@ -4,11 +4,8 @@
 import base64
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 
 import candlewick as cw
 from candlewick import interventions as iv
+from server_helpers import launch, post, stop
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -29,40 +27,11 @@ TEMPLATE = (
 )
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(tmp_path, *extra):
-    port = free_port()
-    template = tmp_path / "template.jinja"
-    template.write_text(TEMPLATE)
-    cmd = [sys.executable, "-m", "candlewick", "serve", "--model", MODEL, "--device", "cpu", "--port", str(port),
-           "--chat-template", str(template), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not come up in time")
-
-
-def stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def start_server(tmp_path, *extra, template=TEMPLATE):
+    """The Gemma GGUF served with `template` as its chat template (written under `tmp_path`)."""
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    return launch("--model", MODEL, "--chat-template", str(path), *extra)
 
 
 SERVER_PID = {}
@@ -84,17 +53,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def rt():
     return cw.ModelRuntime.load(MODEL, device="cpu")
-
-
-def post(base, path, body, headers=None, raw=None):
-    data = raw if raw is not None else json.dumps(body).encode()
-    h = {"Content-Type": "application/json", **(headers or {})}
-    req = urllib.request.Request(base + path, data=data, headers=h, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read()), dict(r.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), dict(e.headers)
 
 
 def test_models_list(client):

@@ -10,7 +10,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from test_server import NAME, post, start_server, stop
+from server_helpers import post, stop
+from test_server import NAME, start_server
 from test_server_tools import ASK, SCHEMAS, TEMPLATE, TOOLS
 
 openai = pytest.importorskip("openai")
@@ -29,14 +30,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    import test_server
-
-    saved = test_server.TEMPLATE
-    test_server.TEMPLATE = TEMPLATE  # a template that renders tools, calls and results
-    try:
-        proc, url = start_server(tmp_path_factory.mktemp("agents"))
-    finally:
-        test_server.TEMPLATE = saved
+    # A template that renders tools, calls and results.
+    proc, url = start_server(tmp_path_factory.mktemp("agents"), template=TEMPLATE)
     yield url
     stop(proc)
 

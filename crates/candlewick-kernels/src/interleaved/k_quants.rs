@@ -251,17 +251,7 @@ pub(super) mod x86 {
         out: *mut f32,
     ) {
         for t in t0..t0 + tiles {
-            let mut row0 = 0;
-            while row0 + 4 <= m {
-                q4k_tile::<F, 4>(w, xq, row0, t, out);
-                row0 += 4;
-            }
-            match m - row0 {
-                1 => q4k_tile::<F, 1>(w, xq, row0, t, out),
-                2 => q4k_tile::<F, 2>(w, xq, row0, t, out),
-                3 => q4k_tile::<F, 3>(w, xq, row0, t, out),
-                _ => {}
-            }
+            rows_by_four!(m, 0, |R, row0| q4k_tile::<F, R>(w, xq, row0, t, out));
         }
     }
 
@@ -360,14 +350,7 @@ pub(super) mod x86 {
         out: *mut f32,
     ) {
         for t in t0..t0 + tiles {
-            let mut row0 = 0;
-            while row0 + 2 <= m {
-                q6k_tile::<F, 2>(w, xq, half_sums, row0, t, out);
-                row0 += 2;
-            }
-            if row0 < m {
-                q6k_tile::<F, 1>(w, xq, half_sums, row0, t, out);
-            }
+            rows_by_two!(m, |R, row0| q6k_tile::<F, R>(w, xq, half_sums, row0, t, out));
         }
     }
 

@@ -35,6 +35,57 @@
 //! group, so the kernel adds 16 to the masked bytes with one masked `vpaddb` (Q5_K's fifth bits
 //! and Q3_K's third bits the same way, in `k_quants.rs`).
 
+/// Runs `$call`, a tile of `$r` activation rows from row `$row0` (`$r` a constant, so each tile
+/// size is its own monomorphised, inlined kernel), over the activation rows `$from..$m`: 4 rows
+/// at a time, then the last 1-3 rows together.
+#[cfg(target_arch = "x86_64")]
+macro_rules! rows_by_four {
+    ($m:expr, $from:expr, |$r:ident, $row0:ident| $call:expr) => {{
+        let m = $m;
+        let mut $row0 = $from;
+        while $row0 + 4 <= m {
+            const $r: usize = 4;
+            $call;
+            $row0 += 4;
+        }
+        match m - $row0 {
+            1 => {
+                const $r: usize = 1;
+                $call
+            }
+            2 => {
+                const $r: usize = 2;
+                $call
+            }
+            3 => {
+                const $r: usize = 3;
+                $call
+            }
+            _ => {}
+        }
+    }};
+}
+
+/// `rows_by_four`'s loop for the tiles that hold 8 integer accumulators a row: every activation
+/// row 2 at a time, then the last one alone.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! rows_by_two {
+    ($m:expr, |$r:ident, $row0:ident| $call:expr) => {{
+        let m = $m;
+        let mut $row0 = 0;
+        while $row0 + 2 <= m {
+            const $r: usize = 2;
+            $call;
+            $row0 += 2;
+        }
+        if $row0 < m {
+            const $r: usize = 1;
+            $call
+        }
+    }};
+}
+
+// After the macros: they are in scope in these files.
 mod grid;
 mod i_quants;
 mod k_quants;
@@ -798,47 +849,23 @@ mod x86 {
         tiles: usize,
         out: *mut f32,
     ) {
-        macro_rules! rows {
-            ($g:literal) => {{
-                let mut row0 = 0;
-                while row0 + 4 <= m {
-                    tile::<F, VBMI, 4, $g>(w, xq, row0, t0, out);
-                    row0 += 4;
-                }
-                match m - row0 {
-                    1 => tile::<F, VBMI, 1, $g>(w, xq, row0, t0, out),
-                    2 => tile::<F, VBMI, 2, $g>(w, xq, row0, t0, out),
-                    3 => tile::<F, VBMI, 3, $g>(w, xq, row0, t0, out),
-                    _ => {}
-                }
-            }};
-        }
         // The table formats decode a weight vector in 5 operations where Q4_0 takes 3: one
         // tile at a time over 8 rows spreads them over twice the products.
         if (F == IQ4NL || F == IQ4XS || F == MXFP4) && m >= 8 {
             for t in t0..t0 + tiles {
-                let mut row0 = 0;
-                while row0 + 8 <= m {
-                    tile::<F, VBMI, 8, 1>(w, xq, row0, t, out);
-                    row0 += 8;
+                let mut eights = 0;
+                while eights + 8 <= m {
+                    tile::<F, VBMI, 8, 1>(w, xq, eights, t, out);
+                    eights += 8;
                 }
-                if row0 + 4 <= m {
-                    tile::<F, VBMI, 4, 1>(w, xq, row0, t, out);
-                    row0 += 4;
-                }
-                match m - row0 {
-                    1 => tile::<F, VBMI, 1, 1>(w, xq, row0, t, out),
-                    2 => tile::<F, VBMI, 2, 1>(w, xq, row0, t, out),
-                    3 => tile::<F, VBMI, 3, 1>(w, xq, row0, t, out),
-                    _ => {}
-                }
+                rows_by_four!(m, eights, |R, row0| tile::<F, VBMI, R, 1>(w, xq, row0, t, out));
             }
             return;
         }
         if tiles == 2 {
-            rows!(2)
+            rows_by_four!(m, 0, |R, row0| tile::<F, VBMI, R, 2>(w, xq, row0, t0, out))
         } else {
-            rows!(1)
+            rows_by_four!(m, 0, |R, row0| tile::<F, VBMI, R, 1>(w, xq, row0, t0, out))
         }
     }
 
@@ -1382,33 +1409,29 @@ mod tests {
     use candle_core::{Device, Tensor};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    const FORMATS: [Format; 21] = [
-        Format::Q8_0,
-        Format::Q4_0,
-        Format::Q4_1,
-        Format::Q5_0,
-        Format::Q5_1,
-        Format::Q3K,
-        Format::Q4K,
-        Format::Q5K,
-        Format::Q6K,
-        Format::IQ4NL,
-        Format::IQ4XS,
-        Format::MXFP4,
-        Format::IQ2XXS,
-        Format::IQ2XS,
-        Format::IQ2S,
-        Format::IQ3XXS,
-        Format::IQ3S,
-        Format::IQ1S,
-        Format::IQ1M,
-        Format::TQ1_0,
-        Format::TQ2_0,
-    ];
+    /// Every format: the block formats, then the grid formats (`grid::GRID_FORMATS`).
+    fn formats() -> impl Iterator<Item = Format> {
+        [
+            Format::Q8_0,
+            Format::Q4_0,
+            Format::Q4_1,
+            Format::Q5_0,
+            Format::Q5_1,
+            Format::Q3K,
+            Format::Q4K,
+            Format::Q5K,
+            Format::Q6K,
+            Format::IQ4NL,
+            Format::IQ4XS,
+            Format::MXFP4,
+        ]
+        .into_iter()
+        .chain(grid::GRID_FORMATS)
+    }
 
     /// The formats candle has a quantizer and a matmul for.
     fn candle_formats() -> impl Iterator<Item = Format> {
-        FORMATS.into_iter().filter(|f| f.dtype().is_some())
+        formats().filter(|f| f.dtype().is_some())
     }
 
     /// The `extra_types` type of a format candle lacks.
@@ -1597,7 +1620,7 @@ mod tests {
     fn arm_tiles_follow_dotprod() {
         let dotprod = crate::arm::Features::get().dotprod;
         assert_eq!(available(), dotprod);
-        for format in FORMATS {
+        for format in formats() {
             let want = (dotprod && neon::runs(format)).then_some(Path::NeonDot);
             assert_eq!(fast_path(format), want, "{format:?}");
             let repacked = match format.dtype() {
@@ -1613,7 +1636,7 @@ mod tests {
     /// and quantized ones of those candle quantizes.
     #[test]
     fn every_row_count_computes_the_product() {
-        for format in FORMATS {
+        for format in formats() {
             let k = 2 * format.block_values();
             for m in 1..=17 {
                 let (q, p) = random(format, 27, k, m as u64);
@@ -1644,7 +1667,7 @@ mod tests {
     /// value, and float16 scales from subnormal to the largest.
     #[test]
     fn every_path_computes_the_product_of_random_blocks() {
-        for format in FORMATS {
+        for format in formats() {
             for (i, (m, k, n)) in shapes(format).into_iter().enumerate() {
                 let (q, p) = random(format, n, k, i as u64);
                 check_product(&q, &p, m);
@@ -1657,7 +1680,7 @@ mod tests {
     /// in format or width, do not stack.
     #[test]
     fn stacked_weights_compute_their_parts_outputs() {
-        for format in FORMATS {
+        for format in formats() {
             let k = 2 * format.block_values();
             let parts: Vec<Interleaved> =
                 [32, 16, 21].iter().zip(1u64..).map(|(&n, s)| random(format, n, k, s).1).collect();
@@ -1696,7 +1719,7 @@ mod tests {
     /// de-quantizes it, from quantized weights and from random blocks.
     #[test]
     fn rows_de_quantize_as_candle_does() {
-        for format in FORMATS {
+        for format in formats() {
             let k = 2 * format.block_values().max(96);
             if format.dtype().is_some() {
                 let w = Tensor::randn(0f32, 1.0, (19, k), &Device::Cpu).unwrap();
@@ -1847,7 +1870,7 @@ mod tests {
     /// A tile record is the same size as its 16 source blocks (the repack permutes in place).
     #[test]
     fn records_are_their_blocks_size() {
-        for format in FORMATS {
+        for format in formats() {
             let (values, bytes) = match format.dtype() {
                 Some(dtype) => (dtype.block_size(), dtype.type_size()),
                 None => (extra(format).block_values(), extra(format).block_bytes()),
