@@ -179,6 +179,34 @@ def test_llama_cpp_reads_the_gguf_loras_as_peft_and_candlewick(adapters, name, t
         assert errs.max() <= F32_TOL, what
 
 
+def test_mlx_lm_adapter_matches_peft(adapters, tmp_path):
+    """mlx-lm's layout of the same factors (lora_a = Aᵀ, lora_b = Bᵀ, its scale = alpha / r):
+    mlx-lm computes y + scale · (x a) b, which is PEFT's y + (alpha / r) · B A x."""
+    from safetensors.numpy import save_file
+
+    from adapter_fixtures import ADAPTERS as SPECS
+
+    for name in ("qwen2_r4", "llama_r8"):
+        arch, r, alpha = SPECS[name][:3]
+        peft = load_file(str(adapters[name] / "adapter_model.safetensors"))
+        mlx = {}
+        for key, t in peft.items():
+            module, factor = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+            mlx[f"{module}.lora_{factor[0].lower()}"] = np.ascontiguousarray(t.T)
+        d = tmp_path / name
+        d.mkdir()
+        save_file(mlx, str(d / "adapters.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps(
+            {"fine_tune_type": "lora", "num_layers": 3, "lora_parameters": {"rank": r, "scale": alpha / r, "dropout": 0.0}}))
+        rt = cw.ModelRuntime.load(TINY / arch, device="cpu")
+        info = rt.load_adapter(d, name="m")
+        assert info["format"] == "mlx" and info["rank"] == r
+        check_against_peft(rt.trace(prompt_of(arch), request(), adapters="m"), name)
+    (d / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "dora", "lora_parameters": {"scale": 1.0}}))
+    with pytest.raises(cw.AdapterError, match="DoRA"):
+        rt.load_adapter(d, name="d")
+
+
 def test_set_adapters_is_the_default_and_a_call_overrides_it(adapters):
     rt = cw.ModelRuntime.load(TINY / "qwen2", device="cpu")
     rt.load_adapter(adapters["qwen2_r4"], name="a")

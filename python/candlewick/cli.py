@@ -365,7 +365,7 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--threads", "-t", type=positive, default=None,
                         help="CPU threads (default: one per physical core)")
     common.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
-                        help="a LoRA adapter (PEFT directory or GGUF LoRA) applied beside the weights (repeatable: summed)")
+                        help="a LoRA adapter (PEFT or mlx-lm directory, or GGUF LoRA) applied beside the weights (repeatable: summed)")
     common.add_argument("--lora-merge", action="store_true",
                         help="fold the --lora adapters into the weights instead (dense models only: the base model's speed)")
     common.add_argument("--verbose", "-v", action="store_true")

@@ -321,7 +321,7 @@ pub enum SaeError {
 #[derive(Debug, thiserror::Error)]
 pub enum AdapterError {
     /// No format this loader reads is at the path.
-    #[error("no LoRA adapter at {path}: expected a PEFT directory (adapter_config.json + adapter_model.safetensors) or a llama.cpp GGUF LoRA (general.type = adapter)")]
+    #[error("no LoRA adapter at {path}: expected a PEFT directory (adapter_config.json + adapter_model.safetensors), an mlx-lm one (adapter_config.json + adapters.safetensors) or a llama.cpp GGUF LoRA (general.type = adapter)")]
     NotFound {
         /// The path as given.
         path: String,

@@ -18,7 +18,7 @@ pub struct AdapterInfo {
     pub name: String,
     /// The file or directory it came from.
     pub path: String,
-    /// `peft` or `gguf`.
+    /// `peft`, `mlx` or `gguf`.
     pub format: String,
     /// Its largest rank.
     pub rank: usize,

@@ -25,7 +25,8 @@ fn info_dict<'py>(py: Python<'py>, info: AdapterInfo) -> PyResult<Bound<'py, PyD
 #[pymethods]
 impl PyModelRuntime {
     /// Loads a LoRA adapter beside the model's weights (not merged into them): a PEFT directory
-    /// (``adapter_config.json`` + ``adapter_model.safetensors``) or a llama.cpp GGUF LoRA. It is
+    /// (``adapter_config.json`` + ``adapter_model.safetensors``), an mlx-lm one (``adapters.safetensors``)
+    /// or a llama.cpp GGUF LoRA. It is
     /// shared by every session of the model (an ``Engine`` made from this runtime included) and is
     /// not switched on: ``set_adapters`` or ``adapters=`` on a call chooses it.
     ///
@@ -42,7 +43,7 @@ impl PyModelRuntime {
     ///     merge (bool): fold it into the weights.
     ///
     /// Returns:
-    ///     dict: name, path, format (``peft`` or ``gguf``), rank, modules (weights it adapts),
+    ///     dict: name, path, format (``peft``, ``mlx`` or ``gguf``), rank, modules (weights it adapts),
     ///     scale, merged.
     ///
     /// Raises:

@@ -144,7 +144,7 @@ pub struct Adapter {
     pub name: String,
     /// The file or directory it came from.
     pub path: String,
-    /// `peft` or `gguf`.
+    /// `peft`, `mlx` or `gguf`.
     pub format: &'static str,
     /// The largest rank of its modules.
     pub rank: usize,

@@ -1,5 +1,6 @@
 //! LoRA adapters as published (DESIGN §16): PEFT directories (`adapter_config.json` +
-//! `adapter_model.safetensors`) and llama.cpp's GGUF LoRA (`general.type = adapter`, as written by
+//! `adapter_model.safetensors`), mlx-lm's (`adapter_config.json` + `adapters.safetensors`) and
+//! llama.cpp's GGUF LoRA (`general.type = adapter`, as written by
 //! `convert_lora_to_gguf.py`), read into one list of `(module, A, B, scale)` in the file's naming.
 //! Fitting them to a model's linears is `blocks::lora::Adapter::prepare`.
 
@@ -31,7 +32,7 @@ pub struct AdapterModule {
 pub struct AdapterWeights {
     /// The file or directory read.
     pub path: PathBuf,
-    /// Which format it was (`peft`, `gguf`).
+    /// Which format it was (`peft`, `mlx`, `gguf`).
     pub format: &'static str,
     /// How its module names are spelled.
     pub naming: Naming,
@@ -49,6 +50,9 @@ impl AdapterWeights {
             if config.is_file() && weights.is_file() {
                 return read_peft(path, &config, &weights);
             }
+            if config.is_file() && path.join("adapters.safetensors").is_file() {
+                return read_mlx(path, &config, &path.join("adapters.safetensors"));
+            }
             if config.is_file() && path.join("adapter_model.bin").is_file() {
                 return Err(AdapterError::Unsupported {
                     path: p,
@@ -63,6 +67,10 @@ impl AdapterWeights {
         if path.file_name().is_some_and(|n| n == "adapter_model.safetensors") {
             let dir = path.parent().unwrap_or(Path::new("."));
             return read_peft(dir, &dir.join("adapter_config.json"), path);
+        }
+        if path.file_name().is_some_and(|n| n == "adapters.safetensors") {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            return read_mlx(dir, &dir.join("adapter_config.json"), path);
         }
         let mut magic = [0u8; 4];
         let mut file = std::fs::File::open(path).map_err(|e| malformed(path, e.to_string()))?;
@@ -196,6 +204,44 @@ fn read_peft(dir: &Path, config_path: &Path, weights: &Path) -> Result<AdapterWe
         }
     })?;
     Ok(AdapterWeights { path: dir.to_path_buf(), format: "peft", naming: Naming::HuggingFace, modules })
+}
+
+/// An mlx-lm LoRA directory (`mlx_lm.lora`'s output): `adapters.safetensors` holding
+/// `{module}.lora_a` `[in, r]` and `.lora_b` `[r, out]` (PEFT's factors transposed), and
+/// `adapter_config.json`, whose `lora_parameters.scale` multiplies the product as it is
+/// (mlx-lm computes `y + scale · (x a) b`; there is no alpha).
+fn read_mlx(dir: &Path, config_path: &Path, weights: &Path) -> Result<AdapterWeights, AdapterError> {
+    let text = std::fs::read_to_string(config_path).map_err(|e| malformed(config_path, e.to_string()))?;
+    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| malformed(config_path, e.to_string()))?;
+    match config.get("fine_tune_type").and_then(|v| v.as_str()).unwrap_or("lora") {
+        "lora" => {}
+        "dora" => return Err(unsupported(dir, "DoRA (fine_tune_type = dora)")),
+        other => return Err(unsupported(dir, format!("fine_tune_type {other} (only lora)"))),
+    }
+    let params = config.get("lora_parameters").filter(|v| v.is_object());
+    let scale = params.and_then(|p| p.get("scale")).and_then(|v| v.as_f64()).unwrap_or(20.0);
+    if !scale.is_finite() {
+        return Err(malformed(config_path, format!("lora_parameters.scale {scale} is not finite")));
+    }
+    let tensors =
+        candle_core::safetensors::load(weights, &Device::Cpu).map_err(|e| malformed(weights, e.to_string()))?;
+    let mut pairs = FactorPairs::default();
+    for (key, t) in tensors {
+        let (module, is_a) = if let Some(m) = key.strip_suffix(".lora_a") {
+            (m.to_owned(), true)
+        } else if let Some(m) = key.strip_suffix(".lora_b") {
+            (m.to_owned(), false)
+        } else {
+            return Err(unsupported(dir, format!("tensor `{key}` (not a lora_a / lora_b factor)")));
+        };
+        if t.rank() != 2 {
+            return Err(unsupported(dir, format!("`{key}` of shape {:?} (per-expert factors)", t.dims())));
+        }
+        let t = t.to_dtype(DType::F32).and_then(|t| t.t()?.contiguous()).map_err(|e| malformed(weights, e.to_string()))?;
+        pairs.insert(module, is_a, t);
+    }
+    let modules = pairs.into_modules(weights, ("lora_a", "lora_b"), |_, _| scale)?;
+    Ok(AdapterWeights { path: dir.to_path_buf(), format: "mlx", naming: Naming::HuggingFace, modules })
 }
 
 /// A llama.cpp GGUF LoRA: `{stem}.weight.lora_a` `[r, in]` and `.lora_b` `[out, r]`, scaled by
