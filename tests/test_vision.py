@@ -233,43 +233,62 @@ def gguf_files(tmp_path_factory):
     return {t: vf.write_gguf("gemma3", src, tmp / t, t) for t in ("f32", "q8_0")}
 
 
-@pytest.mark.xfail(reason="GGUF + mmproj logits not yet at the reference (vision points are; the image embeddings differ by 7e-4 after the F16 projector): open, see docs/vision.md", strict=False)
 def test_gguf_with_mmproj_f32_matches_transformers(gguf_files):
+    """Reference: transformers on the weights the files hold (`vf.file_weights`: read back with the
+    gguf package). llama.cpp's converter stores the projector matrix in F16 whatever `--outtype`
+    (llama.cpp issue 13025); that rounding alone puts the logits 1.3e-3 (top-20 rel L2) from the
+    reference on the drawn float32 weights, past DESIGN §7's GGUF bound, while on the weights the
+    files hold every point is within the float32 bound, 1e-4."""
     lm, mmproj = gguf_files["f32"]
-    ref = vf.reference("gemma3")
+    ref, held = vf.reference("gemma3"), vf.gguf_reference("gemma3", "f32")
     with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj), dtype="f32") as rt:
         r = rt.trace(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1])
-        # The vision points are at the reference; the converter stores the projector matrix in F16
-        # (llama.cpp issue 13025), so the logits are held to DESIGN §7's GGUF F32 bound (top-20 rel L2).
+        close(r.output.logits, held["one_logits"])
+        points = [k[4:] for k in held if k.startswith("one.")]
+        assert len(points) == 9
+        for point in points:
+            close(r.observations[point], held["one." + point])
+        # The encoder's weights are F32 in the file: its output is the drawn checkpoint's too.
         close(r.observations["vision.output"], ref["one.vision.output"])
-        from conftest import rel_l2
-        want = ref["one_logits"]
-        top = np.argsort(-want, axis=1)[:, :20]
-        errs = [rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(r.output.logits, want, top)]
-        print(f"\n[gguf+mmproj f32] gemma3: top-20 rel L2 max {max(errs):.1e}")
-        assert max(errs) <= 1e-3
+        two = rt.trace(ref["two_ids"].tolist(), pixel_values=ref["pixel_values"])
+        close(two.output.logits, held["two_logits"])
+        g = rt.generate(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1], max_tokens=6,
+                        temperature=0.0, ignore_eos=True)
+        assert g.token_ids == held["one_greedy"].tolist()
         assert rt.observation_points()[:2] == ["vision.layers.0.output", "vision.layers.1.output"]
         # The image token is found by name in the GGUF's tokenizer; raw images go through the processor.
         ids, pixels = rt.process([{"role": "user", "content": [{"type": "image", "image": vf.draw_images()[1]},
                                                                {"type": "text", "text": "What is this ?"}]}],
                                  chat_template=vf.tokenizer_config("gemma3")["chat_template"])
+        # (The file's vocabulary names the words `<w{i}>`: the text's ids differ, the image's do not.)
+        assert ids.count(vf.SOFT) == 16 and ids[ids.index(vf.SOFT) - 1] == vf.BOI
         close(pixels, ref["pixel_values"][1:], 1e-6)
 
 
-@pytest.mark.xfail(reason="GGUF + mmproj logits not yet at the reference (vision points are; the image embeddings differ by 7e-4 after the F16 projector): open, see docs/vision.md", strict=False)
 def test_gguf_with_mmproj_q8_0_within_design_bounds(gguf_files):
+    """DESIGN §7's quantized bounds, against transformers on the files' de-quantized weights (as
+    the Gemma 3 270M reference is): the decoder runs quantized, the encoder de-quantized."""
     from conftest import rel_l2
 
     lm, mmproj = gguf_files["q8_0"]
-    ref = vf.reference("gemma3")
+    ref, held = vf.reference("gemma3"), vf.gguf_reference("gemma3", "q8_0")
     with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj)) as rt:
-        got = rt.trace(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1]).output.logits
-    want = ref["one_logits"]
-    top = np.argsort(-want, axis=1)[:, :20]
-    errs = np.array([rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(got, want, top)])
-    print(f"\n[gguf+mmproj q8_0] gemma3: top-20 rel L2 median {np.median(errs):.4f} (max {errs.max():.4f})")
-    assert np.median(errs) <= 0.05
-    assert (np.argmax(got, 1) == np.argmax(want, 1)).mean() >= 0.9
+        assert "q8_0" in rt.model_info["weight_types"]
+        for key, pv in (("one", ref["pixel_values"][:1]), ("two", ref["pixel_values"])):
+            got = np.asarray(rt.trace(ref[f"{key}_ids"].tolist(), pixel_values=pv).output.logits)
+            want = held[f"{key}_logits"]
+            top = np.argsort(-want, axis=1)[:, :20]
+            errs = np.array([rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(got, want, top)])
+            overlap = np.array([len(set(np.argsort(-g)[:5].tolist()) & set(t[:5].tolist())) for g, t in zip(got, top)])
+            ranked = np.sort(want, axis=1)
+            decided = ranked[:, -1] - ranked[:, -2] > 1.0
+            misses = np.flatnonzero(decided & (got.argmax(1) != want.argmax(1)))
+            print(f"\n[gguf+mmproj q8_0] gemma3 {key}: top-20 rel L2 median {np.median(errs):.4f} (max {errs.max():.4f}); "
+                  f"top-5 overlap >= 3 on {100 * np.mean(overlap >= 3):.0f}% of rows; argmax misses {len(misses)} of "
+                  f"{decided.sum()} rows with margin > 1.0")
+            assert np.median(errs) <= 0.05
+            assert np.mean(overlap >= 3) >= 0.95
+            assert len(misses) == 0, misses
 
 
 def test_mmproj_needs_a_gguf_language_model(case):

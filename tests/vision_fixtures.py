@@ -10,6 +10,11 @@ as transformers saved them, `weights.json` (names, shapes, seed, SHA-256 of the 
 and, shared, a small word-level `tokenizer.json` with the image tokens and a chat template.
 
     python tests/vision_fixtures.py [case ...]   (needs torch and transformers 5.x)
+    python tests/vision_fixtures.py gemma3-gguf  (and the gguf package)
+
+`gemma3-gguf` writes `reference-gguf-{f32,q8_0}.safetensors`: transformers on the weights the
+GGUF language model and mmproj files hold (`file_weights` reads them back and de-quantizes them:
+the converter's F16 projector matrix, Q8_0 blocks), the reference the GGUF tests compare with.
 """
 
 from __future__ import annotations
@@ -94,13 +99,15 @@ def tokenizer_config(case) -> dict:
             "chat_template": CHAT_TEMPLATE.replace("{{ image_token }}", CASES[case][1])}
 
 
-def materialise(case, dest):
-    """Writes the checkpoint directory of `case` (config, processor config, tokenizer, weights) at `dest`."""
+def materialise(case, dest, tensors=None):
+    """Writes the checkpoint directory of `case` (config, processor config, tokenizer, weights) at
+    `dest`; `tensors` replaces the drawn weights (the reference scripts' GGUF-held weights)."""
     from safetensors.numpy import save_file
 
-    tensors, sha = weights(case)
-    if _digest(tensors) != sha:
-        raise RuntimeError(f"{case}: numpy drew other weights than the reference was computed from")
+    if tensors is None:
+        tensors, sha = weights(case)
+        if _digest(tensors) != sha:
+            raise RuntimeError(f"{case}: numpy drew other weights than the reference was computed from")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "preprocessor_config.json"):
@@ -171,40 +178,36 @@ def _configs(case):
     return config, "LlavaForConditionalGeneration", proc, 16
 
 
-def _build(case):
+def _load(case, tensors=None):
+    """transformers' model of `case` (float32, eager attention) on `tensors` (default: the drawn ones)."""
     import tempfile
 
     import torch
     import transformers
-    from PIL import Image
-    from safetensors.numpy import load_file, save_file
 
-    config, model_name, proc, tokens = _configs(case)
-    seed = CASES[case][0]
-    dest = DATA / case
-    dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        getattr(transformers, model_name)(config).save_pretrained(tmp, safe_serialization=True)
-        saved = load_file(str(Path(tmp) / "model.safetensors"))
-        shutil.copy(Path(tmp) / "config.json", dest / "config.json")
-    proc.save_pretrained(str(dest))
-    spec = {"seed": seed, "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
-    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
-    tensors, _ = weights(case)
-    spec["sha256"] = _digest(tensors)
-    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
-    with tempfile.TemporaryDirectory() as tmp:
-        model = getattr(transformers, model_name).from_pretrained(materialise(case, tmp), dtype=torch.float32)
+        model = getattr(transformers, _configs(case)[1]).from_pretrained(materialise(case, tmp, tensors),
+                                                                         dtype=torch.float32)
     model.config._attn_implementation = "eager"
-    model.eval()
-    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in draw_images()]
-    pixels = proc(images=images, return_tensors="pt")["pixel_values"].float()
-    # One image: text, the image, text; two images: each with its own block.
+    return model.eval()
+
+
+def _prompts(case, tokens):
+    """The ids the references run: one image, two images (each with its own block), and the chat
+    the tests send through the processor glue (the template's text, expanded)."""
     one = [1] + word_ids("Describe the picture" + image_text(case, tokens) + "What is this ?")
     two = [1] + word_ids("a" + image_text(case, tokens) + "and" + image_text(case, tokens) + "red ?")
-    # The chat the tests send through the processor glue: the template's text, expanded.
     chat = [1] + word_ids("<start_of_turn>user\n" + image_text(case, tokens) + "What is this ?<end_of_turn>\n"
                           "<start_of_turn>model\n")
+    return one, two, chat
+
+
+def _outputs(case, model, pixels, tokens, chat=True):
+    """What the tests compare: logits of the prompts, every point of the one-image prompt
+    (`one.<point>`), its greedy continuation."""
+    import torch
+
+    one, two, chat_ids = _prompts(case, tokens)
     lm = model.model.language_model
     vt = model.model.vision_tower
     obs = {}
@@ -230,30 +233,56 @@ def _build(case):
         with torch.no_grad():
             return model(input_ids=torch.tensor(ids)[None], pixel_values=pv, use_cache=False, **kw).logits[0].numpy()
 
-    out = {"pixel_values": pixels.numpy(), "one_ids": np.array(one, np.int64), "two_ids": np.array(two, np.int64),
-           "chat_ids": np.array(chat, np.int64)}
-    out["one_logits"] = run(one, pixels[:1])
+    out = {"one_logits": run(one, pixels[:1])}
     out.update({f"one.{k}": v for k, v in obs.items()})
     for h in hooks:
         h.remove()
     out["two_logits"] = run(two, pixels)
-    out["chat_logits"] = run(chat, pixels[1:])
+    if chat:
+        out["chat_logits"] = run(chat_ids, pixels[1:])
     kw = {"token_type_ids": (torch.tensor(one) == SOFT).long()[None]} if case == "gemma3" else {}
     with torch.no_grad():
         gen = model.generate(input_ids=torch.tensor(one)[None], pixel_values=pixels[:1], max_new_tokens=6,
                              min_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
     out["one_greedy"] = gen[0, len(one):].numpy().astype(np.int64)
+    return out
+
+
+def _build(case):
+    import tempfile
+
+    import torch
+    import transformers
+    from PIL import Image
+    from safetensors.numpy import load_file, save_file
+
+    config, model_name, proc, tokens = _configs(case)
+    seed = CASES[case][0]
+    dest = DATA / case
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        getattr(transformers, model_name)(config).save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+        shutil.copy(Path(tmp) / "config.json", dest / "config.json")
+    proc.save_pretrained(str(dest))
+    spec = {"seed": seed, "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    tensors, _ = weights(case)
+    spec["sha256"] = _digest(tensors)
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    model = _load(case)
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in draw_images()]
+    pixels = proc(images=images, return_tensors="pt")["pixel_values"].float()
+    one, two, chat = _prompts(case, tokens)
+    out = {"pixel_values": pixels.numpy(), "one_ids": np.array(one, np.int64), "two_ids": np.array(two, np.int64),
+           "chat_ids": np.array(chat, np.int64)}
+    out.update(_outputs(case, model, pixels, tokens))
     save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dest / "reference.safetensors"))
     meta = {"case": case, "architecture": model_name,
             "reference": f"transformers {transformers.__version__}, torch {torch.__version__}, eager attention, float32",
             "tokens_per_image": tokens, "keys": sorted(out)}
     (dest / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(case, "->", dest, sorted(out))
-
-
-if __name__ == "__main__":
-    for name in sys.argv[1:] or CASES:
-        _build(name)
 
 
 # -- GGUF: the language model (tests/gguf_convert.py) and llama.cpp's mmproj ---------------------
@@ -317,32 +346,111 @@ def write_mmproj(case, src, dest, outtype="f32"):
     side = int(cfg["mm_tokens_per_image"] ** 0.5)
     w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    q = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
-    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
-             "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
-             "self_attn.v_proj": "attn_v"}
-    out = [("mm.input_projection.weight", tensors["multi_modal_projector.mm_input_projection_weight"],
-            gguf.GGMLQuantizationType.F16),
-           ("mm.soft_emb_norm.weight", tensors["multi_modal_projector.mm_soft_emb_norm.weight"] + np.float32(1), None),
-           ("v.patch_embd.bias", tensors["vision_tower.embeddings.patch_embedding.bias"], None),
-           ("v.patch_embd.weight", tensors["vision_tower.embeddings.patch_embedding.weight"], None),
-           ("v.position_embd.weight", tensors["vision_tower.embeddings.position_embedding.weight"], None)]
-    for i in range(v["num_hidden_layers"]):
-        for hf, gg in layer.items():
-            for kind in ("bias", "weight"):
-                t = tensors[f"vision_tower.encoder.layers.{i}.{hf}.{kind}"]
-                out.append((f"v.blk.{i}.{gg}.{kind}", t, q if t.ndim == 2 else None))
-    out += [("v.post_ln.bias", tensors["vision_tower.post_layernorm.bias"], None),
-            ("v.post_ln.weight", tensors["vision_tower.post_layernorm.weight"], None)]
-    for name, t, dtype in out:
-        dtype = dtype or gguf.GGMLQuantizationType.F32
-        data = np.ascontiguousarray(t, np.float32)
-        w.add_tensor(name, gguf.quants.quantize(data, dtype), raw_dtype=dtype)
+    for name, _, t, dtype in _mmproj_tensors(tensors, v["num_hidden_layers"], outtype):
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, np.float32), dtype), raw_dtype=dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return dest
+
+
+def _mmproj_tensors(tensors, layers, outtype):
+    """The mmproj's tensors: (GGUF name, Hugging Face name, the array written, its type)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    q = {"f32": T.F32, "q8_0": T.Q8_0}[outtype]
+    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+             "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+             "self_attn.v_proj": "attn_v"}
+    proj = "multi_modal_projector."
+    out = [("mm.input_projection.weight", proj + "mm_input_projection_weight", None, T.F16),
+           ("mm.soft_emb_norm.weight", proj + "mm_soft_emb_norm.weight", np.float32(1), T.F32),
+           ("v.patch_embd.bias", "vision_tower.embeddings.patch_embedding.bias", None, T.F32),
+           ("v.patch_embd.weight", "vision_tower.embeddings.patch_embedding.weight", None, T.F32),
+           ("v.position_embd.weight", "vision_tower.embeddings.position_embedding.weight", None, T.F32)]
+    for i in range(layers):
+        for hf, gg in layer.items():
+            for kind in ("bias", "weight"):
+                name = f"vision_tower.encoder.layers.{i}.{hf}.{kind}"
+                out.append((f"v.blk.{i}.{gg}.{kind}", name, None, q if tensors[name].ndim == 2 else T.F32))
+    out += [("v.post_ln.bias", "vision_tower.post_layernorm.bias", None, T.F32),
+            ("v.post_ln.weight", "vision_tower.post_layernorm.weight", None, T.F32)]
+    # Gemma's soft-embedding norm is stored with its 1 added, as the converter does.
+    return [(g, h, tensors[h] if add is None else tensors[h] + add, dtype) for g, h, add, dtype in out]
+
+
+def file_weights(case, lm, mmproj):
+    """The checkpoint's tensors (Hugging Face names) as the GGUF files `lm` and `mmproj` hold them:
+    read back with the `gguf` package and de-quantized (the F16 projector matrix, Q8_0 blocks).
+    Tensors the converter stores with Gemma's 1 added (F32) are checked and given back as drawn."""
+    import gguf
+
+    import gguf_convert
+
+    tensors, _ = weights(case)
+    def read(path):
+        return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+
+    held = {}
+    for gname, hname, written, _ in _mmproj_tensors(tensors, json.loads((DATA / case / "config.json").read_text())
+                                                     ["vision_config"]["num_hidden_layers"], "f32"):
+        held[hname] = (gname, written)
+    text = json.loads((DATA / case / "config.json").read_text())["text_config"]
+    names = gguf.get_tensor_name_map(gguf_convert._arch_enum("gemma3"), text["num_hidden_layers"])
+    for hname, t in tensors.items():
+        if hname.startswith("language_model.model."):
+            short = "model." + hname[len("language_model.model."):]
+            held[hname] = (names.get_name(short, try_suffixes=(".weight", ".bias")),
+                           t + np.float32(1) if hname.endswith("norm.weight") else t)
+    files = {**read(lm), **read(mmproj)}
+    assert len(files) == len(held) == len(tensors), (len(files), len(held), len(tensors))
+    out = {}
+    for hname, (gname, written) in held.items():
+        got = files[gname].reshape(written.shape)
+        if not np.array_equal(written, tensors[hname]):  # stored with Gemma's 1 added, in F32
+            assert np.array_equal(got, written), f"{gname}: the file holds another value than the converter wrote"
+            got = tensors[hname]
+        out[hname] = np.ascontiguousarray(got, np.float32)
+    return out
+
+
+def gguf_reference(case, outtype):
+    """transformers' outputs on the weights the GGUF files of `outtype` hold (`_build_gguf`)."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(DATA / case / f"reference-gguf-{outtype}.safetensors"))
+
+
+def _build_gguf(case):
+    """`reference-gguf-{f32,q8_0}.safetensors`: transformers run on `file_weights` of the files
+    `write_gguf` writes, so the reference holds what the files hold (llama.cpp's converter stores
+    the projector matrix in F16 whatever `--outtype`, llama.cpp issue 13025)."""
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    ref = reference(case)
+    pixels = torch.from_numpy(ref["pixel_values"])
+    tokens = json.loads((DATA / case / "reference.json").read_text())["tokens_per_image"]
+    for outtype in ("f32", "q8_0"):
+        with tempfile.TemporaryDirectory() as tmp:
+            lm, mmproj = write_gguf(case, materialise(case, Path(tmp) / "hf"), Path(tmp) / "gguf", outtype)
+            tensors = file_weights(case, lm, mmproj)
+        drawn, _ = weights(case)
+        changed = sorted(k for k in drawn if not np.array_equal(drawn[k], tensors[k]))
+        out = _outputs(case, _load(case, tensors), pixels, tokens, chat=False)
+        if outtype != "f32":
+            out = {k: out[k] for k in ("one_logits", "two_logits")}
+        dest = DATA / case / f"reference-gguf-{outtype}.safetensors"
+        save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dest),
+                  metadata={"reference": f"transformers {transformers.__version__}, torch {torch.__version__}, "
+                                         f"eager attention, float32, on the weights the {outtype} GGUF files hold",
+                            "rounded": ",".join(changed) if len(changed) < 4 else f"{len(changed)} tensors"})
+        print(case, outtype, "->", dest, f"{len(changed)} tensors differ from the drawn ones:", changed[:4])
 
 
 def write_gguf(case, src, dest, outtype="f32"):
@@ -380,3 +488,11 @@ def _check_mmproj(converted, outtype):
         tb = {t.name: (t.tensor_type, bytes(t.data)) for t in theirs.tensors}
         assert ta == tb, [k for k in set(ta) | set(tb) if ta.get(k) != tb.get(k)]
     print("mmproj", outtype, "equals the converter's")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or CASES:
+        if name.endswith("-gguf"):
+            _build_gguf(name[: -len("-gguf")])
+        else:
+            _build(name)
