@@ -287,19 +287,23 @@ def _build(case):
 
 # -- GGUF: the language model (tests/gguf_convert.py) and llama.cpp's mmproj ---------------------
 
+TEXT_ARCH = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "llava": ("llama", "LlamaForCausalLM")}
+
+
 def _text_dir(case, src, dest):
-    """The language model of `src` as a text checkpoint (config and `model.*` tensors) for
-    tests/gguf_convert.py, which converts text models."""
+    """The language model of `src` as a text checkpoint (config, `model.*` and `lm_head.*`
+    tensors) for tests/gguf_convert.py, which converts text models."""
     from safetensors.numpy import load_file, save_file
 
     cfg = json.loads((Path(src) / "config.json").read_text())
-    text = {**cfg["text_config"], "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    model_type, arch = TEXT_ARCH[case]
+    text = {**cfg["text_config"], "model_type": model_type, "architectures": [arch]}
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(text))
     t = load_file(str(Path(src) / "model.safetensors"))
-    save_file({"model." + k[len("language_model.model."):]: v for k, v in t.items()
-               if k.startswith("language_model.model.")}, str(dest / "model.safetensors"))
+    save_file({k[len("language_model."):]: v for k, v in t.items() if k.startswith("language_model.")},
+              str(dest / "model.safetensors"))
     return dest
 
 
@@ -319,34 +323,58 @@ def _vocab(w, cfg):
 
 
 def write_mmproj(case, src, dest, outtype="f32"):
-    """llama.cpp's mmproj GGUF of the tiny Gemma 3, as `convert_hf_to_gguf.py --mmproj` writes it
-    (conversion/gemma.py's `Gemma3VisionModel`; checked tensor for tensor and key for key against
-    the converter's own output by `_check_mmproj`): `clip.*` metadata, `v.*` / `mm.*` tensors,
-    the soft-embedding norm + 1, the input projection in F16, 2-D encoder weights in `outtype`."""
+    """llama.cpp's mmproj GGUF of the tiny checkpoint at `src`, key for key and tensor for tensor
+    as llama.cpp's converters write it (checked against their own output by `_check_mmproj`):
+
+    - Gemma 3: `convert_hf_to_gguf.py --mmproj` (conversion/gemma.py's `Gemma3VisionModel`): the
+      soft-embedding norm + 1, the input projection in F16, 2-D encoder weights in `outtype`;
+    - LLaVA-1.5: `tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py --llava-projector
+      --clip-model-is-vision --use-f32` (the current converter takes no CLIP encoder): only the
+      layers up to the one the projector reads, no post-LayerNorm, CLIP's fc1 named `ffn_down`
+      and fc2 `ffn_up`, the patch embedding and the projector matrices in F16 (`outtype` f32 only)."""
     import gguf
 
-    assert case == "gemma3"
     cfg = json.loads((Path(src) / "config.json").read_text())
     v = cfg["vision_config"]
     tensors, _ = weights(case)
     w = gguf.GGUFWriter(str(dest), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
-    for key, value in (("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
-                       ("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
-                       ("block_count", v["num_hidden_layers"]), ("attention.head_count", v["num_attention_heads"])):
-        w.add_uint32(f"clip.vision.{key}", value)
-    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_string("clip.projector_type", "gemma3")
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
-    w.add_bool("clip.use_gelu", True)
-    side = int(cfg["mm_tokens_per_image"] ** 0.5)
-    w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, _, t, dtype in _mmproj_tensors(tensors, v["num_hidden_layers"], outtype):
+    if case == "gemma3":
+        w.add_type(gguf.GGUFType.MMPROJ)
+        w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
+        w.add_bool("clip.has_vision_encoder", True)
+        w.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
+        sizes = (("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
+                 ("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
+                 ("block_count", v["num_hidden_layers"]), ("attention.head_count", v["num_attention_heads"]))
+        for key, value in sizes:
+            w.add_uint32(f"clip.vision.{key}", value)
+        w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+        w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+        w.add_string("clip.projector_type", "gemma3")
+        w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
+        w.add_bool("clip.use_gelu", True)
+        side = int(cfg["mm_tokens_per_image"] ** 0.5)
+        w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    else:
+        assert outtype == "f32", "the LLaVA converter writes f32 (--use-f32) or f16"
+        for key in ("has_text_encoder", "has_vision_encoder", "has_llava_projector"):
+            w.add_bool(f"clip.{key}", key != "has_text_encoder")
+        w.add_file_type(0)
+        w.add_name(Path(src).name)
+        w.add_description("image encoder for LLaVA")
+        w.add_string("clip.projector_type", "mlp")
+        for key, value in (("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
+                           ("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
+                           ("projection_dim", v["projection_dim"]), ("attention.head_count", v["num_attention_heads"])):
+            w.add_uint32(f"clip.vision.{key}", value)
+        w.add_float32("clip.vision.attention.layer_norm_epsilon", v["layer_norm_eps"])
+        w.add_uint32("clip.vision.block_count", v["num_hidden_layers"] - 1)
+        # The converter's defaults (OpenAI CLIP's): it reads no processor for a vision-only CLIP.
+        w.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+        w.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+        w.add_bool("clip.use_gelu", v["hidden_act"] == "gelu")
+    for name, _, t, dtype in _mmproj_tensors(case, tensors, v["num_hidden_layers"], outtype):
         w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, np.float32), dtype), raw_dtype=dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -355,61 +383,92 @@ def write_mmproj(case, src, dest, outtype="f32"):
     return dest
 
 
-def _mmproj_tensors(tensors, layers, outtype):
+def _mmproj_tensors(case, tensors, layers, outtype):
     """The mmproj's tensors: (GGUF name, Hugging Face name, the array written, its type)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     q = {"f32": T.F32, "q8_0": T.Q8_0}[outtype]
-    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
-             "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
-             "self_attn.v_proj": "attn_v"}
     proj = "multi_modal_projector."
-    out = [("mm.input_projection.weight", proj + "mm_input_projection_weight", None, T.F16),
-           ("mm.soft_emb_norm.weight", proj + "mm_soft_emb_norm.weight", np.float32(1), T.F32),
-           ("v.patch_embd.bias", "vision_tower.embeddings.patch_embedding.bias", None, T.F32),
-           ("v.patch_embd.weight", "vision_tower.embeddings.patch_embedding.weight", None, T.F32),
-           ("v.position_embd.weight", "vision_tower.embeddings.position_embedding.weight", None, T.F32)]
+    if case == "gemma3":
+        layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+                 "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+                 "self_attn.v_proj": "attn_v"}
+        out = [("mm.input_projection.weight", proj + "mm_input_projection_weight", None, T.F16),
+               ("mm.soft_emb_norm.weight", proj + "mm_soft_emb_norm.weight", np.float32(1), T.F32),
+               ("v.patch_embd.bias", "vision_tower.embeddings.patch_embedding.bias", None, T.F32),
+               ("v.patch_embd.weight", "vision_tower.embeddings.patch_embedding.weight", None, T.F32),
+               ("v.position_embd.weight", "vision_tower.embeddings.position_embedding.weight", None, T.F32)]
+        end = [("v.post_ln.bias", "vision_tower.post_layernorm.bias", None, T.F32),
+               ("v.post_ln.weight", "vision_tower.post_layernorm.weight", None, T.F32)]
+    else:
+        # The legacy converter's own renaming (fc1 → ffn_down); its last layer is dropped.
+        layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_down", "mlp.fc2": "ffn_up",
+                 "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+                 "self_attn.v_proj": "attn_v"}
+        layers -= 1
+        out = [(f"mm.{k}.{kind}", f"{proj}linear_{k // 2 + 1}.{kind}", None, T.F16 if kind == "weight" else T.F32)
+               for k in (0, 2) for kind in ("bias", "weight")]
+        out += [("v.class_embd", "vision_tower.embeddings.class_embedding", None, T.F32),
+                ("v.patch_embd.weight", "vision_tower.embeddings.patch_embedding.weight", None, T.F16),
+                ("v.position_embd.weight", "vision_tower.embeddings.position_embedding.weight", None, T.F32),
+                ("v.pre_ln.weight", "vision_tower.pre_layrnorm.weight", None, T.F32),
+                ("v.pre_ln.bias", "vision_tower.pre_layrnorm.bias", None, T.F32)]
+        end = []
     for i in range(layers):
         for hf, gg in layer.items():
             for kind in ("bias", "weight"):
                 name = f"vision_tower.encoder.layers.{i}.{hf}.{kind}"
                 out.append((f"v.blk.{i}.{gg}.{kind}", name, None, q if tensors[name].ndim == 2 else T.F32))
-    out += [("v.post_ln.bias", "vision_tower.post_layernorm.bias", None, T.F32),
-            ("v.post_ln.weight", "vision_tower.post_layernorm.weight", None, T.F32)]
+    out += end
     # Gemma's soft-embedding norm is stored with its 1 added, as the converter does.
     return [(g, h, tensors[h] if add is None else tensors[h] + add, dtype) for g, h, add, dtype in out]
 
 
 def file_weights(case, lm, mmproj):
     """The checkpoint's tensors (Hugging Face names) as the GGUF files `lm` and `mmproj` hold them:
-    read back with the `gguf` package and de-quantized (the F16 projector matrix, Q8_0 blocks).
-    Tensors the converter stores with Gemma's 1 added (F32) are checked and given back as drawn."""
+    read back with the `gguf` package and de-quantized (the F16 projector matrices, Q8_0 blocks),
+    the converters' transforms undone (Gemma's norms, stored in F32 with 1 added, are checked and
+    given back as drawn; Llama's q/k rows are put back in Hugging Face's order). Tensors the files
+    do not hold (LLaVA's last CLIP layer and post-LayerNorm, which its outputs never read) stay
+    as drawn."""
     import gguf
 
     import gguf_convert
 
     tensors, _ = weights(case)
+    cfg = json.loads((DATA / case / "config.json").read_text())
+    text = cfg["text_config"]
     def read(path):
         return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
 
-    held = {}
-    for gname, hname, written, _ in _mmproj_tensors(tensors, json.loads((DATA / case / "config.json").read_text())
-                                                     ["vision_config"]["num_hidden_layers"], "f32"):
-        held[hname] = (gname, written)
-    text = json.loads((DATA / case / "config.json").read_text())["text_config"]
-    names = gguf.get_tensor_name_map(gguf_convert._arch_enum("gemma3"), text["num_hidden_layers"])
-    for hname, t in tensors.items():
-        if hname.startswith("language_model.model."):
-            short = "model." + hname[len("language_model.model."):]
-            held[hname] = (names.get_name(short, try_suffixes=(".weight", ".bias")),
-                           t + np.float32(1) if hname.endswith("norm.weight") else t)
     files = {**read(lm), **read(mmproj)}
-    assert len(files) == len(held) == len(tensors), (len(files), len(held), len(tensors))
-    out = {}
+    held = {h: (g, written) for g, h, written, _ in
+            _mmproj_tensors(case, tensors, cfg["vision_config"]["num_hidden_layers"], "f32")}
+    arch = gguf_convert.ARCH[TEXT_ARCH[case][0]]
+    names = gguf.get_tensor_name_map(gguf_convert._arch_enum(arch), text["num_hidden_layers"])
+    rows = {}  # file row -> Hugging Face row, for the permuted q/k
+    for hname, t in tensors.items():
+        if not hname.startswith("language_model."):
+            continue
+        short = hname[len("language_model."):]
+        gname = names.get_name(short, try_suffixes=(".weight", ".bias"))
+        if case == "gemma3" and hname.endswith("norm.weight"):
+            t = t + np.float32(1)
+        if case == "llava" and hname.endswith(("q_proj.weight", "k_proj.weight")):
+            kv = text["num_attention_heads"] if "q_proj" in hname else text["num_key_value_heads"]
+            rows[hname] = gguf_convert._permute(np.arange(len(t))[:, None], text["num_attention_heads"], kv).ravel()
+            t = t[rows[hname]]
+        held[hname] = (gname, t)
+    assert len(files) == len(held), (sorted(files), sorted(held))
+    out = dict(tensors)
     for hname, (gname, written) in held.items():
         got = files[gname].reshape(written.shape)
-        if not np.array_equal(written, tensors[hname]):  # stored with Gemma's 1 added, in F32
+        if hname in rows:
+            back = np.empty_like(got)
+            back[rows[hname]] = got
+            got = back
+        elif not np.array_equal(written, tensors[hname]):  # stored with Gemma's 1 added, in F32
             assert np.array_equal(got, written), f"{gname}: the file holds another value than the converter wrote"
             got = tensors[hname]
         out[hname] = np.ascontiguousarray(got, np.float32)
@@ -466,20 +525,24 @@ def write_gguf(case, src, dest, outtype="f32"):
         lm = gguf_convert.convert(text, dest / f"model-{outtype}.gguf", outtype=outtype)
     finally:
         gguf_convert._minimal_vocab = keep
-    return lm, write_mmproj(case, src, dest / f"mmproj-{outtype}.gguf", outtype)
+    # LLaVA's converter writes no Q8_0: its mmproj stays float32 beside a Q8_0 language model.
+    mm = outtype if case == "gemma3" else "f32"
+    return lm, write_mmproj(case, src, dest / f"mmproj-{mm}.gguf", mm)
 
 
-def _check_mmproj(converted, outtype):
-    """Our mmproj equals llama.cpp's converter's (`converted`) in every key and tensor."""
+def _check_mmproj(converted, outtype, case="gemma3"):
+    """Our mmproj equals llama.cpp's converter's (`converted`) in every key and tensor. (LLaVA:
+    the legacy converter needs transformers 4, whose `CLIPVisionModel` has `.vision_model`, and
+    a CLIP directory and projector file cut from the checkpoint as `llava_surgery` does.)"""
     import tempfile
 
     import gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        src = materialise("gemma3", tmp)
-        ours = gguf.GGUFReader(str(write_mmproj("gemma3", src, Path(tmp) / "m.gguf", outtype)))
+        src = materialise(case, Path(tmp) / "clip")
+        ours = gguf.GGUFReader(str(write_mmproj(case, src, Path(tmp) / "m.gguf", outtype)))
         theirs = gguf.GGUFReader(str(converted))
-        skip = {"general.name", "general.size_label", "GGUF.kv_count"}
+        skip = {"general.name", "general.size_label"}
         keys = lambda r: {k: (f.types, [f.parts[i].tolist() for i in f.data]) for k, f in r.fields.items()
                           if k not in skip}
         a, b = keys(ours), keys(theirs)
