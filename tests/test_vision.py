@@ -412,3 +412,37 @@ def test_serve_with_mmproj_answers_an_image_question(gguf_files, tmp_path):
         want = rt.generate(ids, pixel_values=pixels, max_tokens=3, temperature=0.0)
     assert answer["usage"]["prompt_tokens"] == len(ids)
     assert answer["choices"][0]["message"]["content"] == want.text
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"clip.projector_type": "ldp"}, "projector type \"ldp\""),
+    ({"clip.vision.feature_layer": [1, 2]}, "feature_layer"),
+])
+def test_an_mmproj_candlewick_cannot_read_is_refused_by_name(gguf_files, tmp_path, change, message):
+    """An mmproj of another projector (or LLaVA reading several layers) is a typed error naming
+    what it holds, not a model that answers wrongly."""
+    import gguf
+
+    lm, mmproj = gguf_files("llava")["f32"]
+    src = gguf.GGUFReader(str(mmproj))
+    w = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "clip")
+    for key, field in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = change.get(key, field.contents())
+        if key in change and isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_key_value(key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for key, value in change.items():
+        if key not in src.fields:
+            w.add_array(key, value)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.shape[::-1], np.int64).tolist(),
+                     raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(cw.CandlewickError, match=message):
+        cw.ModelRuntime.load(str(lm), mmproj=str(tmp_path / "other.gguf"))
