@@ -34,7 +34,7 @@ def close(a, b, tol=TOL):
 
 def test_supported_architectures_say_which_take_images():
     assert cw.supported_architectures(images=True) == ["gemma3", "llava"]
-    assert cw.supported_architectures("gguf", images=True) == ["gemma3"]
+    assert cw.supported_architectures("gguf", images=True) == ["gemma3", "llava"]
 
 
 def test_logits_at_image_and_text_positions(case):
@@ -88,6 +88,22 @@ def test_generate_greedy_tokens(case):
     again = rt.generate(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1], max_tokens=6,
                         temperature=0.0, ignore_eos=True)
     assert again.token_ids == g.token_ids
+
+
+def test_streams_with_images_give_what_generate_gives(case):
+    # A stream's steps come after its images are unstaged: that is no change of the session it
+    # must refuse to step on (it was, for generate(stream=True), stream and chat(stream=True)).
+    name, rt, ref, _ = case
+    png = vf.draw_images()[1]
+    prompt = {"gemma3": "<start_of_image>", "llava": "<image>"}[name] + "What is this ?"
+    kw = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = rt.generate(prompt, images=[png], **kw)
+    assert "".join(rt.stream(prompt, images=[png], **kw)) == want.text
+    s = rt.generate(prompt, images=[png], stream=True, **kw)
+    assert "".join(s) == want.text and s.result.token_ids == want.token_ids
+    msgs = [{"role": "user", "content": [{"type": "image", "image": png}, {"type": "text", "text": "What is this ?"}]}]
+    chat = rt.chat(msgs, stream=True, **kw)
+    assert "".join(chat) == rt.chat(msgs, **kw).text
 
 
 def test_chat_with_an_image_through_the_processor(case):
@@ -223,56 +239,210 @@ def test_server_answers_an_image_question_through_the_openai_client(case):
         thread.join(10)
 
 
-# -- GGUF language model + llama.cpp's mmproj (Gemma 3) ------------------------------------------
+# -- GGUF language model + llama.cpp's mmproj (Gemma 3, LLaVA-1.5) --------------------------------
 
 @pytest.fixture(scope="module")
-def gguf_files(tmp_path_factory):
+def gguf_dir(tmp_path_factory):
     pytest.importorskip("gguf")
-    tmp = tmp_path_factory.mktemp("vision-gguf")
-    src = vf.materialise("gemma3", tmp / "hf")
-    return {t: vf.write_gguf("gemma3", src, tmp / t, t) for t in ("f32", "q8_0")}
+    return tmp_path_factory.mktemp("vision-gguf")
 
 
-@pytest.mark.xfail(reason="GGUF + mmproj logits not yet at the reference (vision points are; the image embeddings differ by 7e-4 after the F16 projector): open, see docs/vision.md", strict=False)
-def test_gguf_with_mmproj_f32_matches_transformers(gguf_files):
-    lm, mmproj = gguf_files["f32"]
-    ref = vf.reference("gemma3")
+@pytest.fixture(scope="module")
+def gguf_files(gguf_dir):
+    """`{case: {outtype: (language model, mmproj)}}`, written on first use."""
+    made: dict = {}
+
+    def files(case):
+        if case not in made:
+            src = vf.materialise(case, gguf_dir / case / "hf")
+            made[case] = {t: vf.write_gguf(case, src, gguf_dir / case / t, t) for t in ("f32", "q8_0")}
+        return made[case]
+    return files
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gguf_with_mmproj_f32_matches_transformers(gguf_files, name):
+    """Reference: transformers on the weights the files hold (`vf.file_weights`: read back with the
+    gguf package). llama.cpp's converters store projector matrices in F16 whatever `--outtype`
+    (llama.cpp issue 13025; LLaVA's the patch embedding too); for Gemma 3 that rounding alone puts
+    the logits 1.3e-3 (top-20 rel L2) from the reference on the drawn float32 weights, past DESIGN
+    §7's GGUF bound, while on the weights the files hold every point is within the float32
+    bound, 1e-4."""
+    lm, mmproj = gguf_files(name)["f32"]
+    ref, held = vf.reference(name), vf.gguf_reference(name, "f32")
     with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj), dtype="f32") as rt:
         r = rt.trace(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1])
-        # The vision points are at the reference; the converter stores the projector matrix in F16
-        # (llama.cpp issue 13025), so the logits are held to DESIGN §7's GGUF F32 bound (top-20 rel L2).
-        close(r.observations["vision.output"], ref["one.vision.output"])
-        from conftest import rel_l2
-        want = ref["one_logits"]
-        top = np.argsort(-want, axis=1)[:, :20]
-        errs = [rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(r.output.logits, want, top)]
-        print(f"\n[gguf+mmproj f32] gemma3: top-20 rel L2 max {max(errs):.1e}")
-        assert max(errs) <= 1e-3
+        close(r.output.logits, held["one_logits"])
+        checked = 0
+        for point in [k[4:] for k in held if k.startswith("one.")]:
+            if point not in r.observations:
+                # LLaVA reads the second-to-last CLIP layer: the mmproj holds no last one.
+                assert name == "llava" and point == "vision.layers.2.output", point
+                continue
+            close(r.observations[point], held["one." + point])
+            checked += 1
+        assert checked == 9
+        if name == "gemma3":
+            # The encoder's weights are F32 in the file: its output is the drawn checkpoint's too.
+            close(r.observations["vision.output"], ref["one.vision.output"])
+        two = rt.trace(ref["two_ids"].tolist(), pixel_values=ref["pixel_values"])
+        close(two.output.logits, held["two_logits"])
+        g = rt.generate(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1], max_tokens=6,
+                        temperature=0.0, ignore_eos=True)
+        assert g.token_ids == held["one_greedy"].tolist()
         assert rt.observation_points()[:2] == ["vision.layers.0.output", "vision.layers.1.output"]
-        # The image token is found by name in the GGUF's tokenizer; raw images go through the processor.
+        # The image token is found by name in the GGUF's tokenizer; raw images go through the
+        # processor the mmproj's configuration describes, as the checkpoint's own does.
         ids, pixels = rt.process([{"role": "user", "content": [{"type": "image", "image": vf.draw_images()[1]},
                                                                {"type": "text", "text": "What is this ?"}]}],
-                                 chat_template=vf.tokenizer_config("gemma3")["chat_template"])
+                                 chat_template=vf.tokenizer_config(name)["chat_template"])
+        # (The file's vocabulary names the words `<w{i}>`: the text's ids differ, the image's do not.)
+        soft = {"gemma3": vf.SOFT, "llava": vf.LLAVA_IMAGE}[name]
+        assert ids.count(soft) == 16
+        assert name != "gemma3" or ids[ids.index(soft) - 1] == vf.BOI
         close(pixels, ref["pixel_values"][1:], 1e-6)
 
 
-@pytest.mark.xfail(reason="GGUF + mmproj logits not yet at the reference (vision points are; the image embeddings differ by 7e-4 after the F16 projector): open, see docs/vision.md", strict=False)
-def test_gguf_with_mmproj_q8_0_within_design_bounds(gguf_files):
+@pytest.mark.parametrize("name", CASES)
+def test_gguf_with_mmproj_q8_0_within_design_bounds(gguf_files, name):
+    """DESIGN §7's quantized bounds, against transformers on the files' de-quantized weights (as
+    the Gemma 3 270M reference is): the decoder runs quantized, the encoder de-quantized (LLaVA's
+    converter writes no Q8_0 mmproj: its float32 one goes with the Q8_0 language model)."""
     from conftest import rel_l2
 
-    lm, mmproj = gguf_files["q8_0"]
-    ref = vf.reference("gemma3")
+    lm, mmproj = gguf_files(name)["q8_0"]
+    ref, held = vf.reference(name), vf.gguf_reference(name, "q8_0")
     with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj)) as rt:
-        got = rt.trace(ref["one_ids"].tolist(), pixel_values=ref["pixel_values"][:1]).output.logits
-    want = ref["one_logits"]
-    top = np.argsort(-want, axis=1)[:, :20]
-    errs = np.array([rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(got, want, top)])
-    print(f"\n[gguf+mmproj q8_0] gemma3: top-20 rel L2 median {np.median(errs):.4f} (max {errs.max():.4f})")
-    assert np.median(errs) <= 0.05
-    assert (np.argmax(got, 1) == np.argmax(want, 1)).mean() >= 0.9
+        assert "q8_0" in rt.model_info["weight_types"]
+        for key, pv in (("one", ref["pixel_values"][:1]), ("two", ref["pixel_values"])):
+            got = np.asarray(rt.trace(ref[f"{key}_ids"].tolist(), pixel_values=pv).output.logits)
+            want = held[f"{key}_logits"]
+            top = np.argsort(-want, axis=1)[:, :20]
+            errs = np.array([rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(got, want, top)])
+            overlap = np.array([len(set(np.argsort(-g)[:5].tolist()) & set(t[:5].tolist())) for g, t in zip(got, top)])
+            ranked = np.sort(want, axis=1)
+            decided = ranked[:, -1] - ranked[:, -2] > 1.0
+            misses = np.flatnonzero(decided & (got.argmax(1) != want.argmax(1)))
+            print(f"\n[gguf+mmproj q8_0] {name} {key}: top-20 rel L2 median {np.median(errs):.4f} (max {errs.max():.4f}); "
+                  f"top-5 overlap >= 3 on {100 * np.mean(overlap >= 3):.0f}% of rows; argmax misses {len(misses)} of "
+                  f"{decided.sum()} rows with margin > 1.0")
+            assert np.median(errs) <= 0.05
+            assert np.mean(overlap >= 3) >= 0.95
+            assert len(misses) == 0, misses
 
 
 def test_mmproj_needs_a_gguf_language_model(case):
     name, _, _, path = case
     with pytest.raises(cw.InvalidOptionError, match="mmproj"):
         cw.ModelRuntime.load(str(path), mmproj=str(path / "config.json"))
+
+
+def test_cli_generate_takes_an_image_with_mmproj(gguf_files, tmp_path, capsys):
+    """`candlewick generate --mmproj PATH --image PATH`: what the Python API answers for the
+    same prompt and image (whose ids and pixels are checked against transformers above)."""
+    from candlewick import cli
+
+    lm, mmproj = gguf_files("gemma3")["f32"]
+    png = tmp_path / "p.png"
+    png.write_bytes(vf.draw_images()[1])
+    prompt = "<start_of_image>What is this ?"
+    args = ["generate", "--model", str(lm), "--dtype", "f32", "--device", "cpu", "--image", str(png), "--temp", "0",
+            "-n", "4", "--quiet", prompt]
+    assert cli.main(args[:1] + ["--mmproj", str(mmproj)] + args[1:]) == 0
+    out = capsys.readouterr().out
+    with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj), dtype="f32") as rt:
+        ids, pixels = rt.process(prompt, [str(png)])
+        want = rt.generate(ids, pixel_values=pixels, max_tokens=4, temperature=0.0)
+    assert ids.count(vf.SOFT) == 16 and want.token_ids
+    assert out.rstrip("\n") == want.text
+    # Without the projector the language model alone refuses the image.
+    assert cli.main(args) == 1
+    assert "takes no images" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(args[:1] + ["--mmproj", str(tmp_path / "none.gguf")] + args[1:])
+    assert e.value.code == 2
+
+
+def test_serve_with_mmproj_answers_an_image_question(gguf_files, tmp_path):
+    """`candlewick serve --mmproj PATH`: an OpenAI chat request with an image content part on a
+    GGUF language model + mmproj, answered as the Python API answers the same messages."""
+    import base64
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    pytest.importorskip("uvicorn")
+    lm, mmproj = gguf_files("gemma3")["f32"]
+    template = tmp_path / "template.jinja"
+    template.write_text(vf.tokenizer_config("gemma3")["chat_template"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "candlewick", "serve", "--model", str(lm), "--mmproj", str(mmproj), "--device", "cpu",
+           "--port", str(port), "--chat-template", str(template)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}/v1"
+    url = "data:image/png;base64," + base64.b64encode(vf.draw_images()[1]).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What is this ?"}]}]
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                with urllib.request.urlopen(base + "/models", timeout=1) as r:
+                    served = json.loads(r.read())["data"][0]["id"]
+                break
+            except OSError:
+                assert time.time() < deadline, "the server did not come up"
+                time.sleep(0.2)
+        body = json.dumps({"model": served, "max_tokens": 3, "temperature": 0, "messages": messages}).encode()
+        req = urllib.request.Request(base + "/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    # The server runs the GGUF's own (quantization-free, F32) weights in its default dtype: f32.
+    with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj)) as rt:
+        ids, pixels = rt.process(messages, chat_template=template.read_text())
+        want = rt.generate(ids, pixel_values=pixels, max_tokens=3, temperature=0.0)
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    assert answer["choices"][0]["message"]["content"] == want.text
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"clip.projector_type": "ldp"}, "projector type \"ldp\""),
+    ({"clip.vision.feature_layer": [1, 2]}, "feature_layer"),
+])
+def test_an_mmproj_candlewick_cannot_read_is_refused_by_name(gguf_files, tmp_path, change, message):
+    """An mmproj of another projector (or LLaVA reading several layers) is a typed error naming
+    what it holds, not a model that answers wrongly."""
+    import gguf
+
+    lm, mmproj = gguf_files("llava")["f32"]
+    src = gguf.GGUFReader(str(mmproj))
+    w = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "clip")
+    for key, field in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = change.get(key, field.contents())
+        if key in change and isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_key_value(key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for key, value in change.items():
+        if key not in src.fields:
+            w.add_array(key, value)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.shape[::-1], np.int64).tolist(),
+                     raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(cw.CandlewickError, match=message):
+        cw.ModelRuntime.load(str(lm), mmproj=str(tmp_path / "other.gguf"))

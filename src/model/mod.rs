@@ -218,7 +218,11 @@ impl Model {
             (ArtifactFormat::HuggingFace, Some(_)) => Some(vision::ProcessorFiles::from_hf_dir(path)?),
             (ArtifactFormat::Gguf, Some(v)) => {
                 // The mmproj file does not name the image token: the language model's tokenizer does.
-                if let Some(id) = tokenizer.as_ref().ok().and_then(|t| t.token_to_id("<image_soft_token>")) {
+                let token = match v.config().family {
+                    crate::backend::config::vision::VisionFamily::Gemma3 => "<image_soft_token>",
+                    crate::backend::config::vision::VisionFamily::Llava => "<image>",
+                };
+                if let Some(id) = tokenizer.as_ref().ok().and_then(|t| t.token_to_id(token)) {
                     v.set_image_token_id(id);
                 }
                 Some(vision::ProcessorFiles::from_mmproj(v.config()))

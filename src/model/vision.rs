@@ -47,20 +47,54 @@ pub struct ProcessorFiles {
 }
 
 impl ProcessorFiles {
-    /// What Gemma 3's processor reads, from an mmproj file's configuration (llama.cpp's
-    /// converter keeps the image size; mean and std are Gemma 3's 0.5, bilinear resizing).
+    /// What the family's processor reads, from an mmproj file's configuration (llama.cpp's
+    /// converters keep the image size, mean and std). Gemma 3: a bilinear resize to the square;
+    /// LLaVA: transformers' `CLIPImageProcessor` (bicubic resize of the shortest edge, centre
+    /// crop), as the Hugging Face checkpoints configure it.
     pub fn from_mmproj(c: &crate::backend::config::vision::VisionConfig) -> Self {
+        use crate::backend::config::vision::VisionFamily;
         let tokens = c.tokens_per_image();
-        let processor = serde_json::json!({
-            "image_processor_type": "Gemma3ImageProcessor",
-            "size": {"height": c.image_size, "width": c.image_size},
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "resample": 2,
-            "image_seq_length": tokens,
+        let s = c.image_size;
+        let (mean, std) = c.normalization.unwrap_or(match c.family {
+            VisionFamily::Gemma3 => ([0.5; 3], [0.5; 3]),
+            // OpenAI CLIP's.
+            VisionFamily::Llava => {
+                ([0.481_454_66, 0.457_827_5, 0.408_210_73], [0.268_629_54, 0.261_302_58, 0.275_777_11])
+            }
         });
-        let config = serde_json::json!({"model_type": "gemma3", "mm_tokens_per_image": tokens});
-        Self { model_type: "gemma3".into(), processor: processor.to_string(), config: config.to_string() }
+        let strategy = if c.drop_class_token { "default" } else { "full" };
+        let (processor, config) = match c.family {
+            VisionFamily::Gemma3 => (
+                serde_json::json!({
+                    "image_processor_type": "Gemma3ImageProcessor",
+                    "size": {"height": s, "width": s},
+                    "image_mean": mean,
+                    "image_std": std,
+                    "resample": 2,
+                    "image_seq_length": tokens,
+                }),
+                serde_json::json!({"model_type": "gemma3", "mm_tokens_per_image": tokens}),
+            ),
+            VisionFamily::Llava => (
+                serde_json::json!({
+                    "image_processor_type": "CLIPImageProcessor",
+                    "size": {"shortest_edge": s},
+                    "crop_size": {"height": s, "width": s},
+                    "do_center_crop": true,
+                    "image_mean": mean,
+                    "image_std": std,
+                    "resample": 3,
+                    "patch_size": c.patch_size,
+                }),
+                serde_json::json!({
+                    "model_type": "llava",
+                    "image_seq_length": tokens,
+                    "vision_config": {"patch_size": c.patch_size, "image_size": s},
+                    "vision_feature_select_strategy": strategy,
+                }),
+            ),
+        };
+        Self { model_type: c.family.name().into(), processor: processor.to_string(), config: config.to_string() }
     }
 
     /// Reads them from a Hugging Face directory.

@@ -76,11 +76,9 @@ pub fn supported_architectures(py: Python<'_>, format: Option<&str>, images: boo
     };
     if images {
         use candlewick::backend::config::vision::VisionFamily;
-        return Ok(VisionFamily::ALL
-            .into_iter()
-            .filter(|f| !gguf_only || *f == VisionFamily::Gemma3)
-            .map(VisionFamily::name)
-            .collect());
+        // Every family loads from a GGUF language model plus its mmproj file too
+        // (`config::vision::from_mmproj`).
+        return Ok(VisionFamily::ALL.into_iter().map(VisionFamily::name).collect());
     }
     Ok(Architecture::ALL
         .into_iter()

@@ -108,7 +108,7 @@ impl PyModelRuntime {
             None => slf.get().prompt_ids(py, prompt)?,
         };
         if stream {
-            let s = with_images(py, slf.get(), &call, || PyGenerationStream::start(py, slf, ids, opts))?;
+            let s = PyGenerationStream::start(py, slf, ids, opts, call.as_ref())?;
             return Ok(Bound::new(py, s)?.into_any());
         }
         Ok(Bound::new(py, with_images(py, slf.get(), &call, || run_to_end(py, slf.get(), ids, opts))?)?.into_any())
@@ -196,7 +196,7 @@ impl PyModelRuntime {
             Some(c) => c.ids.clone(),
             None => slf.get().prompt_ids(py, prompt)?,
         };
-        with_images(py, slf.get(), &call, || PyGenerationStream::start(py, slf, ids, opts))
+        PyGenerationStream::start(py, slf, ids, opts, call.as_ref())
     }
 
     #[doc = concat!(
@@ -317,7 +317,7 @@ impl PyModelRuntime {
                 None => slf.get().chat_ids(py, messages, chat_template)?,
             };
             if stream {
-                let s = with_images(py, slf.get(), &call, || PyGenerationStream::start(py, slf, ids, opts))?;
+                let s = PyGenerationStream::start(py, slf, ids, opts, call.as_ref())?;
                 return Ok(Bound::new(py, s)?.into_any());
             }
             let r = with_images(py, slf.get(), &call, || run_to_end(py, slf.get(), ids, opts))?;
@@ -351,7 +351,7 @@ impl PyModelRuntime {
             })?
         };
         if stream {
-            let s = PyGenerationStream::start(py, slf, ids, opts)?;
+            let s = PyGenerationStream::start(py, slf, ids, opts, None)?;
             let s = if choice == ToolChoice::None { s } else { s.with_tool_calls(format) };
             return Ok(Bound::new(py, s)?.into_any());
         }
@@ -510,16 +510,32 @@ fn poisoned<T>(_: T) -> PyErr {
 }
 
 impl PyGenerationStream {
-    /// Starts a generation (prefilling the prompt) whose tokens are produced on iteration.
+    /// Starts a generation (prefilling the prompt, with `images` staged for it) whose tokens
+    /// are produced on iteration.
     pub fn start(
         py: Python<'_>,
         runtime: &Bound<'_, PyModelRuntime>,
         prompt: Vec<u32>,
         opts: GenerateOptions,
+        images: Option<&ImageCall>,
     ) -> PyResult<Self> {
         let rt = runtime.get();
-        let generation =
-            py.detach(|| catch_panic(|| rt.lock_detached()?.start_generation(&prompt, opts).map_err(model_err)))?;
+        let generation = py.detach(|| {
+            catch_panic(|| {
+                let mut model = rt.lock_detached()?;
+                let Some(c) = images else {
+                    return model.start_generation(&prompt, opts).map_err(model_err);
+                };
+                model.stage_images(&c.ids, 0, &c.pixels, None, &[]).map_err(model_err)?;
+                let started = model.start_generation(&prompt, opts).map_err(model_err);
+                model.clear_images();
+                let mut generation = started?;
+                // The prompt (and its images) is prefilled; unstaging the images after it changes
+                // nothing the stream's steps read, so they go on from here.
+                generation.note_epoch(model.runtime().epoch());
+                Ok(generation)
+            })
+        })?;
         Ok(Self {
             runtime: runtime.clone().unbind(),
             state: Mutex::new(Some(generation)),
@@ -641,8 +657,9 @@ impl PyGenerationStream {
     }
 }
 
-/// Runs `f` (which starts a generation from position 0, prefilling its prompt) with the call's
-/// images staged, and unstages them after, whatever `f` returned.
+/// Runs `f` (which runs a generation from position 0 to its end) with the call's images staged,
+/// and unstages them after, whatever `f` returned. (A stream, whose steps come after, unstages
+/// its images itself: `PyGenerationStream::start`.)
 fn with_images<T>(
     py: Python<'_>,
     rt: &PyModelRuntime,

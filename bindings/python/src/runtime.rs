@@ -183,8 +183,9 @@ impl PyModelRuntime {
     ///         ``"bf16"`` (llama.cpp's ``-ctk``/``-ctv``); None: float16 for a quantized model on
     ///         the CPU, the compute dtype otherwise. Another name raises ``ValueError``.
     ///     mmproj (str | os.PathLike | None): llama.cpp's mmproj GGUF (its vision encoder and
-    ///         projector, as ``convert_hf_to_gguf.py --mmproj`` writes it) beside a GGUF language
-    ///         model: the model then takes images (Gemma 3; docs/vision.md).
+    ///         projector: Gemma 3's as ``convert_hf_to_gguf.py --mmproj`` writes it, LLaVA-1.5's as
+    ///         ``convert_image_encoder_to_gguf.py`` does) beside a GGUF language model: the model
+    ///         then takes images (docs/vision.md).
     ///     prefill_chunk (int | None): the most tokens one step runs; a longer prompt runs in
     ///         chunks of this many, so its activations and attention scores are one chunk's
     ///         (observations and interventions span the chunks). None: 512. Below 1 raises

@@ -111,7 +111,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
           filename: Optional[str] = None, revision: Optional[str] = None,
           allow_image_urls: bool = False, image_url_max_bytes: int = 20 << 20,
           image_url_timeout: Optional[float] = 10.0, saes=None, loras=None,
-          prefix_cache_dir: Optional[str] = None, prefix_cache_disk_bytes: int = 4 << 30) -> None:
+          prefix_cache_dir: Optional[str] = None, prefix_cache_disk_bytes: int = 4 << 30,
+          mmproj: Optional[str] = None) -> None:
     """Loads `model` and serves it until interrupted (the loopback unless `host` says otherwise).
 
     `model` is a local path or a Hub name (``org/name[:TAG]``, with `filename` and `revision` as
@@ -123,7 +124,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     `shutdown_grace` seconds, cancels the rest and returns.
 
     Chat image parts are taken as data: URLs; http(s) image URLs are fetched only with
-    `allow_image_urls`, each up to `image_url_max_bytes` and `image_url_timeout` seconds."""
+    `allow_image_urls`, each up to `image_url_max_bytes` and `image_url_timeout` seconds. A GGUF
+    `model` takes images with `mmproj`, llama.cpp's mmproj file (``ModelRuntime.load``'s)."""
     import uvicorn
 
     from .. import ModelRuntime
@@ -137,7 +139,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: Option
     log(f"loading {local}")
     runtime = ModelRuntime.load(local, device=device, threads=threads,
                                 draft_model=draft_model,
-                                kv_cache_type=kv_cache_type)
+                                kv_cache_type=kv_cache_type, mmproj=mmproj)
     attach_saes(runtime, saes)
     load_loras(runtime, loras)
     server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,

@@ -24,12 +24,13 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
                 prefill_chunk: Optional[int] = 128, prefix_cache_bytes: int = 256 << 20,
                 draft_model: Optional[str] = None, kv_cache_type: Optional[str] = None,
                 filename: Optional[str] = None, revision: Optional[str] = None,
-                shutdown_grace: float = 30.0):
+                shutdown_grace: float = 30.0, mmproj: Optional[str] = None):
     """A Ray Serve application serving `model` (a local path, or a Hub name with `filename` and
     `revision` as ``candlewick.hub.resolve_model`` reads them) from `replicas` replicas, with the
     routes of ``candlewick serve``. `shutdown_grace` is ``serve --shutdown-grace``: when a replica
     stops, Ray Serve lets its requests in flight run this many seconds before it is killed (the
-    deployment's ``graceful_shutdown_timeout_s``)."""
+    deployment's ``graceful_shutdown_timeout_s``). `mmproj` is ``serve --mmproj`` (a path each
+    replica's machine can read)."""
     from ray import serve
 
     if shutdown_grace < 0:
@@ -55,7 +56,7 @@ def application(model: str, replicas: int = 2, api_key: Optional[str] = None, ma
         local = resolve_model(model, filename, revision)
         runtime = ModelRuntime.load(local, device=device, threads=threads,
                                     draft_model=draft_model,
-                                    kv_cache_type=kv_cache_type)
+                                    kv_cache_type=kv_cache_type, mmproj=mmproj)
         server = Server(runtime, served_name(model, local), api_key=api_key, max_batch_size=max_batch_size,
                         max_queue=max_queue, control_vectors=load_control_vectors(runtime, control_vectors),
                         chat_template=chat_template, request_timeout=request_timeout,

@@ -125,6 +125,19 @@ impl<'a> Metadata<'a> {
         }
     }
 
+    /// An optional array of unsigned integers (a single one is an array of one).
+    pub fn opt_usize_array(&self, key: &str) -> Result<Option<Vec<usize>>> {
+        let one = |v: &Value| match integer(v) {
+            Some(x) => usize::try_from(x).map_err(|_| self.out_of_range(key, x)),
+            None => Err(self.wrong(key, v)),
+        };
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items.iter().map(one).collect::<Result<Vec<usize>>>().map(Some),
+            Some(v) => one(v).map(|x| Some(vec![x])),
+        }
+    }
+
     /// An optional array of booleans (a per-layer flag such as `attention.sliding_window_pattern`).
     pub fn opt_bool_array(&self, key: &str) -> Result<Option<Vec<bool>>> {
         match self.map.get(key) {

@@ -110,6 +110,10 @@ pub struct VisionConfig {
     pub image_token_id: u32,
     /// Whether an image's tokens attend each other in both directions in the decoder (Gemma 3).
     pub bidirectional: bool,
+    /// The processor's per-channel mean and standard deviation, where the checkpoint carries
+    /// them in its own configuration (an mmproj file's `clip.vision.image_mean` / `image_std`;
+    /// a Hugging Face directory's are in its processor configuration instead).
+    pub normalization: Option<([f64; 3], [f64; 3])>,
 }
 
 impl VisionConfig {
@@ -269,19 +273,27 @@ pub fn from_hf(text: &str, text_hidden: usize, path: &str) -> Result<Option<Visi
         text_hidden_size: text_hidden,
         image_token_id,
         bidirectional: gemma,
+        normalization: None,
     }))
 }
 
-/// The vision configuration of llama.cpp's mmproj GGUF (`clip.*` metadata, as
-/// `convert_hf_to_gguf.py --mmproj` writes it); `text_hidden` is the language model's width.
-/// Gemma 3's projector only (`clip.projector_type` = `gemma3`).
+/// The vision configuration of llama.cpp's mmproj GGUF (`clip.*` metadata); `text_hidden` is the
+/// language model's width. Two projectors: Gemma 3's (`clip.projector_type` = `gemma3`, as
+/// `convert_hf_to_gguf.py --mmproj` writes it) and LLaVA-1.5's MLP (`mlp`, as llama.cpp's
+/// `convert_image_encoder_to_gguf.py --llava-projector` writes it: CLIP with its class token and
+/// pre-LayerNorm, only the layers the projector reads, no post-LayerNorm).
 pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path: &str) -> Result<VisionConfig> {
     let projector = md.string("clip.projector_type")?;
-    if projector != "gemma3" {
-        return Err(CandleError::UnsupportedConfig {
-            what: format!("{path}: mmproj projector type {projector:?} (candlewick reads gemma3's)"),
-        });
-    }
+    let family = match projector.as_str() {
+        "gemma3" => VisionFamily::Gemma3,
+        "mlp" => VisionFamily::Llava,
+        _ => {
+            return Err(CandleError::UnsupportedConfig {
+                what: format!("{path}: mmproj projector type {projector:?} (candlewick reads gemma3 and mlp)"),
+            })
+        }
+    };
+    let gemma = family == VisionFamily::Gemma3;
     let malformed = |reason: String| CandleError::Malformed { what: "mmproj GGUF", path: path.to_owned(), reason };
     let hidden_size = md.usize("clip.vision.embedding_length")?;
     let num_heads = md.usize("clip.vision.attention.head_count")?;
@@ -294,31 +306,69 @@ pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path:
     if num_layers > super::MAX_LAYERS {
         return Err(malformed(format!("clip.vision.block_count {num_layers} is over {}", super::MAX_LAYERS)));
     }
-    let eps = md.opt_f64("clip.vision.attention.layer_norm_epsilon")?.unwrap_or(1e-6);
-    // llama.cpp pools by 4 unless the converter wrote another factor (test models).
-    let scale = md.opt_usize("clip.vision.projector.scale_factor")?.unwrap_or(4);
+    let eps = md.opt_f64("clip.vision.attention.layer_norm_epsilon")?.unwrap_or(if gemma { 1e-6 } else { 1e-5 });
     let patches = image_size / patch_size;
-    if scale == 0 || patches % scale != 0 {
-        return Err(malformed(format!("projector scale factor {scale} does not divide {patches} patches")));
-    }
+    let channels = |key: &str| -> Result<Option<[f64; 3]>> {
+        match md.opt_f64_array(key)? {
+            None => Ok(None),
+            Some(v) => <[f64; 3]>::try_from(v.as_slice())
+                .map(Some)
+                .map_err(|_| malformed(format!("`{key}` holds {} values, not 3", v.len()))),
+        }
+    };
+    let normalization = match (channels("clip.vision.image_mean")?, channels("clip.vision.image_std")?) {
+        (Some(mean), Some(std)) => Some((mean, std)),
+        _ => None,
+    };
+    let (layers_run, activation, projector) = if gemma {
+        // llama.cpp pools by 4 unless the converter wrote another factor (test models).
+        let scale = md.opt_usize("clip.vision.projector.scale_factor")?.unwrap_or(4);
+        if scale == 0 || patches % scale != 0 {
+            return Err(malformed(format!("projector scale factor {scale} does not divide {patches} patches")));
+        }
+        (num_layers, VisionActivation::GeluTanh, ProjectorConfig::Pooled { tokens_per_side: patches / scale, eps })
+    } else {
+        // The converter keeps the layers up to the one the projector reads (`feature_layer`,
+        // counted as transformers' hidden states: k is layer k - 1's output); without the key,
+        // the projector reads the last layer kept.
+        let layers_run = match md.opt_usize_array("clip.vision.feature_layer")?.as_deref() {
+            None => num_layers,
+            Some([k]) if *k <= num_layers => *k,
+            Some(other) => {
+                return Err(CandleError::UnsupportedConfig {
+                    what: format!("{path}: clip.vision.feature_layer = {other:?} (one layer of the {num_layers} kept)"),
+                })
+            }
+        };
+        // CLIP's quick GELU unless the converter says `gelu`; transformers' LLaVA projector
+        // runs GELU.
+        let activation = if md.opt_bool("clip.use_gelu")?.unwrap_or(false) {
+            VisionActivation::Gelu
+        } else {
+            VisionActivation::QuickGelu
+        };
+        (layers_run, activation, ProjectorConfig::Mlp { activation: VisionActivation::Gelu })
+    };
     Ok(VisionConfig {
-        family: VisionFamily::Gemma3,
+        family,
         hidden_size,
         intermediate_size: md.usize("clip.vision.feed_forward_length")?,
         num_layers,
-        layers_run: num_layers,
+        layers_run,
         num_heads,
         patch_size,
         image_size,
         layer_norm_eps: eps,
-        activation: VisionActivation::GeluTanh,
-        clip: false,
-        post_norm: true,
-        drop_class_token: false,
-        projector: ProjectorConfig::Pooled { tokens_per_side: patches / scale, eps },
+        activation,
+        clip: !gemma,
+        post_norm: gemma,
+        drop_class_token: !gemma,
+        projector,
         text_hidden_size: text_hidden,
-        // Gemma 3's `<image_soft_token>`; the model layer reads the file's own from its tokenizer.
-        image_token_id: 262_144,
-        bidirectional: true,
+        // Gemma 3's `<image_soft_token>`, LLaVA's `<image>`; the model layer reads the file's own
+        // from its tokenizer.
+        image_token_id: if gemma { 262_144 } else { 32_000 },
+        bidirectional: gemma,
+        normalization,
     })
 }

@@ -141,6 +141,12 @@ impl VisionModel {
         let pre_norm = if c.clip { Some(layer_norm(VisionSlot::PreNorm, 0)?) } else { None };
         let layers = (0..c.layers_run)
             .map(|i| -> Result<Layer> {
+                // llama.cpp's older converter (LLaVA's `convert_image_encoder_to_gguf.py`) names
+                // CLIP's fc1 `ffn_down` and fc2 `ffn_up`: as clip.cpp does, the shapes tell.
+                let inter = c.intermediate_size;
+                let swapped = inter != h && w.shape(&name(VisionSlot::Up, i, "weight")) == Some(vec![h, inter]);
+                let (up, down) =
+                    if swapped { (VisionSlot::Down, VisionSlot::Up) } else { (VisionSlot::Up, VisionSlot::Down) };
                 Ok(Layer {
                     attn_norm: layer_norm(VisionSlot::AttnNorm, i)?,
                     q: linear(VisionSlot::Q, i, h, h)?,
@@ -148,8 +154,8 @@ impl VisionModel {
                     v: linear(VisionSlot::V, i, h, h)?,
                     o: linear(VisionSlot::O, i, h, h)?,
                     mlp_norm: layer_norm(VisionSlot::MlpNorm, i)?,
-                    up: linear(VisionSlot::Up, i, c.intermediate_size, h)?,
-                    down: linear(VisionSlot::Down, i, h, c.intermediate_size)?,
+                    up: linear(up, i, inter, h)?,
+                    down: linear(down, i, h, inter)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
