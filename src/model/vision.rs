@@ -165,11 +165,6 @@ impl Model {
     /// positions before it may be reused from the cache, from there on the call recomputes (the
     /// same ids may have held another image before).
     pub fn stage_spans(&mut self, spans: Vec<ImageSpan>) -> Result<(), ModelError> {
-        // No images: leave the session untouched (a mutable borrow counts as a change of it, and
-        // a generation started on it would see its session changed).
-        if spans.is_empty() {
-            return Ok(());
-        }
         let first = spans.iter().map(|s| s.start).min();
         let session = self.runtime.session_mut();
         if let Some(first) = first.filter(|&f| f < BackendSession::position(&*session)) {
@@ -181,11 +176,7 @@ impl Model {
 
     /// Unstages every image (after the call that read them).
     pub fn clear_images(&mut self) {
-        // Only when some are staged: a mutable borrow counts as a change of the session, which
-        // a generation begun on it would refuse to step on.
-        if self.runtime.session().has_images() {
-            self.runtime.session_mut().clear_images();
-        }
+        self.runtime.session_mut().clear_images();
     }
 }
 

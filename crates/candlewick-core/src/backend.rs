@@ -166,6 +166,11 @@ pub trait BackendSession<B: BackendProvider> {
     fn reset(&mut self);
     /// The ids the model itself declares as ending a sequence.
     fn stop_token_ids(&self) -> Vec<u32>;
+    /// A number that moves whenever the session's state is changed through it: every step,
+    /// truncate (even to where it is), reset and restore, and whatever else a backend's own
+    /// methods change (staged inputs, the cache's layout); never by a read, nor by a call that
+    /// changes nothing. `ModelRuntime::epoch` adds it to its own count.
+    fn changes(&self) -> u64;
 }
 
 /// Sessions of one model that can decode together: one step carries every session's rows

@@ -22,7 +22,7 @@ pub struct ModelRuntime<B: BackendProvider> {
     backend: B,
     session: B::Session,
     capabilities: SessionCapabilities,
-    /// Counts the calls that could have changed the session (see `epoch`).
+    /// Counts the steps run through the runtime (see `epoch`; the session counts its own changes).
     epoch: u64,
 }
 
@@ -58,23 +58,23 @@ impl<B: BackendProvider> ModelRuntime<B> {
         &self.session
     }
 
-    /// The session, for backend-specific operations (truncate, reset).
+    /// The session, for backend-specific operations (truncate, reset). Borrowing it changes
+    /// nothing: what its methods change, the session counts (`BackendSession::changes`).
     pub fn session_mut(&mut self) -> &mut B::Session {
-        self.epoch += 1;
         &mut self.session
     }
 
     /// The backend and the session together, borrowed at once.
     pub fn parts_mut(&mut self) -> (&B, &mut B::Session) {
-        self.epoch += 1;
         (&self.backend, &mut self.session)
     }
 
-    /// A number that moves whenever the session may have changed (a step, a rewind, a reset, a
-    /// restore: any mutable use of it), so that a caller holding state across calls, such as a
-    /// generation in progress, can tell that someone else used the session in between.
+    /// A number that moves whenever the session changed (a step, a rewind, a reset, a restore:
+    /// the runtime's steps and the session's own count of its changes), so that a caller holding
+    /// state across calls, such as a generation in progress, can tell that someone else used the
+    /// session in between. A read, or a call that changes nothing, leaves it where it was.
     pub fn epoch(&self) -> u64 {
-        self.epoch
+        self.epoch.wrapping_add(self.session.changes())
     }
 
     /// The capabilities admitted and realised.

@@ -18,6 +18,7 @@ struct FakeSession {
     position: usize,
     tokens: Vec<u32>,
     edits: Vec<Intervention>,
+    changes: u64,
 }
 
 impl BackendProvider for FakeBackend {
@@ -36,7 +37,7 @@ impl BackendProvider for FakeBackend {
         Ok(PreparedModel::new((), admitted))
     }
     fn create_session(&self, _model: PreparedModel<()>) -> Result<FakeSession, FakeError> {
-        Ok(FakeSession { caps: self.realise, position: 0, tokens: Vec::new(), edits: Vec::new() })
+        Ok(FakeSession { caps: self.realise, position: 0, tokens: Vec::new(), edits: Vec::new(), changes: 0 })
     }
 }
 
@@ -81,14 +82,19 @@ impl BackendSession<FakeBackend> for FakeSession {
     fn truncate(&mut self, n: usize) -> Result<(), FakeError> {
         self.position = self.position.min(n);
         self.tokens.truncate(n);
+        self.changes += 1;
         Ok(())
     }
     fn reset(&mut self) {
         self.position = 0;
         self.tokens.clear();
+        self.changes += 1;
     }
     fn stop_token_ids(&self) -> Vec<u32> {
         Vec::new()
+    }
+    fn changes(&self) -> u64 {
+        self.changes
     }
     fn observe_output(&self, _b: &FakeBackend, out: &usize) -> Result<ObservationSet, FakeError> {
         let mut set = ObservationSet::new();
@@ -204,4 +210,19 @@ fn interventions_without_the_capability_are_refused_and_off_is_always_allowed() 
     assert!(matches!(err, RuntimeError::MissingCapability { capability: "activation_intervention", .. }), "{err}");
     assert!(rt.interventions().is_empty());
     rt.set_interventions(Vec::new()).unwrap();
+}
+
+#[test]
+fn the_epoch_moves_on_changes_not_on_borrows() {
+    let mut rt =
+        ModelRuntime::prepare(FakeBackend { realise: SessionCapabilities::ALL }, SessionCapabilities::ALL).unwrap();
+    let start = rt.epoch();
+    rt.prefill(vec![1, 2].into()).unwrap();
+    let stepped = rt.epoch();
+    assert_ne!(stepped, start);
+    // A borrow that changes nothing leaves it; a truncate, even to where the session is, moves it.
+    let _ = rt.session_mut().position;
+    assert_eq!(rt.epoch(), stepped);
+    rt.session_mut().truncate(2).unwrap();
+    assert_ne!(rt.epoch(), stepped);
 }

@@ -103,6 +103,8 @@ pub struct CandleSession {
     /// reusable positions were computed under (`adapters.rs`).
     adapters: std::sync::Mutex<ActiveAdapters>,
     cache_adapters: CachedAdapters,
+    /// Counts the changes of this session's state (`BackendSession::changes`).
+    changes: u64,
 }
 
 /// The most prompt tokens one step runs by default: a longer prompt runs in chunks. The KV
@@ -130,6 +132,7 @@ impl CandleSession {
             images: Vec::new(),
             adapters: Default::default(),
             cache_adapters: Vec::new(),
+            changes: 0,
         }
     }
 
@@ -154,18 +157,20 @@ impl CandleSession {
                 });
             }
         }
-        self.images = images;
+        // Nothing staged over nothing staged changes nothing.
+        if !(images.is_empty() && self.images.is_empty()) {
+            self.images = images;
+            self.changes += 1;
+        }
         Ok(())
-    }
-
-    /// Whether images are staged.
-    pub fn has_images(&self) -> bool {
-        !self.images.is_empty()
     }
 
     /// Unstages every image.
     pub fn clear_images(&mut self) {
-        self.images.clear();
+        if !self.images.is_empty() {
+            self.images.clear();
+            self.changes += 1;
+        }
     }
 
     /// The images lying in positions `start..end`; an image cut by either end is refused.
@@ -206,6 +211,7 @@ impl CandleSession {
         let Some(decoder) = Arc::get_mut(&mut self.decoder) else { return Err(others) };
         let result = change(decoder);
         if result.is_ok() {
+            self.changes += 1;
             self.cache.reset();
             self.tokens.clear();
             self.reusable = 0;
@@ -237,6 +243,7 @@ impl CandleSession {
         self.tokens = tokens;
         self.reusable = n;
         self.cache_adapters = Vec::new();
+        self.changes += 1;
         Ok(())
     }
 
@@ -251,6 +258,7 @@ impl CandleSession {
     pub fn set_ring_slack(&mut self, slack: usize) {
         self.ring_slack = Some(slack);
         self.cache.set_ring_slack(slack);
+        self.changes += 1;
     }
 
     /// Makes this session's cache hold every position of every layer, windows or not (tests:
@@ -260,6 +268,7 @@ impl CandleSession {
         self.cache = KvCache::new(&vec![None; self.decoder.config().num_layers()], self.cache.max_context());
         self.tokens.clear();
         self.reusable = 0;
+        self.changes += 1;
     }
 
     /// The smallest position above 0 the session can be truncated to (0 when it holds every
@@ -458,6 +467,7 @@ impl CandleSession {
     /// Keeps `reusable` true after positions `start..` were appended, with (`clean`) or without
     /// only the kept edits.
     fn appended(&mut self, start: usize, clean: bool) {
+        self.changes += 1;
         if !self.cache_under_adapters(start) {
             return;
         }
@@ -578,6 +588,9 @@ impl BackendSession<CandleBackend> for CandleSession {
         self.cache.truncate(n);
         self.tokens.truncate(n);
         self.reusable = self.reusable.min(n);
+        // Even a truncate to where the session is counts: a caller between two steps of its own
+        // cannot tell what happened in between.
+        self.changes += 1;
         Ok(())
     }
 
@@ -589,10 +602,15 @@ impl BackendSession<CandleBackend> for CandleSession {
         self.cache.reset();
         self.tokens.clear();
         self.reusable = 0;
+        self.changes += 1;
     }
 
     fn stop_token_ids(&self) -> Vec<u32> {
         self.decoder.config().eos_token_ids.clone()
+    }
+
+    fn changes(&self) -> u64 {
+        self.changes
     }
 
     fn step_end(&self, _start: usize, end: usize) -> usize {
@@ -726,6 +744,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             images: Vec::new(),
             adapters: std::sync::Mutex::new(self.adapters()),
             cache_adapters: self.cache_adapters.clone(),
+            changes: 0,
         })
     }
 
@@ -745,6 +764,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
             images: self.images.clone(),
             adapters: std::sync::Mutex::new(self.adapters()),
             cache_adapters: cached(&self.adapters()),
+            changes: 0,
         })
     }
 
@@ -822,6 +842,7 @@ impl SnapshotSession<CandleBackend> for CandleSession {
         self.reusable = if self.edits.set.is_empty() { snap.clean_prefix.min(position) } else { 0 };
         // A snapshot's clean prefix was computed with no adapter.
         self.cache_adapters = Vec::new();
+        self.changes += 1;
         Ok(())
     }
 }
