@@ -16,6 +16,7 @@ use crate::backend::blocks::mlp::{GateUp, Mlp};
 use crate::backend::blocks::moe::{FeedForward, Moe};
 use crate::backend::blocks::norm::Norm;
 use crate::backend::blocks::rope::Rope;
+use crate::backend::blocks::rows::split_rows;
 use crate::backend::blocks::sae::SaeRegistry;
 use crate::backend::weights::embedding::Embedding;
 use crate::backend::weights::names::{Naming, Slot};
@@ -739,21 +740,6 @@ pub struct BatchItem<'a, H: Hooks> {
     pub cache: &'a mut KvCache,
     /// What observes and edits this sequence's rows.
     pub hooks: H,
-}
-
-/// `x`'s rows split into consecutive blocks of `lens` rows.
-fn split_rows(x: &Tensor, lens: &[usize]) -> candle_core::Result<Vec<Tensor>> {
-    if lens.len() == 1 {
-        return Ok(vec![x.clone()]);
-    }
-    let mut offset = 0;
-    lens.iter()
-        .map(|&t| {
-            let part = x.narrow(0, offset, t);
-            offset += t;
-            part
-        })
-        .collect()
 }
 
 /// Offers each sequence's rows of `x` at `point` to that sequence's hooks, and stacks the results.

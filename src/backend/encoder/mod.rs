@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::backend::blocks::activation;
 use crate::backend::blocks::linear::Linear;
 use crate::backend::blocks::norm::Norm;
+use crate::backend::blocks::rows::split_rows;
 use crate::backend::config::encoder::EncoderConfig;
 use crate::backend::config::NormKind;
 use crate::backend::error::{CandleContext, CandleError, Result};
@@ -210,15 +211,7 @@ impl Encoder {
     /// pools). Inputs must have passed `check`.
     pub fn hidden(&self, inputs: &[EncoderInput<'_>]) -> candle_core::Result<Vec<Tensor>> {
         let lens: Vec<usize> = inputs.iter().map(|i| i.ids.len()).collect();
-        let x = self.forward(inputs, &lens)?;
-        let mut offset = 0;
-        lens.iter()
-            .map(|&t| {
-                let part = x.narrow(0, offset, t);
-                offset += t;
-                part
-            })
-            .collect()
+        split_rows(&self.forward(inputs, &lens)?, &lens)
     }
 
     /// Each input's classification logits `[num_labels]` (a cross-encoder's scores before its
