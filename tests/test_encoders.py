@@ -101,7 +101,8 @@ def test_model_info_and_embedding_info(models):
     # Without sentence-transformers files an encoder pools the mean, as sentence-transformers does.
     assert models["bert-rerank"].embedding_info()["pooling"] == "mean"
     for name in ("bert", "roberta", "xlm-roberta"):
-        assert name in cw.supported_architectures() and name not in cw.supported_architectures("gguf")
+        assert name in cw.supported_architectures()
+    assert "bert" in cw.supported_architectures("gguf") and "xlm-roberta" not in cw.supported_architectures("gguf")
 
 
 def test_decoder_calls_are_refused(models):
@@ -187,3 +188,22 @@ def test_server_embeddings_and_rerank(dirs):
         assert rel_l2(scores, REF["xlmr-rerank/default"]) <= TOL
     finally:
         stop(proc)
+
+
+def test_gguf_bert_embeds_as_sentence_transformers(dirs, tmp_path):
+    # llama.cpp's converter's file of the same weights (tests/gguf_convert.py writes it as the
+    # converter does): WordPiece in "phantom space", mean pooling from `bert.pooling_type`.
+    pytest.importorskip("gguf")
+    from gguf_convert import convert
+
+    path = convert(dirs["bert-embed"], tmp_path / "bert.gguf")
+    rt = cw.ModelRuntime.load(path, device="cpu")
+    assert rt.model_info["architecture"] == "bert" and rt.model_info["format"] == "gguf"
+    assert [rt.tokenizer.encode(t) for t in fx.TEXTS] == META["input_ids"]["bert-embed"]
+    assert rt.embedding_info()["pooling"] == "mean"
+    out, ref = rt.embed(fx.TEXTS), REF["bert-embed/default"]
+    # The file has no max_seq_length: only the texts the directory's 16 tokens do not cut compare.
+    fit = [i for i, ids in enumerate(META["input_ids"]["bert-embed"]) if len(ids) <= fx.MAX_SEQ_LENGTH]
+    assert len(fit) >= 4 and max(rel_l2(out[i], ref[i]) for i in fit) <= TOL
+    with pytest.raises(cw.UnsupportedError, match="encoder"):
+        rt.generate("the cat", max_tokens=1)

@@ -159,7 +159,9 @@ impl BackendProvider for CandleBackend {
         let loader =
             WeightLoader::new(config.weights.as_ref(), config.dtype, self.device()).quantizing(config.quantize);
         let mut decoder = match config.encoder {
-            Some(encoder) => Decoder::around_encoder(config.arch, Encoder::load(encoder, &loader)?, config.dtype)?,
+            Some(encoder) => {
+                Decoder::around_encoder(config.arch, Encoder::load(encoder, &loader, config.naming)?, config.dtype)?
+            }
             None => Decoder::load(config.arch, &loader, config.naming)?,
         };
         if let Some((vision, source)) = config.vision {
@@ -302,6 +304,26 @@ impl CandleBackend {
             .ok_or_else(|| CandleError::MissingTensor { name: "token_embd.weight".into() })?;
         let vocab_size = embed.first().copied().unwrap_or(0);
         let source = path.display().to_string();
+        let type_rows = weights.shape("token_types.weight").and_then(|s| s.first().copied()).unwrap_or(0);
+        if let Some(encoder) = super::config::encoder::from_gguf(&md, vocab_size, type_rows, &source)? {
+            let max_context = options.max_context.unwrap_or(encoder.max_tokens()).min(encoder.max_tokens());
+            validate_context(max_context)?;
+            weights.drop_vocabulary();
+            weights.set_check_tensors(!options.skip_tensor_check);
+            return Ok(CandleModelConfig {
+                arch: encoder.stand_in(),
+                weights: Box::new(weights),
+                naming: Naming::Gguf,
+                dtype: options.dtype.unwrap_or(DType::F32),
+                max_context,
+                format: ArtifactFormat::Gguf,
+                quantize: options.quantize,
+                kv_cache_type: options.kv_cache_type,
+                prefill_chunk: prefill_chunk(options)?,
+                vision: None,
+                encoder: Some(encoder),
+            });
+        }
         let n_tokens = weights.vocabulary_len();
         let arch =
             super::config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size, n_tokens, &source)?;

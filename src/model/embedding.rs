@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value as Json;
 
+use crate::backend::config::encoder::EncoderPooling;
+
 /// How the hidden states of a text's tokens become one vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pooling {
@@ -461,7 +463,13 @@ impl super::Model {
             return Ok(s.clone());
         }
         let decoder = self.runtime.session().decoder();
-        let default_pooling = if decoder.encoder().is_some() { Pooling::Mean } else { Pooling::LastToken };
+        // A GGUF encoder declares its pooling (`bert.pooling_type`); a bare one pools the mean.
+        let default_pooling = match decoder.encoder().map(|e| e.config().pooling) {
+            None => Pooling::LastToken,
+            Some(None | Some(EncoderPooling::Mean)) => Pooling::Mean,
+            Some(Some(EncoderPooling::Cls)) => Pooling::Cls,
+            Some(Some(EncoderPooling::Last)) => Pooling::LastToken,
+        };
         let setup = EmbeddingSetup::read(
             Path::new(&self.info.path),
             decoder.config().hidden_size,

@@ -50,7 +50,7 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 ///         ``"gguf"`` for the subset whose GGUF files (llama.cpp's ``general.architecture``) load;
 ///         ``None`` (the default) for all of them. Decoders first, then the BERT-family
 ///         encoders (``"bert"``, ``"roberta"``, ``"xlm-roberta"``: ``embed``, and ``rerank`` with
-///         a classification head; directories only).
+///         a classification head; of them ``"bert"`` loads from GGUF too, to embed).
 ///
 ///     images (bool): only the vision-language families that take images (``images=`` on
 ///         ``generate``, ``chat`` and the step API; docs/vision.md), by their config.json
@@ -87,7 +87,8 @@ pub fn supported_architectures(py: Python<'_>, format: Option<&str>, images: boo
     }
     let decoders =
         Architecture::ALL.into_iter().filter(|a| !gguf_only || a.gguf_name().is_some()).map(Architecture::name);
-    // BERT-family encoders (embeddings, cross-encoder reranking) load from Hugging Face directories.
-    let encoders = EncoderFamily::ALL.into_iter().filter(|_| !gguf_only).map(EncoderFamily::name);
+    // BERT-family encoders (embeddings, cross-encoder reranking); of their GGUF files, BERT's.
+    let encoders =
+        EncoderFamily::ALL.into_iter().filter(|f| !gguf_only || *f == EncoderFamily::Bert).map(EncoderFamily::name);
     Ok(decoders.chain(encoders).collect())
 }

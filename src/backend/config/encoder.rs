@@ -5,6 +5,7 @@
 
 use serde_json::Value;
 
+use super::metadata::Metadata;
 use super::{
     check_layer_count, invalid, Activation, ArchConfig, Architecture, BlockNorms, LayerConfig, NormKind, QkNorm,
     MAX_HEADS, MAX_WIDTH,
@@ -88,6 +89,20 @@ pub struct EncoderConfig {
     pub position_padding_idx: Option<u32>,
     /// A cross-encoder's head (`*ForSequenceClassification`).
     pub classifier: Option<ClassifierConfig>,
+    /// The pooling the file itself declares (a GGUF's `bert.pooling_type`; a directory's is in
+    /// its sentence-transformers files).
+    pub pooling: Option<EncoderPooling>,
+}
+
+/// llama.cpp's `pooling_type` of an embedding model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EncoderPooling {
+    /// The mean over the tokens (1).
+    Mean,
+    /// The first token (2).
+    Cls,
+    /// The last token (3).
+    Last,
 }
 
 impl EncoderConfig {
@@ -212,9 +227,67 @@ pub fn from_hf(text: &str, path: &str) -> Result<Option<EncoderConfig>> {
         activation,
         position_padding_idx,
         classifier,
+        pooling: None,
     };
     if config.max_tokens() == 0 {
         return Err(invalid(path, "max_position_embeddings", "leaves no position after the padding index"));
+    }
+    Ok(Some(config))
+}
+
+/// The encoder a GGUF file describes (`general.architecture` = `bert`, as llama.cpp's converter
+/// writes BERT), or `None` for any other architecture. `type_rows` is the row count of its
+/// `token_types` table. The converter drops the pooler and writes no classification head that
+/// reranks as sentence-transformers does, so a GGUF encoder embeds only.
+pub fn from_gguf(md: &Metadata<'_>, vocab_size: usize, type_rows: usize, path: &str) -> Result<Option<EncoderConfig>> {
+    if md.string("general.architecture").ok().as_deref() != Some("bert") {
+        return Ok(None);
+    }
+    let key = |k: &str| format!("bert.{k}");
+    let num_layers = md.usize(&key("block_count"))?;
+    check_layer_count(num_layers, path, &key("block_count"))?;
+    let hidden_size = md.usize(&key("embedding_length"))?;
+    let num_heads = md.usize(&key("attention.head_count"))?;
+    if hidden_size == 0
+        || hidden_size > MAX_WIDTH
+        || num_heads == 0
+        || num_heads > MAX_HEADS
+        || hidden_size % num_heads != 0
+    {
+        return Err(invalid(
+            path,
+            &key("attention.head_count"),
+            format!("{num_heads} heads do not divide {hidden_size}"),
+        ));
+    }
+    let pooling = match md.opt_usize(&key("pooling_type"))? {
+        None | Some(0) => None,
+        Some(1) => Some(EncoderPooling::Mean),
+        Some(2) => Some(EncoderPooling::Cls),
+        Some(3) => Some(EncoderPooling::Last),
+        Some(other) => {
+            return Err(CandleError::UnsupportedConfig {
+                what: format!("{path}: bert.pooling_type = {other} (mean 1, cls 2 and last 3 are supported)"),
+            })
+        }
+    };
+    let config = EncoderConfig {
+        family: EncoderFamily::Bert,
+        vocab_size,
+        hidden_size,
+        intermediate_size: md.usize(&key("feed_forward_length"))?,
+        num_layers,
+        num_heads,
+        max_position_embeddings: md.usize(&key("context_length"))?,
+        type_vocab_size: type_rows.max(1),
+        layer_norm_eps: md.opt_f64(&key("attention.layer_norm_epsilon"))?.unwrap_or(1e-12),
+        activation: Activation::Gelu,
+        position_padding_idx: None,
+        classifier: None,
+        pooling,
+    };
+    if config.intermediate_size == 0 || config.intermediate_size > MAX_WIDTH || config.max_tokens() == 0 {
+        return Err(invalid(path, &key("feed_forward_length"), "a width or context of 0"));
     }
     Ok(Some(config))
 }

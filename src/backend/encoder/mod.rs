@@ -19,6 +19,7 @@ use crate::backend::config::encoder::EncoderConfig;
 use crate::backend::config::NormKind;
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::weights::embedding::Embedding;
+use crate::backend::weights::names::Naming;
 use crate::backend::weights::WeightLoader;
 
 /// Where a checkpoint's encoder tensors live: a bare model (`BertModel.save_pretrained`, what
@@ -46,6 +47,35 @@ struct Head {
     second: Linear,
 }
 
+/// What llama.cpp's converter (`gguf`'s `TensorNameMap` for `bert`) calls a tensor whose Hugging
+/// Face stem is `hf` (without the base model's prefix).
+fn gguf_stem(hf: &str) -> String {
+    let top = match hf {
+        "embeddings.word_embeddings" => Some("token_embd"),
+        "embeddings.position_embeddings" => Some("position_embd"),
+        "embeddings.token_type_embeddings" => Some("token_types"),
+        "embeddings.LayerNorm" => Some("token_embd_norm"),
+        _ => None,
+    };
+    if let Some(top) = top {
+        return top.to_owned();
+    }
+    let rest = hf.strip_prefix("encoder.layer.").unwrap_or(hf);
+    let (layer, part) = rest.split_once('.').unwrap_or((rest, ""));
+    let part = match part {
+        "attention.self.query" => "attn_q",
+        "attention.self.key" => "attn_k",
+        "attention.self.value" => "attn_v",
+        "attention.output.dense" => "attn_output",
+        "attention.output.LayerNorm" => "attn_output_norm",
+        "intermediate.dense" => "ffn_up",
+        "output.dense" => "ffn_down",
+        "output.LayerNorm" => "layer_output_norm",
+        other => other,
+    };
+    format!("blk.{layer}.{part}")
+}
+
 /// One input to the encoder: its token ids and their token types (sentence A is 0, B is 1).
 #[derive(Debug, Clone, Copy)]
 pub struct EncoderInput<'a> {
@@ -69,16 +99,28 @@ pub struct Encoder {
 }
 
 impl Encoder {
-    /// Loads the encoder `config` describes from a Hugging Face checkpoint, checking every
-    /// tensor's shape.
-    pub fn load(config: EncoderConfig, w: &WeightLoader<'_>) -> Result<Self> {
+    /// Loads the encoder `config` describes from a Hugging Face checkpoint or a GGUF file
+    /// (`naming`), checking every tensor's shape.
+    pub fn load(config: EncoderConfig, w: &WeightLoader<'_>, naming: Naming) -> Result<Self> {
         let c = &config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let word_name = |p: &str| format!("{p}embeddings.word_embeddings.weight");
-        let prefix =
-            PREFIXES.into_iter().find(|p| w.contains(&word_name(p))).ok_or_else(|| CandleError::MissingTensor {
-                name: format!("embeddings.word_embeddings.weight (tried the prefixes {PREFIXES:?})"),
-            })?;
+        let prefix = match naming {
+            // llama.cpp's converter names every tensor at the top level.
+            Naming::Gguf => "",
+            Naming::HuggingFace => {
+                let word_name = |p: &str| format!("{p}embeddings.word_embeddings.weight");
+                PREFIXES.into_iter().find(|p| w.contains(&word_name(p))).ok_or_else(|| CandleError::MissingTensor {
+                    name: format!("embeddings.word_embeddings.weight (tried the prefixes {PREFIXES:?})"),
+                })?
+            }
+        };
+        // A tensor's stem in the checkpoint's format, from its Hugging Face stem.
+        let stem = |hf: &str| -> String {
+            match naming {
+                Naming::HuggingFace => format!("{prefix}{hf}"),
+                Naming::Gguf => gguf_stem(hf),
+            }
+        };
         let layer_norm = |stem: &str| -> Result<Norm> {
             let weight = w.dense_f32(&format!("{stem}.weight"), &[h])?;
             let bias = w.dense_f32(&format!("{stem}.bias"), &[h])?;
@@ -89,23 +131,26 @@ impl Encoder {
             let weight = w.matmul(&format!("{stem}.weight"), out, inp)?;
             Ok(Linear::new(weight, Some(w.dense_f32(&format!("{stem}.bias"), &[out])?)))
         };
-        let e = format!("{prefix}embeddings");
-        let word = w.embedding(&word_name(prefix), c.vocab_size, h, false)?;
-        let positions = w.dense_f32(&format!("{e}.position_embeddings.weight"), &[c.max_position_embeddings, h])?;
-        let types = w.dense_f32(&format!("{e}.token_type_embeddings.weight"), &[c.type_vocab_size, h])?;
-        let embed_norm = layer_norm(&format!("{e}.LayerNorm"))?;
+        let word = w.embedding(&format!("{}.weight", stem("embeddings.word_embeddings")), c.vocab_size, h, false)?;
+        let positions = w.dense_f32(
+            &format!("{}.weight", stem("embeddings.position_embeddings")),
+            &[c.max_position_embeddings, h],
+        )?;
+        let types =
+            w.dense_f32(&format!("{}.weight", stem("embeddings.token_type_embeddings")), &[c.type_vocab_size, h])?;
+        let embed_norm = layer_norm(&stem("embeddings.LayerNorm"))?;
         let layers = (0..c.num_layers)
             .map(|i| -> Result<Layer> {
-                let l = format!("{prefix}encoder.layer.{i}");
+                let l = |part: &str| stem(&format!("encoder.layer.{i}.{part}"));
                 Ok(Layer {
-                    q: linear(&format!("{l}.attention.self.query"), h, h)?,
-                    k: linear(&format!("{l}.attention.self.key"), h, h)?,
-                    v: linear(&format!("{l}.attention.self.value"), h, h)?,
-                    o: linear(&format!("{l}.attention.output.dense"), h, h)?,
-                    attn_norm: layer_norm(&format!("{l}.attention.output.LayerNorm"))?,
-                    up: linear(&format!("{l}.intermediate.dense"), inter, h)?,
-                    down: linear(&format!("{l}.output.dense"), h, inter)?,
-                    mlp_norm: layer_norm(&format!("{l}.output.LayerNorm"))?,
+                    q: linear(&l("attention.self.query"), h, h)?,
+                    k: linear(&l("attention.self.key"), h, h)?,
+                    v: linear(&l("attention.self.value"), h, h)?,
+                    o: linear(&l("attention.output.dense"), h, h)?,
+                    attn_norm: layer_norm(&l("attention.output.LayerNorm"))?,
+                    up: linear(&l("intermediate.dense"), inter, h)?,
+                    down: linear(&l("output.dense"), h, inter)?,
+                    mlp_norm: layer_norm(&l("output.LayerNorm"))?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
