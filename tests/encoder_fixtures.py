@@ -33,6 +33,9 @@ TEXTS = efx.TEXTS + ["Hello, World! the zyzzyva sleeps"]
 QUERY = efx.QUERY
 DOCUMENTS = efx.DOCUMENTS
 PROMPTS = {"query": "query: ", "passage": "passage: "}
+# A text longer than the encoders' 64 positions: pairs with it are cut longest-first.
+LONG = " ".join(["the capital of france is paris"] * 12)
+LONG_PAIRS = [(QUERY, LONG), (LONG, "a dog runs"), (LONG, LONG)]
 MAX_SEQ_LENGTH = 16
 # Words the vocabulary holds only as pieces, so WordPiece splits them (`capital` → `cap ##ital`).
 SPLIT = {"capital": ("cap", "##ital"), "bananas": ("banana", "##s"), "largest": ("large", "##st")}

@@ -81,6 +81,10 @@ def main() -> None:
         cases[f"{key}/default"] = {}
         logits = ce.predict(pairs, convert_to_numpy=True, activation_fn=torch.nn.Identity())
         out[f"{key}/logits"] = np.asarray(logits, dtype=np.float32)
+        # Pairs past the 64 positions, cut longest-first to them (the tokenizer's own limit, 512,
+        # would index past the position table).
+        ce64 = CrossEncoder(str(paths[key]), device="cpu", max_length=64)
+        out[f"{key}/long"] = np.asarray(ce64.predict(fx.LONG_PAIRS, convert_to_numpy=True), dtype=np.float32)
 
     DATA.mkdir(parents=True, exist_ok=True)
     from safetensors.numpy import save_file

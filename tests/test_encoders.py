@@ -78,6 +78,12 @@ def test_cross_encoder_scores_match_sentence_transformers(models, key):
     assert models[key].rerank(fx.QUERY, fx.DOCUMENTS, top_n=2) == results[:2]
 
 
+@pytest.mark.parametrize("key", RERANKERS)
+def test_long_pairs_are_cut_longest_first(models, key):
+    scores = [models[key].rerank(q, [d])[0]["relevance_score"] for q, d in fx.LONG_PAIRS]
+    assert rel_l2(np.array(scores, dtype=np.float32), REF[f"{key}/long"]) <= TOL
+
+
 def test_identity_activation_gives_the_logits(dirs, tmp_path):
     # sentence-transformers reads the CrossEncoder activation from config.json.
     d = tmp_path / "identity"
