@@ -9,6 +9,8 @@ Normalize). The computation per token is EmbeddingGemma's, at Gemma 3 270M's wid
 
     # 1. build the model (torch, transformers, gguf, sentence-transformers):
     /work/bench/venv-ref/bin/python benches/embed.py build --gguf GGUF --out /tmp/embgemma
+    #    or a MiniLM-L6-shaped BERT (the encoder stack; then `cw --label "MiniLM-L6-shaped BERT"`):
+    /work/bench/venv-ref/bin/python benches/embed.py build-bert --out /tmp/minilm
     # 2. sentence-transformers' figure:
     /work/bench/venv-ref/bin/python benches/embed.py st --model /tmp/embgemma --json st.json
     # 3. candlewick's (float32 and q8_0) and the merged result:
@@ -69,6 +71,42 @@ def build(gguf: Path, out: Path) -> None:
     st = SentenceTransformer(modules=[word, models.Pooling(h, pooling_mode="mean"), *dense, models.Normalize()])
     st.prompts = {"query": "task: search result | query: ", "document": "title: none | text: "}
     st.save(str(out))
+    print("wrote", out)
+
+
+def build_bert(out: Path) -> None:
+    """A MiniLM-L6-shaped BERT (all-MiniLM-L6-v2's sizes: 6 layers, width 384, 12 heads, MLP 1536),
+    randomly initialised by transformers (seeded), with a WordPiece vocabulary over `WORDS` padded to
+    30,522 tokens, mean pooling and Normalize, as all-MiniLM-L6-v2 ships."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    base = out / "_base"
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(set(WORDS)))}
+    for i in range(30522 - len(vocab)):
+        vocab[f"[unused{i}]"] = len(vocab)
+    tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.add_special_tokens(specials)
+    cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                     intermediate_size=1536, max_position_embeddings=512)
+    BertModel(cfg).save_pretrained(base, safe_serialization=True)
+    tok.save(str(base / "tokenizer.json"))
+    (base / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "cls_token": "[CLS]",
+        "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]",
+        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}))
+    word = models.Transformer(str(base), max_seq_length=256)
+    SentenceTransformer(modules=[word, models.Pooling(384, pooling_mode="mean"), models.Normalize()]).save(str(out))
     print("wrote", out)
 
 
@@ -133,7 +171,7 @@ def run_cw(a) -> None:
                      "host": host()})
         print(json.dumps(rows[-1]))
         rt.close()
-    result = {"model": "EmbeddingGemma-shaped (Gemma 3 270M weights, bidirectional, mean pooling, Dense x2)",
+    result = {"model": a.label,
               "docs": a.docs, "tokens_per_doc": st["tokens"] / a.docs, "batch": a.batch, "repeat": a.repeat,
               "rows": rows}
     Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -141,7 +179,7 @@ def run_cw(a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["build", "st", "cw"])
+    p.add_argument("what", choices=["build", "build-bert", "st", "cw"])
     p.add_argument("--gguf", type=Path)
     p.add_argument("--out", type=Path)
     p.add_argument("--model", type=Path)
@@ -152,8 +190,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--label", default="EmbeddingGemma-shaped (Gemma 3 270M weights, bidirectional, mean pooling, Dense x2)",
+                   help="what the model is, for the result (cw)")
     a = p.parse_args()
-    {"build": lambda: build(a.gguf, a.out), "st": lambda: run_st(a), "cw": lambda: run_cw(a)}[a.what]()
+    {"build": lambda: build(a.gguf, a.out), "build-bert": lambda: build_bert(a.out), "st": lambda: run_st(a),
+     "cw": lambda: run_cw(a)}[a.what]()
 
 
 if __name__ == "__main__":

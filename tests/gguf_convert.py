@@ -1,6 +1,6 @@
 """A tiny Hugging Face checkpoint to a GGUF file, written as llama.cpp's `convert_hf_to_gguf.py`
 writes it (the `conversion/` modules of ggml-org/llama.cpp: `base.py`, `llama.py`, `gemma.py`,
-`gpt2.py`, `gptneox.py`, `olmo.py`, `granite.py`, `phi.py`, `qwen.py`, `gpt_oss.py`).
+`gpt2.py`, `gptneox.py`, `olmo.py`, `granite.py`, `phi.py`, `qwen.py`, `gpt_oss.py`, `bert.py`).
 
 What is reproduced: the architecture name, the metadata keys the converter's
 `set_gguf_parameters` writes, tensor names through the `gguf` package's `TensorNameMap`, every
@@ -24,6 +24,9 @@ departs from it, each time in one place marked "Departure":
   `{arch}.attention.sliding_window_pattern` (booleans) is written. Real Gemma 3 checkpoints
   follow the assumed pattern and get no such key. llama.cpp reads it: on the tiny Gemma 3 (global
   layer 3 of 4) its logits are within 3e-4 of the reference with the key, 0.54 away without;
+- BERT's converter hashes its tokenizer's output on a test text to name `tokenizer.ggml.pre` and
+  stops on a vocabulary it does not know (the tiny fixture's): `default` is written (llama.cpp's
+  WPM tokenizer does not read it);
 - gpt-oss's converter writes no `swiglu_limit` (llama.cpp clamps its experts at a constant 7.0,
   the released models' value; the tiny fixture's is 1.0): it is written as
   `gpt-oss.swiglu_clamp_exp`, one entry per layer, the key llama.cpp's converter writes for
@@ -69,6 +72,7 @@ ARCH = {
     "granitemoeshared": "granitemoe",
     "gpt_oss": "gpt-oss",
     "qwen2_moe": "qwen2moe",
+    "bert": "bert",
 }
 
 # The converters that derive from `LlamaModel` and so permute q/k rows (`undo_permute = True`).
@@ -283,6 +287,12 @@ def _tensors(cfg, model_type, weights, n_layers, arch):
     for name, t in weights.items():
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
+        if model_type == "bert":
+            # `BertModel.filter_tensors`: the base model's prefix off; the pooler and the
+            # pre-training heads dropped (llama.cpp uses BERT for embeddings).
+            name = name.removeprefix("bert.")
+            if name.startswith(("pooler.", "cls.predictions", "cls.seq_relationship")) or name.endswith("position_ids"):
+                continue
         if model_type == "gpt2" and name.endswith((".attn.bias", ".attn.masked_bias")):
             continue
         if model_type == "gemma2" and name == "lm_head.weight":
@@ -365,6 +375,49 @@ def _minimal_vocab(w, cfg):
             add(v)
 
 
+def _bert_parameters(w, src, cfg, n_layers):
+    """`BertModel.set_gguf_parameters`: `TextModel`'s keys, no causal mask, and the pooling of the
+    directory's sentence-transformers Pooling module (`_try_set_pooling_type`)."""
+    import gguf
+
+    _text_model_parameters(w, cfg, n_layers)
+    w.add_causal_attention(False)
+    modules = src / "modules.json"
+    if modules.is_file():
+        path = next(m["path"] for m in json.loads(modules.read_text()) if m["type"].endswith("Pooling"))
+        pooling = json.loads((src / path / "config.json").read_text())
+        for key, kind in (("pooling_mode_mean_tokens", gguf.PoolingType.MEAN), ("pooling_mode_cls_token", gguf.PoolingType.CLS),
+                          ("pooling_mode_lasttoken", gguf.PoolingType.LAST)):
+            if pooling.get(key):
+                w.add_pooling_type(kind)
+                break
+
+
+def _bert_vocab(w, src, cfg):
+    """`BertModel.set_vocab`: the WordPiece vocabulary in "phantom space" (a word-initial piece
+    `▁word`, a `##piece` bare, control tokens as they are), the token type count, and the special
+    tokens as the `gguf` package's `SpecialVocab` reads them ([CLS] as BOS, [SEP] as EOS, both
+    added). Departure: `tokenizer.ggml.pre` is `default`; the converter hashes the tokenizer's
+    output on a test text and stops on a vocabulary it does not know, as the fixture's is."""
+    import gguf
+
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    tokens = [None] * len(vocab)
+    for piece, i in vocab.items():
+        tokens[i] = piece
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    phantom = [t if ty == gguf.TokenType.CONTROL else (t[2:] if t.startswith("##") else "\u2581" + t)
+               for t, ty in zip(tokens, types)]
+    w.add_token_type_count(cfg.get("type_vocab_size", 1))
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(phantom)
+    w.add_token_types(types)
+    gguf.SpecialVocab(src, n_vocab=len(tokens)).add_to_gguf(w)
+
+
 def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split_max_tensors=0,
             small_first_shard=False):
     """Writes `dest`, the GGUF file llama.cpp's converter makes of the checkpoint directory `src`
@@ -423,10 +476,15 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
 
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(src.name)
-    _parameters(w, cfg, model_type, n_layers)
+    if model_type == "bert":
+        _bert_parameters(w, src, cfg, n_layers)
+    else:
+        _parameters(w, cfg, model_type, n_layers)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if vocab:
+    if model_type == "bert":
+        _bert_vocab(w, src, cfg)
+    elif vocab:
         _minimal_vocab(w, cfg)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -334,7 +334,8 @@ def _broken_vocab(kind):
         ("merge without a space", {}, r"tokenizer\.ggml\.merges"),
         ("bos id outside the vocabulary", {}, r"bos_token_id"),
         ("token types shorter than tokens", {}, r"token_type"),
-        ("unknown tokenizer model", {"tokenizer_model": "bert"}, "bert"),
+        # llama.cpp's unigram vocabulary (T5, XLM-RoBERTa); `bert` (WordPiece) is read.
+        ("unknown tokenizer model", {"tokenizer_model": "t5"}, "t5"),
         ("no token list", {"drop_keys": ("tokenizer.ggml.tokens",)}, r"tokenizer\.ggml\.tokens"),
         # transformers falls back to merges generated from scores; a gpt2 file has neither
         ("no merges", {"drop_keys": ("tokenizer.ggml.merges",)}, r"merges|scores"),

@@ -38,7 +38,7 @@ ORDERS = {
         ["weights"],
         ["kv_cache"],
         ["blocks"],
-        ["decoder", "vision"],
+        ["decoder", "encoder", "vision"],
         ["session"],
         ["provider"],
     ],

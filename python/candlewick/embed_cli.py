@@ -58,10 +58,12 @@ def add_command(sub, common, fmt, load) -> None:
     e.add_argument("--output", "-o", default=None, help="write a float32 .npy array instead of JSON lines")
     e.set_defaults(func=run_embed)
     r = sub.add_parser("rerank", parents=[common], formatter_class=fmt,
-                       help="score documents against a query with a yes/no reranker (Qwen3-Reranker)")
+                       help="score documents against a query with a cross-encoder (bge-reranker) "
+                            "or a yes/no reranker (Qwen3-Reranker)")
     r.add_argument("query")
     r.add_argument("text", nargs="*", help="documents")
     r.add_argument("--file", "-f", default=None, help="a file with a document per line (- reads standard input)")
     r.add_argument("--top-n", type=int, default=None)
-    r.add_argument("--instruction", default=None, help="the task instruction of the reranker's prompt")
+    r.add_argument("--instruction", default=None,
+                   help="the task instruction of a yes/no reranker's prompt (a cross-encoder takes none)")
     r.set_defaults(func=run_rerank)

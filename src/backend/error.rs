@@ -165,6 +165,15 @@ pub enum CandleError {
         /// Why.
         reason: String,
     },
+    /// A decoder step (generation, prefill, decode, tracing, the logit lens) asked of a model
+    /// that is a BERT-family encoder: it embeds, and reranks where it has a classification head.
+    #[error("{operation} needs a decoder, and this model is a {family} encoder: it embeds (embed) and, with a classification head, reranks (rerank)")]
+    EncoderOnly {
+        /// The operation refused.
+        operation: &'static str,
+        /// The encoder's family (`bert`, `xlm-roberta`, ...).
+        family: &'static str,
+    },
     /// An option given a value it does not take.
     #[error("invalid {argument}=`{value}`: accepted values are {accepted}")]
     InvalidOption {

@@ -2,13 +2,14 @@
 //!
 //! Its floors, each using only those before it (a test over the `use` lines holds them):
 //! `error`, `device`, `host`, `threads` → `config` → `weights` → `kv_cache` → `blocks` →
-//! `decoder`, `vision` → `session` → `provider`. This file only names them and re-exports what the
+//! `decoder`, `encoder`, `vision` → `session` → `provider`. This file only names them and re-exports what the
 //! layers above the backend use.
 
 pub mod blocks;
 pub mod config;
 pub mod decoder;
 pub mod device;
+pub mod encoder;
 pub mod error;
 pub mod host;
 /// The CPU kernels (the `candlewick-kernels` crate), under the path the decoder names them by.

@@ -8,11 +8,13 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 
+use super::config::encoder::EncoderConfig;
 use super::config::metadata::Metadata;
 use super::config::vision::VisionConfig;
 use super::config::ArchConfig;
 use super::decoder::Decoder;
 use super::device::{self, CandleBackend};
+use super::encoder::Encoder;
 use super::error::{CandleError, Result};
 use super::kv_cache::KvType;
 use super::session::{CandleSession, PREFILL_CHUNK};
@@ -127,6 +129,8 @@ pub struct CandleModelConfig {
     /// The vision encoder of a vision-language model, and where its tensors come from when not
     /// from `weights` (llama.cpp's mmproj file).
     pub vision: Option<(VisionConfig, Option<(Box<dyn WeightSource>, Naming)>)>,
+    /// A BERT-family encoder: the model is it, and `arch` only describes its stand-in decoder.
+    pub encoder: Option<EncoderConfig>,
 }
 
 /// A decoder ready to run, with the context its session will get; sessions share its weights.
@@ -154,7 +158,12 @@ impl BackendProvider for CandleBackend {
     fn prepare_model(&self, config: CandleModelConfig) -> Result<PreparedModel<CandleModel>> {
         let loader =
             WeightLoader::new(config.weights.as_ref(), config.dtype, self.device()).quantizing(config.quantize);
-        let mut decoder = Decoder::load(config.arch, &loader, config.naming)?;
+        let mut decoder = match config.encoder {
+            Some(encoder) => {
+                Decoder::around_encoder(config.arch, Encoder::load(encoder, &loader, config.naming)?, config.dtype)?
+            }
+            None => Decoder::load(config.arch, &loader, config.naming)?,
+        };
         if let Some((vision, source)) = config.vision {
             // The encoder runs dense in float32 (or the requested dtype): quantization at load
             // is for the decoder's matmuls, as llama.cpp's mmproj is converted on its own.
@@ -211,6 +220,9 @@ impl CandleBackend {
         }
         let text = std::fs::read_to_string(&config_path)
             .map_err(|source| CandleError::Io { path: config_path.display().to_string(), source })?;
+        if let Some(encoder) = super::config::encoder::from_hf(&text, &config_path.display().to_string())? {
+            return self.load_encoder_dir(dir, encoder, options);
+        }
         let mut arch = super::config::hf::parse_config(&text, &config_path.display().to_string())?;
         let vision = super::config::vision::from_hf(&text, arch.hidden_size, &config_path.display().to_string())?;
         let mut weights = SafetensorsWeights::open_dir(dir)?;
@@ -243,6 +255,30 @@ impl CandleBackend {
             kv_cache_type: options.kv_cache_type,
             prefill_chunk: prefill_chunk(options)?,
             vision: vision.map(|v| (v, None)),
+            encoder: None,
+        })
+    }
+
+    /// A BERT-family encoder's directory: the encoder's weights under their own names, and a
+    /// stand-in decoder description whose context is the encoder's positions.
+    fn load_encoder_dir(&self, dir: &Path, encoder: EncoderConfig, options: &LoadOptions) -> Result<CandleModelConfig> {
+        let mut weights = SafetensorsWeights::open_dir(dir)?;
+        weights.set_check_tensors(!options.skip_tensor_check);
+        let stored = weights.dominant_dtype().unwrap_or(DType::F32);
+        let max_context = options.max_context.unwrap_or(encoder.max_tokens()).min(encoder.max_tokens());
+        validate_context(max_context)?;
+        Ok(CandleModelConfig {
+            arch: encoder.stand_in(),
+            weights: Box::new(weights),
+            naming: Naming::HuggingFace,
+            dtype: self.choose_dtype(options.dtype, stored),
+            max_context,
+            format: ArtifactFormat::HuggingFace,
+            quantize: options.quantize,
+            kv_cache_type: options.kv_cache_type,
+            prefill_chunk: prefill_chunk(options)?,
+            vision: None,
+            encoder: Some(encoder),
         })
     }
 
@@ -268,6 +304,26 @@ impl CandleBackend {
             .ok_or_else(|| CandleError::MissingTensor { name: "token_embd.weight".into() })?;
         let vocab_size = embed.first().copied().unwrap_or(0);
         let source = path.display().to_string();
+        let type_rows = weights.shape("token_types.weight").and_then(|s| s.first().copied()).unwrap_or(0);
+        if let Some(encoder) = super::config::encoder::from_gguf(&md, vocab_size, type_rows, &source)? {
+            let max_context = options.max_context.unwrap_or(encoder.max_tokens()).min(encoder.max_tokens());
+            validate_context(max_context)?;
+            weights.drop_vocabulary();
+            weights.set_check_tensors(!options.skip_tensor_check);
+            return Ok(CandleModelConfig {
+                arch: encoder.stand_in(),
+                weights: Box::new(weights),
+                naming: Naming::Gguf,
+                dtype: options.dtype.unwrap_or(DType::F32),
+                max_context,
+                format: ArtifactFormat::Gguf,
+                quantize: options.quantize,
+                kv_cache_type: options.kv_cache_type,
+                prefill_chunk: prefill_chunk(options)?,
+                vision: None,
+                encoder: Some(encoder),
+            });
+        }
         let n_tokens = weights.vocabulary_len();
         let arch =
             super::config::gguf::parse_config(&md, &|t| weights.shape(t).is_some(), vocab_size, n_tokens, &source)?;
@@ -293,6 +349,7 @@ impl CandleBackend {
             kv_cache_type: options.kv_cache_type,
             prefill_chunk: prefill_chunk(options)?,
             vision,
+            encoder: None,
         })
     }
 

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value as Json;
 
+use crate::backend::config::encoder::EncoderPooling;
+
 /// How the hidden states of a text's tokens become one vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pooling {
@@ -187,10 +189,16 @@ fn module_dir(dir: &Path, path: &str, modules: &Path) -> Result<PathBuf, Embeddi
 
 impl EmbeddingSetup {
     /// The setup of the model in `dir` (a GGUF file or a directory without sentence-transformers
-    /// files gets last-token pooling and normalisation, llama-server's defaults for a decoder).
-    pub fn read(dir: &Path, hidden_size: usize, device: &Device) -> Result<Self, EmbeddingError> {
+    /// files gets `default_pooling` and normalisation: llama-server's last token for a decoder,
+    /// the mean for an encoder, as sentence-transformers pools a bare one).
+    pub fn read(
+        dir: &Path,
+        hidden_size: usize,
+        default_pooling: Pooling,
+        device: &Device,
+    ) -> Result<Self, EmbeddingError> {
         let mut setup = Self {
-            pooling: Pooling::LastToken,
+            pooling: default_pooling,
             normalize: true,
             prompts: BTreeMap::new(),
             default_prompt_name: None,
@@ -418,7 +426,8 @@ pub mod qwen3_reranker {
 pub struct RerankResult {
     /// Its index in the documents given.
     pub index: usize,
-    /// Its relevance to the query, in 0..1.
+    /// Its relevance to the query: in 0..1, except from a cross-encoder whose configured
+    /// activation is Identity (its raw logit).
     pub relevance_score: f32,
 }
 
@@ -454,7 +463,19 @@ impl super::Model {
             return Ok(s.clone());
         }
         let decoder = self.runtime.session().decoder();
-        let setup = EmbeddingSetup::read(Path::new(&self.info.path), decoder.config().hidden_size, decoder.device())?;
+        // A GGUF encoder declares its pooling (`bert.pooling_type`); a bare one pools the mean.
+        let default_pooling = match decoder.encoder().map(|e| e.config().pooling) {
+            None => Pooling::LastToken,
+            Some(None | Some(EncoderPooling::Mean)) => Pooling::Mean,
+            Some(Some(EncoderPooling::Cls)) => Pooling::Cls,
+            Some(Some(EncoderPooling::Last)) => Pooling::LastToken,
+        };
+        let setup = EmbeddingSetup::read(
+            Path::new(&self.info.path),
+            decoder.config().hidden_size,
+            default_pooling,
+            decoder.device(),
+        )?;
         let setup = std::sync::Arc::new(setup);
         *slot = Some(setup.clone());
         Ok(setup)
@@ -467,9 +488,12 @@ impl super::Model {
     pub fn embed(&self, inputs: &[super::Prompt], options: &EmbedOptions) -> Result<Embeddings, super::ModelError> {
         let setup = self.embedding_setup()?;
         let prefix = setup.prompt_text(options.prompt.as_deref(), options.prompt_name.as_deref())?;
+        // An encoder cannot read past its position table: without a max_seq_length its texts are
+        // cut there, as transformers' tokenizer cuts them at model_max_length.
+        let encoder_max = self.runtime.session().decoder().encoder().map(|e| e.config().max_tokens());
         let mut ids = Vec::with_capacity(inputs.len());
         for input in inputs {
-            let one = match (input, setup.max_seq_length) {
+            let one = match (input, setup.max_seq_length.or(encoder_max)) {
                 (super::Prompt::Text(text), Some(max)) => {
                     truncated(self.tokenizer()?, &format!("{prefix}{text}"), max)?
                 }
@@ -483,14 +507,87 @@ impl super::Model {
         Ok(Embeddings { vectors, token_counts: ids.iter().map(Vec::len).collect() })
     }
 
-    /// Scores each document's relevance to `query` with a Qwen3-Reranker-style model (its
-    /// prompt; the probability of "yes" against "no" at the last position), best first, the
-    /// `top_n` best where given. The session is not touched.
+    /// Scores each document's relevance to `query`, best first, the `top_n` best where given:
+    /// with a cross-encoder (a BERT-family `*ForSequenceClassification`), its one logit for the
+    /// tokenizer's (query, document) pair with sentence-transformers' CrossEncoder activation
+    /// (a sigmoid unless the config names another); with a Qwen3-Reranker-style decoder, the
+    /// probability of "yes" against "no" after its prompt. The session is not touched.
     pub fn rerank(
         &self,
         query: &str,
         documents: &[String],
         top_n: Option<usize>,
+        instruction: Option<&str>,
+    ) -> Result<Vec<RerankResult>, super::ModelError> {
+        let mut results = if let Some(encoder) = self.runtime.session().decoder().encoder() {
+            if instruction.is_some() {
+                return Err(EmbeddingError::InvalidArgument {
+                    argument: "instruction",
+                    reason: "a cross-encoder takes no instruction (Qwen3-Reranker-style models do)".into(),
+                }
+                .into());
+            }
+            self.cross_encoder_scores(encoder.config(), query, documents)?
+        } else {
+            self.yes_no_scores(query, documents, instruction)?
+        };
+        results.sort_by(|a, b| b.relevance_score.total_cmp(&a.relevance_score).then(a.index.cmp(&b.index)));
+        if let Some(n) = top_n {
+            results.truncate(n);
+        }
+        Ok(results)
+    }
+
+    /// A cross-encoder's score of each (query, document) pair.
+    fn cross_encoder_scores(
+        &self,
+        config: &crate::backend::config::encoder::EncoderConfig,
+        query: &str,
+        documents: &[String],
+    ) -> Result<Vec<RerankResult>, super::ModelError> {
+        use crate::backend::config::encoder::ScoreActivation;
+        let refuse = |reason: String| EmbeddingError::InvalidArgument { argument: "model", reason };
+        let Some(head) = config.classifier else {
+            return Err(refuse(format!(
+                "rerank needs a cross-encoder or a yes/no reranker: this {} encoder has no classification \
+                 head (a *ForSequenceClassification checkpoint has one); it embeds",
+                config.family.name()
+            ))
+            .into());
+        };
+        if head.num_labels != 1 {
+            return Err(refuse(format!(
+                "a cross-encoder with {} labels has no single relevance score (rerank takes num_labels = 1)",
+                head.num_labels
+            ))
+            .into());
+        }
+        let tok = self.tokenizer()?;
+        let pairs = documents
+            .iter()
+            .map(|d| tok.encode_pair(query, d, Some(config.max_tokens())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let logits = self.runtime.session().classify(&pairs)?;
+        Ok(logits
+            .iter()
+            .enumerate()
+            .map(|(index, l)| {
+                let x = l[0];
+                let relevance_score = match head.activation {
+                    ScoreActivation::Sigmoid => (1.0 / (1.0 + (-(x as f64)).exp())) as f32,
+                    ScoreActivation::Identity => x,
+                };
+                RerankResult { index, relevance_score }
+            })
+            .collect())
+    }
+
+    /// Qwen3-Reranker's score of each document: the probability of "yes" against "no" at the
+    /// last position of its model card's prompt.
+    fn yes_no_scores(
+        &self,
+        query: &str,
+        documents: &[String],
         instruction: Option<&str>,
     ) -> Result<Vec<RerankResult>, super::ModelError> {
         use qwen3_reranker as q;
@@ -520,10 +617,6 @@ impl super::Model {
             let row = compute("reading logits", row.flatten_all().and_then(|r| r.to_dtype(DType::F32)))?;
             let pick = |id: u32| compute("reading logits", row.get(id as usize).and_then(|v| v.to_scalar::<f32>()));
             results.push(RerankResult { index, relevance_score: q::score(pick(yes)?, pick(no)?) });
-        }
-        results.sort_by(|a, b| b.relevance_score.total_cmp(&a.relevance_score).then(a.index.cmp(&b.index)));
-        if let Some(n) = top_n {
-            results.truncate(n);
         }
         Ok(results)
     }

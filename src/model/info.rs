@@ -77,9 +77,11 @@ impl ModelInfo {
         let decoder = session.decoder();
         let c = decoder.config();
         let weight_types = decoder.weight_summary();
+        let encoder = decoder.encoder().map(|e| e.config());
         Self {
-            architecture: c.architecture.name().to_owned(),
-            num_layers: c.num_layers(),
+            // An encoder's decoder description only stands in: its family and layers are the encoder's.
+            architecture: encoder.map_or(c.architecture.name(), |e| e.family.name()).to_owned(),
+            num_layers: encoder.map_or(c.num_layers(), |e| e.num_layers),
             hidden_size: c.hidden_size,
             intermediate_size: c.intermediate_size,
             num_heads: c.num_heads,

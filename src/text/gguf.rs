@@ -620,6 +620,41 @@ fn build_byte_level(v: &Vocabulary<'_>, split: ByteLevelSplit, model: BPE) -> Re
     Ok(tokenizer)
 }
 
+/// llama.cpp's BERT vocabulary back as WordPiece's: the converter writes it in "phantom space"
+/// (a word-initial piece `▁word`, a continuation `piece` bare, control tokens as they are), so a
+/// `▁` is taken off and a bare piece gets `##`. Normalised and split as BERT's tokenizer does, with
+/// lower-casing (llama.cpp's WPM tokenizer lower-cases every model).
+fn build_wordpiece(v: &Vocabulary<'_>) -> Result<tokenizers::Tokenizer, TextError> {
+    use tokenizers::models::wordpiece::WordPiece;
+    let mut vocab = Vocab::default();
+    for (id, token) in v.tokens.iter().enumerate() {
+        let piece = if v.token_type(id) == Some(TOKEN_TYPE_CONTROL) {
+            token.to_string()
+        } else if let Some(word) = token.strip_prefix('\u{2581}') {
+            word.to_string()
+        } else {
+            format!("##{token}")
+        };
+        vocab.entry(piece).or_insert(id as u32);
+    }
+    let unk = v.unk_id.map_or_else(|| "[UNK]".to_string(), |id| v.tokens[id as usize].to_string());
+    let model = WordPiece::builder()
+        .vocab(vocab)
+        .unk_token(unk)
+        .continuing_subword_prefix("##".into())
+        .max_input_chars_per_word(100)
+        .build()
+        .map_err(build_err("WordPiece model"))?;
+    let mut tokenizer = tokenizers::Tokenizer::new(model);
+    tokenizer
+        .with_normalizer(Some(tokenizers::normalizers::bert::BertNormalizer::new(true, true, None, true)))
+        .map_err(build_err("BERT normaliser"))?;
+    tokenizer.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::bert::BertPreTokenizer));
+    tokenizer.with_decoder(Some(tokenizers::decoders::wordpiece::WordPiece::new("##".into(), true)));
+    add_gguf_tokens(&mut tokenizer, v, |_| true)?;
+    Ok(tokenizer)
+}
+
 /// transformers' `add_gguf_special_tokens` plus the special tokens its tokenizer classes add.
 ///
 /// Control tokens become special (chat markup typed as text is one id, and is skipped when
@@ -714,6 +749,8 @@ fn special_token_processor(
 enum Family {
     Sentencepiece(Sentencepiece),
     ByteLevel(ByteLevelSplit),
+    /// BERT's WordPiece (`tokenizer.ggml.model` = `bert`).
+    WordPiece,
 }
 
 /// A GGUF vocabulary converted up to its BPE model's inputs: the part of the conversion that
@@ -724,7 +761,8 @@ pub(crate) struct PreparedTokenizer<'a> {
     v: Vocabulary<'a>,
     family: Family,
     add_bos: bool,
-    inputs: BpeInputs,
+    /// `None` for WordPiece, which has no BPE model.
+    inputs: Option<BpeInputs>,
 }
 
 /// The first step of [`tokenizer_from_gguf`]: reads and validates the vocabulary, and derives
@@ -753,11 +791,15 @@ pub(crate) fn prepare_gguf(md: &HashMap<String, Value>) -> Result<PreparedTokeni
                 byte_level_split(pre).ok_or_else(|| TextError::UnsupportedPreTokenizer { pre: pre.to_string() })?;
             (Family::ByteLevel(split), v.add_bos.unwrap_or(false))
         }
+        // llama.cpp's WPM tokenizer: `[CLS]` first and `[SEP]` last (the converter writes them as
+        // BOS and EOS with add_bos / add_eos).
+        "bert" => (Family::WordPiece, v.add_bos.unwrap_or(true)),
         other => return Err(TextError::UnsupportedTokenizerModel { model: other.to_string() }),
     };
     let inputs = match family {
-        Family::Sentencepiece(kind) => sentencepiece_inputs(&v, kind)?,
-        Family::ByteLevel(_) => byte_level_inputs(&v)?,
+        Family::Sentencepiece(kind) => Some(sentencepiece_inputs(&v, kind)?),
+        Family::ByteLevel(_) => Some(byte_level_inputs(&v)?),
+        Family::WordPiece => None,
     };
     Ok(PreparedTokenizer { v, family, add_bos, inputs })
 }
@@ -767,10 +809,12 @@ impl PreparedTokenizer<'_> {
     /// builder, single-threaded), the pipeline around it and the special tokens.
     pub(crate) fn build(self) -> Result<GgufTokenizer, TextError> {
         let Self { v, family, add_bos, inputs } = self;
-        let model = bpe(inputs)?;
-        let mut tokenizer = match family {
-            Family::Sentencepiece(kind) => build_sentencepiece(&v, kind, model)?,
-            Family::ByteLevel(split) => build_byte_level(&v, split, model)?,
+        let model = inputs.map(bpe).transpose()?;
+        let mut tokenizer = match (family, model) {
+            (Family::Sentencepiece(kind), Some(model)) => build_sentencepiece(&v, kind, model)?,
+            (Family::ByteLevel(split), Some(model)) => build_byte_level(&v, split, model)?,
+            (Family::WordPiece, _) => build_wordpiece(&v)?,
+            (_, None) => unreachable!("prepare_gguf gives every BPE family its inputs"),
         };
         let add_bos = add_bos && v.bos_id.is_some();
         let add_eos = v.add_eos.unwrap_or(false) && v.eos_id.is_some();

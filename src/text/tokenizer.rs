@@ -359,6 +359,26 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The ids and token types of a sentence pair with the tokenizer's special tokens (BERT's
+    /// `[CLS] a [SEP] b [SEP]`, types 0 then 1), as transformers' `tokenizer(a, b)` gives them;
+    /// with `max_length`, a longer pair is cut longest-first, as its `truncation=True` cuts it.
+    pub fn encode_pair(&self, a: &str, b: &str, max_length: Option<usize>) -> Result<(Vec<u32>, Vec<u32>), TextError> {
+        let err = |e| TextError::tokenizer("encoding a text pair", e);
+        let mut encoding = self.inner.encode((a, b), true).map_err(err)?;
+        if let Some(max) = max_length.filter(|&m| encoding.len() > m) {
+            // Only an over-long pair pays for a truncating copy of the tokenizer.
+            let mut cut = self.inner.clone();
+            cut.with_truncation(Some(tokenizers::TruncationParams {
+                max_length: max,
+                strategy: tokenizers::TruncationStrategy::LongestFirst,
+                ..Default::default()
+            }))
+            .map_err(err)?;
+            encoding = cut.encode((a, b), true).map_err(err)?;
+        }
+        Ok((encoding.get_ids().to_vec(), encoding.get_type_ids().to_vec()))
+    }
+
     /// Text of `ids`; an id outside the vocabulary is an error (transformers drops it, which
     /// silently loses text when a model's embedding has more rows than its tokenizer has tokens).
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {

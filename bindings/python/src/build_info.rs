@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::invalid_option;
+use candlewick::backend::config::encoder::EncoderFamily;
 use candlewick::backend::config::Architecture;
 use candlewick::backend::device;
 use candlewick::backend::kernels::{self, int8_gemm};
@@ -47,7 +48,9 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// Args:
 ///     format (str | None): ``"hf"`` for Hugging Face directories (every architecture),
 ///         ``"gguf"`` for the subset whose GGUF files (llama.cpp's ``general.architecture``) load;
-///         ``None`` (the default) for all of them.
+///         ``None`` (the default) for all of them. Decoders first, then the BERT-family
+///         encoders (``"bert"``, ``"roberta"``, ``"xlm-roberta"``: ``embed``, and ``rerank`` with
+///         a classification head; of them ``"bert"`` loads from GGUF too, to embed).
 ///
 ///     images (bool): only the vision-language families that take images (``images=`` on
 ///         ``generate``, ``chat`` and the step API; docs/vision.md), by their config.json
@@ -80,9 +83,10 @@ pub fn supported_architectures(py: Python<'_>, format: Option<&str>, images: boo
         // (`config::vision::from_mmproj`).
         return Ok(VisionFamily::ALL.into_iter().map(VisionFamily::name).collect());
     }
-    Ok(Architecture::ALL
-        .into_iter()
-        .filter(|a| !gguf_only || a.gguf_name().is_some())
-        .map(Architecture::name)
-        .collect())
+    let decoders =
+        Architecture::ALL.into_iter().filter(|a| !gguf_only || a.gguf_name().is_some()).map(Architecture::name);
+    // BERT-family encoders (embeddings, cross-encoder reranking); of their GGUF files, BERT's.
+    let encoders =
+        EncoderFamily::ALL.into_iter().filter(|f| !gguf_only || *f == EncoderFamily::Bert).map(EncoderFamily::name);
+    Ok(decoders.chain(encoders).collect())
 }

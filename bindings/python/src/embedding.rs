@@ -32,7 +32,8 @@ impl PyModelRuntime {
     /// states (after the last norm) pooled as ``1_Pooling/config.json`` says (mean, CLS, last
     /// token), then its Dense layers and Normalize module. Runs on fresh contexts: the session
     /// is left as it was. Decoder embedding models (Qwen3-Embedding, EmbeddingGemma with its
-    /// bidirectional attention) are supported; BERT-family encoders are not.
+    /// bidirectional attention) and BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa: their last
+    /// layer's states) are supported.
     ///
     /// Args:
     ///     texts (str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]): one text or
@@ -80,17 +81,20 @@ impl PyModelRuntime {
         Ok(PyArray::from_owned_array(py, arr).into_any())
     }
 
-    /// Scores documents' relevance to a query with a yes/no reranker (Qwen3-Reranker: the
-    /// probability of "yes" against "no" after its prompt, as its model card computes it).
-    /// Runs on fresh contexts: the session is left as it was. BERT-family cross-encoders are
-    /// not supported.
+    /// Scores documents' relevance to a query: with a cross-encoder (``BertForSequenceClassification``,
+    /// ``XLMRobertaForSequenceClassification`` with one label, as bge-reranker), its score of the
+    /// tokenizer's (query, document) pair as sentence-transformers' ``CrossEncoder.predict`` gives
+    /// it (a sigmoid of the logit unless config.json names another activation); with a yes/no
+    /// reranker (Qwen3-Reranker), the probability of "yes" against "no" after its prompt, as its
+    /// model card computes it. Runs on fresh contexts: the session is left as it was.
     ///
     /// Args:
     ///     query (str): the query.
     ///     documents (Sequence[str]): the documents.
     ///     top_n (int | None): return only the best this many.
-    ///     instruction (str | None): the task instruction of the prompt; None: the model card's
-    ///         default ("Given a web search query, retrieve relevant passages that answer the query").
+    ///     instruction (str | None): a yes/no reranker's task instruction; None: the model card's
+    ///         default ("Given a web search query, retrieve relevant passages that answer the
+    ///         query"). A cross-encoder refuses one.
     ///
     /// Returns:
     ///     list[dict]: ``{"index", "relevance_score"}`` per document, best first.

@@ -185,7 +185,7 @@ pub fn backend_err(e: CandleError) -> PyErr {
         | CandleError::Io { .. } => ArtifactError::new_err(msg),
         CandleError::UnsupportedArchitecture { .. } => UnsupportedArchitectureError::new_err(msg),
         CandleError::UnsupportedTensorType { .. } => UnsupportedTensorTypeError::new_err(msg),
-        CandleError::UnsupportedConfig { .. } => UnsupportedError::new_err(msg),
+        CandleError::UnsupportedConfig { .. } | CandleError::EncoderOnly { .. } => UnsupportedError::new_err(msg),
         CandleError::TokenOutOfRange { .. } => TokenOutOfRangeError::new_err(msg),
         CandleError::ContextFull { .. } => ContextFullError::new_err(msg),
         CandleError::OutOfMemory { .. } => OutOfMemoryError::new_err(msg),

@@ -13,4 +13,5 @@ pub mod mlp;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod rows;
 pub mod sae;

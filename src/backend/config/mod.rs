@@ -1,5 +1,6 @@
 //! The architecture description the one decoder is parameterised by.
 
+pub mod encoder;
 pub mod gguf;
 pub mod hf;
 pub mod metadata;

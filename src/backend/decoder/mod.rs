@@ -16,11 +16,13 @@ use crate::backend::blocks::mlp::{GateUp, Mlp};
 use crate::backend::blocks::moe::{FeedForward, Moe};
 use crate::backend::blocks::norm::Norm;
 use crate::backend::blocks::rope::Rope;
+use crate::backend::blocks::rows::split_rows;
 use crate::backend::blocks::sae::SaeRegistry;
 use crate::backend::weights::embedding::Embedding;
 use crate::backend::weights::names::{Naming, Slot};
 
 use crate::backend::config::{ArchConfig, ExpertGlu, LayerConfig, NormKind, QkNorm};
+use crate::backend::encoder::Encoder;
 use crate::backend::error::{CandleContext, Result};
 use crate::backend::kv_cache::{KvCache, KvType};
 use crate::backend::vision::VisionModel;
@@ -95,6 +97,9 @@ pub struct Decoder {
     adapters: std::sync::Arc<AdapterRegistry>,
     /// The LoRA adapters merged into its weights (their descriptions, no factors), in merge order.
     merged: Vec<std::sync::Arc<Adapter>>,
+    /// A BERT-family encoder (`backend/encoder`): the model is that encoder, and this decoder only
+    /// stands in for it (no layers; every step is refused by the session).
+    encoder: Option<std::sync::Arc<Encoder>>,
 }
 
 impl Decoder {
@@ -252,9 +257,44 @@ impl Decoder {
             vision: None,
             adapters: Default::default(),
             merged: Vec::new(),
+            encoder: None,
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
         Ok(decoder)
+    }
+
+    /// The stand-in for an encoder-only model: `config` (the encoder's `stand_in`), the encoder's
+    /// word table and embedding norm, no layers. A session over it embeds and classifies with
+    /// the encoder and refuses every decoder step (`CandleError::EncoderOnly`).
+    pub fn around_encoder(config: ArchConfig, encoder: Encoder, dtype: DType) -> Result<Self> {
+        let embed = encoder.word_embedding().clone();
+        let lm_head = Linear::tied(&embed).ctx(|| "tying the stand-in output projection".into())?;
+        let device = encoder.device().clone();
+        let mut decoder = Self {
+            positions: None,
+            norm: encoder.embedding_norm().clone(),
+            embed,
+            blocks: Vec::new(),
+            lm_head,
+            variants: Vec::new(),
+            embed_scale: None,
+            dtype,
+            device,
+            config,
+            fingerprint: String::new(),
+            quantized_at_load: None,
+            saes: Default::default(),
+            vision: None,
+            adapters: Default::default(),
+            encoder: Some(std::sync::Arc::new(encoder)),
+        };
+        decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
+        Ok(decoder)
+    }
+
+    /// The BERT-family encoder this model is, when it is one (its decoder only stands in).
+    pub fn encoder(&self) -> Option<&std::sync::Arc<Encoder>> {
+        self.encoder.as_ref()
     }
 
     /// CRC-32 of the configuration, the weight types and the first and last embedding rows.
@@ -315,6 +355,10 @@ impl Decoder {
     /// Parameters by storage type (`q4_k`, `q8_0`, `f32`, ...), counting a tied table once.
     pub fn weight_summary(&self) -> std::collections::BTreeMap<String, usize> {
         let mut parts = vec![self.embed.summary(), self.norm.summary()];
+        if let Some(e) = &self.encoder {
+            // The stand-in's table and norm are the encoder's own.
+            parts = e.weight_summary();
+        }
         for b in &self.blocks {
             for n in [&b.attn_in_norm, &b.attn_out_norm, &b.mlp_in_norm, &b.mlp_out_norm] {
                 parts.extend(n.as_ref().map(Norm::summary));
@@ -409,6 +453,9 @@ impl Decoder {
 
     /// Every observation path this decoder offers, in forward order, then the attached SAEs' points.
     pub fn observation_points(&self) -> Vec<String> {
+        if self.encoder.is_some() {
+            return Vec::new();
+        }
         // A vision-language model's encoder runs first.
         let mut names: Vec<String> = self.vision.iter().flat_map(|v| v.points()).collect();
         names.extend(self.points().iter().map(Point::to_string));
@@ -492,6 +539,10 @@ impl Decoder {
         kind: StepKind,
         last_layer: Option<usize>,
     ) -> candle_core::Result<Option<Vec<Tensor>>> {
+        if self.encoder.is_some() {
+            // The session refuses first with a typed error; this is the last guard.
+            candle_core::bail!("this model is an encoder: it has no decoder to run");
+        }
         let lens: Vec<usize> = items.iter().map(|it| it.ids.len()).collect();
         let positions: Vec<usize> = items.iter().map(|it| it.cache.len()).collect();
         let ids: Vec<u32> = items.iter().flat_map(|it| it.ids.iter().copied()).collect();
@@ -692,21 +743,6 @@ pub struct BatchItem<'a, H: Hooks> {
     pub cache: &'a mut KvCache,
     /// What observes and edits this sequence's rows.
     pub hooks: H,
-}
-
-/// `x`'s rows split into consecutive blocks of `lens` rows.
-fn split_rows(x: &Tensor, lens: &[usize]) -> candle_core::Result<Vec<Tensor>> {
-    if lens.len() == 1 {
-        return Ok(vec![x.clone()]);
-    }
-    let mut offset = 0;
-    lens.iter()
-        .map(|&t| {
-            let part = x.narrow(0, offset, t);
-            offset += t;
-            part
-        })
-        .collect()
 }
 
 /// Offers each sequence's rows of `x` at `point` to that sequence's hooks, and stacks the results.

@@ -7,6 +7,7 @@ use candle_core::Tensor;
 use super::CandleSession;
 use crate::backend::blocks::hooks::NoHooks;
 use crate::backend::decoder::{BatchItem, LogitsRows, StepKind};
+use crate::backend::encoder::{Encoder, EncoderInput};
 use crate::backend::error::{CandleContext, CandleError, Result};
 use crate::backend::kv_cache::KvCache;
 
@@ -18,7 +19,38 @@ impl CandleSession {
     /// Each document's hidden states after the final norm, float32 `[tokens, hidden]`, with no
     /// output projection (what embedding models pool).
     pub fn hidden_rows(&self, documents: &[Vec<u32>]) -> Result<Vec<Tensor>> {
+        if let Some(encoder) = self.decoder.encoder() {
+            // An encoder's last hidden states: it has no final norm beyond its last layer's.
+            let inputs: Vec<EncoderInput<'_>> =
+                documents.iter().map(|d| EncoderInput { ids: d, types: None }).collect();
+            let mut out = Vec::with_capacity(documents.len());
+            run_encoder(encoder, "embed", &inputs, |group| {
+                out.extend(encoder.hidden(group)?);
+                Ok(())
+            })?;
+            return Ok(out);
+        }
         self.run_documents("embed", documents, LogitsRows::Hidden)
+    }
+
+    /// A cross-encoder's logits `[num_labels]` for each (ids, token types) input, its
+    /// classification head applied to the first token.
+    pub fn classify(&self, inputs: &[(Vec<u32>, Vec<u32>)]) -> Result<Vec<Vec<f32>>> {
+        let refuse = |reason: &str| CandleError::InvalidInput { operation: "rerank", reason: reason.into() };
+        let encoder = self.decoder.encoder().ok_or_else(|| refuse("this model is not a cross-encoder"))?;
+        if !encoder.has_classifier() {
+            return Err(refuse(
+                "this encoder has no classification head (a *ForSequenceClassification checkpoint has)",
+            ));
+        }
+        let inputs: Vec<EncoderInput<'_>> =
+            inputs.iter().map(|(ids, types)| EncoderInput { ids, types: Some(types.as_slice()) }).collect();
+        let mut out = Vec::with_capacity(inputs.len());
+        run_encoder(encoder, "rerank", &inputs, |group| {
+            out.extend(encoder.classify(group)?);
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// Each document's logits at its last position, `[1, vocab]` (what a yes/no reranker reads).
@@ -29,6 +61,7 @@ impl CandleSession {
     /// Refuses a document that is empty, longer than the context, or holds an id outside the
     /// vocabulary (`noun` names one in the message), before anything runs.
     pub(super) fn check_documents(&self, operation: &'static str, noun: &str, documents: &[Vec<u32>]) -> Result<()> {
+        self.refuse_encoder(operation)?;
         let vocab = self.decoder.config().vocab_size;
         for (d, doc) in documents.iter().enumerate() {
             let refuse = |reason: String| CandleError::InvalidInput { operation, reason };
@@ -54,13 +87,8 @@ impl CandleSession {
         // Every layer keeps every position: a document runs in one step, windows or not.
         let full = vec![None; self.decoder.config().num_layers()];
         let mut out = Vec::with_capacity(documents.len());
-        let mut start = 0;
-        while start < documents.len() {
-            let (mut end, mut tokens) = (start, 0);
-            while end < documents.len() && (end == start || tokens + documents[end].len() <= DOCUMENT_BATCH_TOKENS) {
-                tokens += documents[end].len();
-                end += 1;
-            }
+        for (start, end) in batches(&documents.iter().map(Vec::len).collect::<Vec<_>>()) {
+            let tokens: usize = documents[start..end].iter().map(Vec::len).sum();
             let group = &documents[start..end];
             // Each document holds its own cache and scores: refused, as a step is, before
             // anything is allocated when the machine has not the memory free.
@@ -94,8 +122,39 @@ impl CandleSession {
                 .forward_batch(&mut items, rows, StepKind::Prompt)
                 .ctx(|| format!("{operation}: running inputs {start}..{end}"))?;
             out.extend(rows);
-            start = end;
         }
         Ok(out)
     }
+}
+
+/// Runs `inputs` through `encoder` in groups of at most `DOCUMENT_BATCH_TOKENS` tokens (an input
+/// is never split), after checking them all, handing each group to `each`.
+fn run_encoder<'a>(
+    encoder: &Encoder,
+    operation: &'static str,
+    inputs: &[EncoderInput<'a>],
+    mut each: impl FnMut(&[EncoderInput<'a>]) -> candle_core::Result<()>,
+) -> Result<()> {
+    encoder.check(operation, inputs)?;
+    for (start, end) in batches(&inputs.iter().map(|i| i.ids.len()).collect::<Vec<_>>()) {
+        each(&inputs[start..end]).ctx(|| format!("{operation}: running inputs {start}..{end}"))?;
+    }
+    Ok(())
+}
+
+/// Consecutive groups `(start, end)` of documents of lengths `lens`, each of at most
+/// `DOCUMENT_BATCH_TOKENS` tokens unless one document alone is longer (a document is never split).
+fn batches(lens: &[usize]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < lens.len() {
+        let (mut end, mut tokens) = (start, 0);
+        while end < lens.len() && (end == start || tokens + lens[end] <= DOCUMENT_BATCH_TOKENS) {
+            tokens += lens[end];
+            end += 1;
+        }
+        out.push((start, end));
+        start = end;
+    }
+    out
 }

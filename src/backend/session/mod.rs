@@ -452,6 +452,7 @@ impl CandleSession {
         call_edits: Vec<Intervention>,
         request: Option<&ObservationRequest>,
     ) -> Result<InspectedOutput<StepOutput>> {
+        self.refuse_encoder(operation)?;
         if let Some(r) = request {
             r.validate(self.decoder.observation_points().iter().map(String::as_str))?;
         }
@@ -476,8 +477,17 @@ impl CandleSession {
         }
     }
 
+    /// Refuses a decoder step on an encoder-only model (its decoder only stands in).
+    pub(crate) fn refuse_encoder(&self, operation: &'static str) -> Result<()> {
+        match self.decoder.encoder() {
+            Some(e) => Err(CandleError::EncoderOnly { operation, family: e.config().family.name() }),
+            None => Ok(()),
+        }
+    }
+
     /// The logit lens: final norm, output projection and soft-capping of float32 `[T, H]`.
     pub fn unembed(&self, shape: &[usize], data: Vec<f32>) -> Result<(Vec<usize>, Vec<f32>)> {
+        self.refuse_encoder("unembed")?;
         let h = self.decoder.config().hidden_size;
         if shape.len() != 2 || shape[1] != h || data.len() != shape[0] * h {
             return Err(CandleError::InvalidInput {
@@ -557,6 +567,7 @@ impl BackendSession<CandleBackend> for CandleSession {
     }
 
     fn check_append(&self, at: usize, tokens: &[u32]) -> Result<()> {
+        self.refuse_encoder("a decoder step")?;
         if tokens.is_empty() {
             return Err(CandleError::InvalidInput { operation: "step", reason: "no tokens given".into() });
         }
