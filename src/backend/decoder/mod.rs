@@ -286,6 +286,7 @@ impl Decoder {
             saes: Default::default(),
             vision: None,
             adapters: Default::default(),
+            merged: Vec::new(),
             encoder: Some(std::sync::Arc::new(encoder)),
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;

@@ -237,7 +237,8 @@ fn read_mlx(dir: &Path, config_path: &Path, weights: &Path) -> Result<AdapterWei
         if t.rank() != 2 {
             return Err(unsupported(dir, format!("`{key}` of shape {:?} (per-expert factors)", t.dims())));
         }
-        let t = t.to_dtype(DType::F32).and_then(|t| t.t()?.contiguous()).map_err(|e| malformed(weights, e.to_string()))?;
+        let t =
+            t.to_dtype(DType::F32).and_then(|t| t.t()?.contiguous()).map_err(|e| malformed(weights, e.to_string()))?;
         pairs.insert(module, is_a, t);
     }
     let modules = pairs.into_modules(weights, ("lora_a", "lora_b"), |_, _| scale)?;
