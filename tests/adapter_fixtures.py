@@ -32,6 +32,7 @@ ADAPTERS = {
     "qwen2_rslora_head": ("qwen2", 8, 16, ["q_proj", "v_proj", "down_proj", "lm_head"], True, {}, {}, 202),
     "phi3_fused": ("phi3", 2, 4, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False, {"o_proj": 6}, {"down_proj": 1}, 203),
     "llama_r8": ("llama", 8, 4, ["q_proj", "v_proj", "up_proj"], False, {}, {}, 204),
+    "qwen2_embed": ("qwen2", 4, 8, ["embed_tokens", "q_proj"], False, {}, {}, 205),
 }
 STD = 0.1
 
@@ -52,12 +53,15 @@ def module_shapes(config: dict, target: str) -> tuple[int, int]:
         "gate_up_proj": (2 * inter, h),
         "down_proj": (h, inter),
         "lm_head": (v, h),
+        "embed_tokens": (h, v),
     }[target]
 
 
 def module_name(layer: int | None, target: str) -> str:
     if target == "lm_head":
         return "lm_head"
+    if target == "embed_tokens":
+        return "model.embed_tokens"
     part = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj") else "mlp"
     return f"model.layers.{layer}.{part}.{target}"
 
@@ -70,13 +74,15 @@ def write_adapter(root: Path, name: str) -> Path:
     rng = np.random.Generator(np.random.PCG64(seed))
     tensors = {}
     for target in targets:
-        layers = [None] if target == "lm_head" else range(config["num_hidden_layers"])
+        layers = [None] if target in ("lm_head", "embed_tokens") else range(config["num_hidden_layers"])
         for layer in layers:
             out, inp = module_shapes(config, target)
             rank = rank_pattern.get(target, r)
             module = module_name(layer, target)
-            tensors[f"base_model.model.{module}.lora_A.weight"] = rng.normal(0, STD, (rank, inp)).astype(np.float32)
-            tensors[f"base_model.model.{module}.lora_B.weight"] = rng.normal(0, STD, (out, rank)).astype(np.float32)
+            # PEFT names an embedding's factors lora_embedding_A [r, vocab] and _B [hidden, r].
+            a, b = ("lora_embedding_A", "lora_embedding_B") if target == "embed_tokens" else ("lora_A.weight", "lora_B.weight")
+            tensors[f"base_model.model.{module}.{a}"] = rng.normal(0, STD, (rank, inp)).astype(np.float32)
+            tensors[f"base_model.model.{module}.{b}"] = rng.normal(0, STD, (out, rank)).astype(np.float32)
     out_dir = root / name
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))

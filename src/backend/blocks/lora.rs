@@ -382,6 +382,40 @@ pub fn with_plan<T>(per_item: &[Option<&ActiveAdapters>], lens: &[usize], pass: 
     pass()
 }
 
+/// `x` (the embedding rows of the token `ids` of the current pass) plus the term of every
+/// adapter the pass runs that adapts the embedding at `site`: `s · B A[:, id]` on its own
+/// sequences' rows (the product of a linear's factors with the token's one-hot row).
+pub fn apply_embedding(site: &Site, ids: &Tensor, x: Tensor) -> candle_core::Result<Tensor> {
+    let Some(plan) = PLAN.with(|p| p.borrow().clone()) else { return Ok(x) };
+    let key = site.key();
+    let mut x = x;
+    let mut starts = Vec::with_capacity(plan.lens.len());
+    let mut at = 0;
+    for &t in &plan.lens {
+        starts.push(at);
+        at += t;
+    }
+    if at != x.dim(0)? {
+        candle_core::bail!("LoRA: {} embedding rows do not match the step's sequences {:?}", x.dim(0)?, plan.lens)
+    }
+    for (adapter, users) in &plan.groups {
+        let Some(f) = adapter.factors.get(&key) else { continue };
+        let mut index = Vec::new();
+        let mut scales = Vec::new();
+        for &(i, s) in users {
+            index.extend((starts[i]..starts[i] + plan.lens[i]).map(|r| r as u32));
+            scales.extend(std::iter::repeat_n(s, plan.lens[i]));
+        }
+        let n = index.len();
+        let index = Tensor::from_vec(index, n, x.device())?;
+        let scales = Tensor::from_vec(scales, (n, 1), x.device())?;
+        let tokens = ids.index_select(&index, 0)?;
+        let d = f.at.index_select(&tokens, 0)?.matmul(&f.bt)?.broadcast_mul(&scales)?;
+        x = x.index_add(&index, &d.to_dtype(x.dtype())?, 0)?;
+    }
+    Ok(x)
+}
+
 /// `y` (the base product of `x` `[rows, in]` at `site`) plus the term of every adapter the
 /// current pass runs at this site, each on its own sequences' rows.
 pub fn apply(site: &Site, x: &Tensor, y: Tensor) -> candle_core::Result<Tensor> {

@@ -25,6 +25,17 @@ impl Decoder {
         self.adaptable().into_iter().filter_map(Linear::site).collect()
     }
 
+    /// Where an adapter named as `naming` can reach: every linear's site and, for an adapter in
+    /// Hugging Face naming (PEFT, mlx-lm), the token embedding. (llama.cpp's converter writes an
+    /// embedding's factors in another orientation; a GGUF LoRA's `token_embd` stays unknown.)
+    fn adapter_sites(&self, naming: Naming) -> Vec<&Site> {
+        let mut sites = self.linear_sites();
+        if naming == Naming::HuggingFace {
+            sites.push(&self.embed_site);
+        }
+        sites
+    }
+
     /// The linears an adapter can reach, in `linear_sites`' order.
     fn adaptable(&self) -> Vec<&Linear> {
         let mut linears: Vec<&Linear> = Vec::new();
@@ -88,7 +99,13 @@ impl Decoder {
         let naming = weights.naming;
         let arch = self.config.architecture;
         let rows = self.qk_rows(naming);
-        let adapter = Adapter::prepare(name, scale, weights, &self.linear_sites(), arch, rows, &self.device)?;
+        let adapter = Adapter::prepare(name, scale, weights, &self.adapter_sites(naming), arch, rows, &self.device)?;
+        if adapter.reaches(&self.embed_site) {
+            return Err(AdapterError::Unsupported {
+                path: adapter.path.clone(),
+                what: "merging an embedding LoRA (run it beside the weights without merge)".into(),
+            });
+        }
         let malformed =
             |e: candle_core::Error| AdapterError::Malformed { path: adapter.path.clone(), reason: e.to_string() };
         let mut deltas = Vec::new();
@@ -132,9 +149,9 @@ impl Decoder {
             return Err(AdapterError::Duplicate { name: name.to_owned() });
         }
         let weights = AdapterWeights::read(path)?;
-        let rows = self.qk_rows(weights.naming);
+        let (rows, naming) = (self.qk_rows(weights.naming), weights.naming);
         let arch = self.config.architecture;
-        let adapter = Adapter::prepare(name, scale, weights, &self.linear_sites(), arch, rows, &self.device)?;
+        let adapter = Adapter::prepare(name, scale, weights, &self.adapter_sites(naming), arch, rows, &self.device)?;
         self.adapters.insert(adapter)
     }
 }

@@ -97,6 +97,8 @@ pub struct Decoder {
     adapters: std::sync::Arc<AdapterRegistry>,
     /// The LoRA adapters merged into its weights (their descriptions, no factors), in merge order.
     merged: Vec<std::sync::Arc<Adapter>>,
+    /// Where the token embedding sits, for adapters that adapt it (`[vocab] → [hidden]`).
+    embed_site: Site,
     /// A BERT-family encoder (`backend/encoder`): the model is that encoder, and this decoder only
     /// stands in for it (no layers; every step is refused by the session).
     encoder: Option<std::sync::Arc<Encoder>>,
@@ -240,6 +242,7 @@ impl Decoder {
         } else {
             None
         };
+        let embed_site = Site::one(Slot::Embed, 0, h, c.vocab_size);
         let mut decoder = Self {
             positions,
             norm: norm(Slot::FinalNorm, 0, h)?,
@@ -257,6 +260,7 @@ impl Decoder {
             vision: None,
             adapters: Default::default(),
             merged: Vec::new(),
+            embed_site,
             encoder: None,
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
@@ -270,6 +274,7 @@ impl Decoder {
         let embed = encoder.word_embedding().clone();
         let lm_head = Linear::tied(&embed).ctx(|| "tying the stand-in output projection".into())?;
         let device = encoder.device().clone();
+        let embed_site = Site::one(Slot::Embed, 0, config.hidden_size, config.vocab_size);
         let mut decoder = Self {
             positions: None,
             norm: encoder.embedding_norm().clone(),
@@ -287,6 +292,7 @@ impl Decoder {
             vision: None,
             adapters: Default::default(),
             merged: Vec::new(),
+            embed_site,
             encoder: Some(std::sync::Arc::new(encoder)),
         };
         decoder.fingerprint = decoder.compute_fingerprint().ctx(|| "fingerprinting the model".into())?;
@@ -547,7 +553,11 @@ impl Decoder {
         let lens: Vec<usize> = items.iter().map(|it| it.ids.len()).collect();
         let positions: Vec<usize> = items.iter().map(|it| it.cache.len()).collect();
         let ids: Vec<u32> = items.iter().flat_map(|it| it.ids.iter().copied()).collect();
-        let mut x = self.embed.forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
+        let ids = Tensor::new(ids.as_slice(), &self.device)?;
+        let mut x = self.embed.forward(&ids)?;
+        // An adapter's embedding term joins the table's row before the scale, as PEFT adds it to
+        // the (scaled) embedding module's output scaled alike.
+        x = crate::backend::blocks::lora::apply_embedding(&self.embed_site, &ids, x)?;
         if let Some(s) = self.embed_scale {
             x = (x * s)?;
         }

@@ -178,12 +178,17 @@ fn read_peft(dir: &Path, config_path: &Path, weights: &Path) -> Result<AdapterWe
     for (key, t) in tensors {
         let name = key.strip_prefix("base_model.model.").unwrap_or(&key);
         let name = name.replace(".default.", ".");
+        // An embedding's factors are `lora_embedding_A` [r, vocab] and `_B` [hidden, r]: the
+        // orientation of a linear's with the one-hot token as input.
+        let name = name.strip_suffix(".weight").filter(|n| n.contains(".lora_embedding_")).unwrap_or(&name);
         let (module, is_a) = if let Some(m) = name.strip_suffix(".lora_A.weight") {
             (m.to_owned(), true)
         } else if let Some(m) = name.strip_suffix(".lora_B.weight") {
             (m.to_owned(), false)
-        } else if name.contains("lora_embedding_") {
-            return Err(unsupported(dir, format!("embedding LoRA (`{key}`)")));
+        } else if let Some(m) = name.strip_suffix(".lora_embedding_A") {
+            (m.to_owned(), true)
+        } else if let Some(m) = name.strip_suffix(".lora_embedding_B") {
+            (m.to_owned(), false)
         } else if name.contains("lora_magnitude_vector") {
             return Err(unsupported(dir, "DoRA (lora_magnitude_vector)"));
         } else if name.ends_with(".lora_B.bias") {
