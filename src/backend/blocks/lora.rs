@@ -88,26 +88,69 @@ struct Factors {
 /// Rows at most this many go through `Factors::small` on the CPU.
 const SMALL_ROWS: usize = 8;
 
-impl Factors {
-    /// Adds `scale · row · at · bt` to `dst`, on the host (`t`: scratch of the rank's size).
-    fn add_row(host: &(Vec<f32>, Vec<f32>), row: &[f32], scale: f32, t: &mut Vec<f32>, dst: &mut [f32]) {
-        let (at, bt) = host;
-        let r = at.len() / row.len().max(1);
-        let out = dst.len();
-        t.clear();
-        t.resize(r, 0.0);
-        for (&xi, a) in row.iter().zip(at.chunks_exact(r)) {
-            for (tv, &av) in t.iter_mut().zip(a) {
-                *tv += xi * av;
+/// One row's term of one adapter in `host_terms`: the factors' host copies, the row, its scale.
+type HostJob<'a> = (&'a (Vec<f32>, Vec<f32>), usize, f32);
+
+/// Input (and output) columns per task of `host_terms`: a few cache lines of each factor row.
+const HOST_COLUMNS: usize = 256;
+
+/// `d[row] = Σ scale · x[row] · at · bt` over `jobs`, on the host and on both of the kernels'
+/// threads: a decode step's LoRA terms are too small for the matmul kernels' dispatch, but their
+/// factors (tens of MB over a step) are too large for one thread while the other waits at the
+/// pool's barrier. The rank-sized products `x · at` are summed over input slices, then each task
+/// adds its own output columns of every job.
+fn host_terms(xs: &[f32], inp: usize, out: usize, rows: usize, jobs: &[HostJob<'_>]) -> Vec<f32> {
+    use crate::backend::kernels::{parallel_for, OutPtr};
+
+    let ranks: Vec<usize> = jobs.iter().map(|(h, _, _)| h.0.len() / inp.max(1)).collect();
+    let mut offsets = Vec::with_capacity(jobs.len());
+    let mut total = 0;
+    for &r in &ranks {
+        offsets.push(total);
+        total += r;
+    }
+    // x · at, per input slice (each task its own partial sums), then summed.
+    let slices = inp.div_ceil(HOST_COLUMNS);
+    let mut partial = vec![0f32; slices * total];
+    let p = OutPtr(partial.as_mut_ptr());
+    parallel_for(slices, |c| {
+        let p = p;
+        let (lo, hi) = (c * HOST_COLUMNS, ((c + 1) * HOST_COLUMNS).min(inp));
+        for (j, ((host, row, _), &r)) in jobs.iter().zip(&ranks).enumerate() {
+            // SAFETY: slice `c` writes only its own `total` values, at `c · total`.
+            let t = unsafe { std::slice::from_raw_parts_mut(p.0.add(c * total + offsets[j]), r) };
+            let x = &xs[row * inp + lo..row * inp + hi];
+            for (&xi, a) in x.iter().zip(host.0[lo * r..hi * r].chunks_exact(r)) {
+                for (tv, &av) in t.iter_mut().zip(a) {
+                    *tv += xi * av;
+                }
             }
         }
-        for (&tv, b) in t.iter().zip(bt.chunks_exact(out)) {
-            let tv = tv * scale;
-            for (dv, &bv) in dst.iter_mut().zip(b) {
-                *dv += tv * bv;
-            }
+    });
+    let mut t = vec![0f32; total];
+    for part in partial.chunks_exact(total) {
+        for (tv, &pv) in t.iter_mut().zip(part) {
+            *tv += pv;
         }
     }
+    // (scale · t) · bt, per output slice.
+    let mut d = vec![0f32; rows * out];
+    let dp = OutPtr(d.as_mut_ptr());
+    parallel_for(out.div_ceil(HOST_COLUMNS), |c| {
+        let dp = dp;
+        let (lo, hi) = (c * HOST_COLUMNS, ((c + 1) * HOST_COLUMNS).min(out));
+        for (j, ((host, row, scale), &r)) in jobs.iter().zip(&ranks).enumerate() {
+            // SAFETY: slice `c` writes only columns lo..hi of each row.
+            let dst = unsafe { std::slice::from_raw_parts_mut(dp.0.add(row * out + lo), hi - lo) };
+            for (k, &tv) in t[offsets[j]..offsets[j] + r].iter().enumerate() {
+                let tv = tv * scale;
+                for (dv, &bv) in dst.iter_mut().zip(&host.1[k * out + lo..k * out + hi]) {
+                    *dv += tv * bv;
+                }
+            }
+        }
+    });
+    d
 }
 
 /// How the rows of q's and k's `lora_B` are reordered to fit the base: llama.cpp's converter
@@ -447,18 +490,14 @@ pub fn apply(site: &Site, x: &Tensor, y: Tensor) -> candle_core::Result<Tensor> 
         let inp = x.dim(1)?;
         let out = y.dim(1)?;
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let mut d = vec![0f32; rows * out];
-        let mut t = Vec::new();
+        let mut jobs: Vec<HostJob<'_>> = Vec::new();
         for (f, users) in &factors {
             let host = f.host.as_ref().expect("checked above");
             for &(i, scale) in users.iter() {
-                for row in starts[i]..starts[i] + lens[i] {
-                    let dst = &mut d[row * out..(row + 1) * out];
-                    Factors::add_row(host, &xs[row * inp..(row + 1) * inp], scale, &mut t, dst);
-                }
+                jobs.extend((starts[i]..starts[i] + lens[i]).map(|row| (host, row, scale)));
             }
         }
-        let d = Tensor::from_vec(d, (rows, out), y.device())?;
+        let d = Tensor::from_vec(host_terms(&xs, inp, out, rows, &jobs), (rows, out), y.device())?;
         return y + d;
     }
     let mut y = y;
