@@ -358,6 +358,31 @@ def _tensors(cfg, model_type, weights, n_layers, arch):
     return out
 
 
+def _try_set_pooling_type(w, src):
+    """`TextModel._try_set_pooling_type`: the sentence-transformers Pooling module's mode as
+    `{arch}.pooling_type` (mean 1, cls 2, last 3), where the directory has one."""
+    import gguf
+
+    modules = Path(src) / "modules.json"
+    if not modules.is_file():
+        return
+    path = next((m["path"] for m in json.loads(modules.read_text()) if m["type"].endswith("Pooling")), None)
+    if path is None:
+        return
+    pooling = json.loads((Path(src) / path / "config.json").read_text())
+    modes = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS, "lasttoken": gguf.PoolingType.LAST}
+    if pooling.get("pooling_mode_mean_tokens"):
+        w.add_pooling_type(gguf.PoolingType.MEAN)
+    elif pooling.get("pooling_mode_cls_token"):
+        w.add_pooling_type(gguf.PoolingType.CLS)
+    elif pooling.get("pooling_mode_lasttoken"):
+        w.add_pooling_type(gguf.PoolingType.LAST)
+    elif pooling.get("pooling_mode") in modes:
+        w.add_pooling_type(modes[pooling["pooling_mode"]])
+    else:
+        raise NotImplementedError("Only MEAN, CLS, and LAST pooling types supported")
+
+
 def _minimal_vocab(w, cfg):
     """Departure: the fixtures have no tokenizer. A SentencePiece-style (`llama`) vocabulary of
     `vocab_size` distinct tokens, so that llama.cpp (which needs one) loads the file too."""
@@ -480,6 +505,9 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
         _bert_parameters(w, src, cfg, n_layers)
     else:
         _parameters(w, cfg, model_type, n_layers)
+        if model_type in ("qwen2", "qwen3"):
+            # `Qwen2Model.set_gguf_parameters` (Qwen3's too) ends with `_try_set_pooling_type`.
+            _try_set_pooling_type(w, src)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if model_type == "bert":

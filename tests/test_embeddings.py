@@ -173,3 +173,25 @@ def test_command_line_embed_and_rerank(dirs, tmp_path):
     assert r.returncode == 0, r.stderr
     best = json.loads(r.stdout)
     assert best["index"] == int(np.argmax(REF["rerank/default"]))
+
+
+@pytest.mark.parametrize("mode,code", [("mean", 1), ("cls", 2), ("lasttoken", 3)])
+def test_a_gguf_pools_as_it_declares(dirs, models, tmp_path, mode, code):
+    """A decoder GGUF written by the converter (`_try_set_pooling_type`: the directory's Pooling
+    module as `qwen3.pooling_type`) embeds with that pooling and no other setting: as the
+    directory it came from (held to sentence-transformers above) with that pooling."""
+    import gguf
+
+    import gguf_convert
+
+    src = tmp_path / "qwen3-embed"
+    shutil.copytree(dirs["qwen3"], src)
+    (src / "1_Pooling" / "config.json").write_text(json.dumps(fx._pooling(mode, 64)))
+    path = gguf_convert.convert(src, tmp_path / f"{mode}.gguf", gguf_convert.F32)
+    field = gguf.GGUFReader(str(path)).fields["qwen3.pooling_type"]
+    assert int(field.parts[field.data[0]][0]) == code
+    ids = [models["qwen3"].tokenizer.encode(t) for t in fx.TEXTS]
+    want = models["qwen3"].embed(ids, pooling=mode)
+    got = cw.ModelRuntime.load(path, device="cpu").embed(ids)
+    for g, w in zip(got, want):
+        assert rel_l2(g, w) <= TOL, (mode, rel_l2(g, w))

@@ -463,12 +463,16 @@ impl super::Model {
             return Ok(s.clone());
         }
         let decoder = self.runtime.session().decoder();
-        // A GGUF encoder declares its pooling (`bert.pooling_type`); a bare one pools the mean.
-        let default_pooling = match decoder.encoder().map(|e| e.config().pooling) {
-            None => Pooling::LastToken,
-            Some(None | Some(EncoderPooling::Mean)) => Pooling::Mean,
-            Some(Some(EncoderPooling::Cls)) => Pooling::Cls,
-            Some(Some(EncoderPooling::Last)) => Pooling::LastToken,
+        // A GGUF declares its pooling (`{arch}.pooling_type`); where nothing says, a bare encoder
+        // pools the mean and a decoder its last token.
+        let declared = match decoder.encoder() {
+            Some(e) => e.config().pooling.or(Some(EncoderPooling::Mean)),
+            None => decoder.config().embedding_pooling,
+        };
+        let default_pooling = match declared {
+            None | Some(EncoderPooling::Last) => Pooling::LastToken,
+            Some(EncoderPooling::Mean) => Pooling::Mean,
+            Some(EncoderPooling::Cls) => Pooling::Cls,
         };
         let setup = EmbeddingSetup::read(
             Path::new(&self.info.path),

@@ -105,6 +105,22 @@ pub enum EncoderPooling {
     Last,
 }
 
+impl EncoderPooling {
+    /// A GGUF's `{arch}.pooling_type` (none, or 0: not declared); llama.cpp's rank pooling (4) and
+    /// any other value are refused by name.
+    pub fn from_gguf(value: Option<usize>, path: &str, arch: &str) -> Result<Option<Self>> {
+        match value {
+            None | Some(0) => Ok(None),
+            Some(1) => Ok(Some(Self::Mean)),
+            Some(2) => Ok(Some(Self::Cls)),
+            Some(3) => Ok(Some(Self::Last)),
+            Some(other) => Err(CandleError::UnsupportedConfig {
+                what: format!("{path}: {arch}.pooling_type = {other} (mean 1, cls 2 and last 3 are supported)"),
+            }),
+        }
+    }
+}
+
 impl EncoderConfig {
     /// The most tokens one input may have: the position table's rows after RoBERTa's offset.
     pub fn max_tokens(&self) -> usize {
@@ -156,6 +172,7 @@ impl EncoderConfig {
             moe: None,
             attn_sinks: false,
             bidirectional: true,
+            embedding_pooling: self.pooling,
         }
     }
 }
@@ -260,17 +277,7 @@ pub fn from_gguf(md: &Metadata<'_>, vocab_size: usize, type_rows: usize, path: &
             format!("{num_heads} heads do not divide {hidden_size}"),
         ));
     }
-    let pooling = match md.opt_usize(&key("pooling_type"))? {
-        None | Some(0) => None,
-        Some(1) => Some(EncoderPooling::Mean),
-        Some(2) => Some(EncoderPooling::Cls),
-        Some(3) => Some(EncoderPooling::Last),
-        Some(other) => {
-            return Err(CandleError::UnsupportedConfig {
-                what: format!("{path}: bert.pooling_type = {other} (mean 1, cls 2 and last 3 are supported)"),
-            })
-        }
-    };
+    let pooling = EncoderPooling::from_gguf(md.opt_usize(&key("pooling_type"))?, path, "bert")?;
     let config = EncoderConfig {
         family: EncoderFamily::Bert,
         vocab_size,

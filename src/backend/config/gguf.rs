@@ -171,6 +171,7 @@ pub fn parse_config(
         moe: None,
         attn_sinks: has_tensor("blk.0.attn_sinks.weight"),
         bidirectional: false,
+        embedding_pooling: super::encoder::EncoderPooling::from_gguf(md.opt_usize(&key("pooling_type"))?, path, &name)?,
     };
     // Errors name llama.cpp's keys, not transformers' names of the same quantities.
     let field = |name: &str| -> String {

@@ -602,6 +602,7 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         moe,
         attn_sinks: arch == Architecture::GptOss,
         bidirectional,
+        embedding_pooling: None,
     };
     // GPT-2 and GPT-NeoX name their norms' epsilon after LayerNorm.
     let experts_key = if cfg.num_experts.is_some() { "num_experts" } else { "num_local_experts" };

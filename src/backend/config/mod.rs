@@ -440,6 +440,9 @@ pub struct ArchConfig {
     /// Whether every position attends every other (within a sliding layer's window, both ways):
     /// embedding models such as EmbeddingGemma (`use_bidirectional_attention`).
     pub bidirectional: bool,
+    /// The embedding pooling a GGUF declares (`{arch}.pooling_type`); a directory's is in its
+    /// sentence-transformers files.
+    pub embedding_pooling: Option<encoder::EncoderPooling>,
 }
 
 /// Refuses a layer count outside `1..=MAX_LAYERS` before anything per layer is allocated.
