@@ -19,7 +19,6 @@ the converter's F16 projector matrix, Q8_0 blocks), the reference the GGUF tests
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -27,6 +26,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from fixture_writers import digest, draw
 
 DATA = Path(__file__).resolve().parent / "data" / "vision"
 VOCAB = 512
@@ -55,22 +56,9 @@ def _is_norm(name):
 
 
 def weights(case):
-    """The checkpoint's tensors as `weights.json` says: norms 1 + 0.1·N(0, 1), the rest 0.1·N(0, 1)."""
-    spec = json.loads((DATA / case / "weights.json").read_text())
-    rng = np.random.default_rng(spec["seed"])
-    out = {}
-    for name, shape in spec["tensors"]:
-        t = np.float32(0.1) * rng.standard_normal(shape, dtype=np.float32)
-        out[name] = t + np.float32(1.0) if _is_norm(name) else t
-    return out, spec["sha256"]
-
-
-def _digest(tensors):
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(tensors[name]).tobytes())
-    return h.hexdigest()
+    """The checkpoint's tensors as `weights.json` says (`fixture_writers.draw`: norms 1 + 0.1·N(0, 1),
+    the rest 0.1·N(0, 1)), and the SHA-256 recorded for them."""
+    return draw(DATA / case, _is_norm)
 
 
 def tokenizer_json() -> str:
@@ -106,7 +94,7 @@ def materialise(case, dest, tensors=None):
 
     if tensors is None:
         tensors, sha = weights(case)
-        if _digest(tensors) != sha:
+        if digest(tensors) != sha:
             raise RuntimeError(f"{case}: numpy drew other weights than the reference was computed from")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -268,7 +256,7 @@ def _build(case):
     spec = {"seed": seed, "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
     (dest / "weights.json").write_text(json.dumps(spec) + "\n")
     tensors, _ = weights(case)
-    spec["sha256"] = _digest(tensors)
+    spec["sha256"] = digest(tensors)
     (dest / "weights.json").write_text(json.dumps(spec) + "\n")
     model = _load(case)
     images = [Image.open(io.BytesIO(b)).convert("RGB") for b in draw_images()]
