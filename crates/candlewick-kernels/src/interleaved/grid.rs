@@ -837,7 +837,7 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn the_simd_decoder_matches_the_reference() {
-        if !super::super::available() {
+        if !super::super::avx512() {
             return;
         }
         use rand::{rngs::StdRng, Rng, SeedableRng};

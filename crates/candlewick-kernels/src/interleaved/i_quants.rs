@@ -79,6 +79,49 @@ pub(super) mod x86 {
     }
 }
 
+/// The AVX2 forms of `x86`'s helpers, for 8 rows at a time (`h`: rows `8h..8h + 8`).
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    use super::super::avx2::{bytes_u32, HALF};
+    use super::super::Format;
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// `format`'s levels as signed bytes, in each 128-bit lane (for `vpshufb`): the AVX2
+    /// kernel multiplies them signed (`avx2::dot_s`), so they carry no offset.
+    #[inline(always)]
+    pub(in super::super) unsafe fn levels(format: Format) -> __m256i {
+        let levels = format.levels().copied().unwrap_or([0; 16]);
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(levels.as_ptr() as *const __m128i))
+    }
+
+    /// Rows `8h..8h + 8`'s MXFP4 scales of a record: `e8m0_half` of each exponent byte.
+    #[inline(always)]
+    pub(in super::super) unsafe fn e8m0_scales(rec: *const u8, h: usize) -> __m256 {
+        let e = bytes_u32(rec, h);
+        let normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        // Below 2: the subnormals 2^-128 and 2^-127.
+        let subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+        let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+        _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small))
+    }
+
+    /// Rows `8h..8h + 8`'s integer scales `ls − 32` of unit `u` of an IQ4_XS record, as
+    /// `iq4xs_scale`.
+    #[inline(always)]
+    pub(in super::super) unsafe fn iq4xs_scales(rec: *const u8, u: usize, h: usize) -> __m256i {
+        let low = bytes_u32(rec.add(IQ4XS_SC_L + (u / 2) * LANES), h);
+        let low = _mm256_srlv_epi32(low, _mm256_set1_epi32(4 * (u as i32 % 2)));
+        let high = _mm256_cvtepu16_epi32(_mm_loadu_si128(rec.add(IQ4XS_SC_H + h * HALF * 2) as *const __m128i));
+        let high = _mm256_srlv_epi32(high, _mm256_set1_epi32(2 * u as i32));
+        let ls = _mm256_or_si256(
+            _mm256_and_si256(low, _mm256_set1_epi32(0xF)),
+            _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4),
+        );
+        _mm256_sub_epi32(ls, _mm256_set1_epi32(32))
+    }
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
@@ -88,7 +131,7 @@ mod tests {
     /// (whose products are too small for the product tests' absolute bound to see).
     #[test]
     fn the_kernel_decodes_every_e8m0_byte_as_ggml() {
-        if !super::super::available() {
+        if !super::super::avx512() {
             return;
         }
         for first in (0..=255u8).step_by(LANES) {

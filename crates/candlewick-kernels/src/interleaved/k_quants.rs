@@ -507,6 +507,271 @@ pub(super) mod x86 {
     }
 }
 
+/// The k-quants' tiles on AVX2 (`super::avx2`): each tile as two halves of 8 rows. Q4_K's
+/// 4-bit values add 8 vectors' pairs of products in 16 bits before widening them, Q5_K's 4;
+/// Q6_K's (at most 63) and Q3_K's are widened at once.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    use super::super::avx2::{bytes_i32, bytes_u32, dot_u, halves, load, store, widen, with_high_bits, x4};
+    use super::super::x86::prefetch_next;
+    use super::super::{Format, Interleaved, Q4K, Q5K, Q6K, QK};
+    use super::*;
+    use crate::int8_gemm::QuantizedRows;
+    use std::arch::x86_64::*;
+
+    /// Tiles `t0..t0 + tiles` of Q4_K (`F = Q4K`, 4 activation rows at a time) or Q5_K (`Q5K`,
+    /// 2: its 16-bit sums are widened twice a unit) against every activation row.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in super::super) unsafe fn q4k_columns<const F: u8>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
+        for t in t0..t0 + tiles {
+            for h in 0..2 {
+                if F == Q4K {
+                    rows_by_four!(m, 0, |R, row0| q4k_tile::<F, R>(w, xq, row0, t, h, out));
+                } else {
+                    rows_by_two!(m, |R, row0| q4k_tile::<F, R>(w, xq, row0, t, h, out));
+                }
+            }
+        }
+    }
+
+    /// The 4-byte group `g` of activation row `row`'s unit `u`, broadcast.
+    #[inline(always)]
+    unsafe fn xg(xq: &QuantizedRows, units: usize, row: usize, u: usize, g: usize) -> __m256i {
+        x4(xq.values.as_ptr().add((row * units + u) * QK + g * 4))
+    }
+
+    /// Activation rows `row0..row0 + R` times rows `8h..8h + 8` of Q4_K (Q5_K) tile `t`.
+    #[inline(always)]
+    unsafe fn q4k_tile<const F: u8, const R: usize>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        row0: usize,
+        t: usize,
+        h: usize,
+        out: *mut f32,
+    ) {
+        let size = if F == Q4K { Format::Q4K.record_bytes() } else { Format::Q5K.record_bytes() };
+        let nb = w.blocks();
+        let units = nb * 8;
+        let nibble = _mm256_set1_epi8(0x0F);
+        let sixteen = _mm256_set1_epi8(16);
+        let (low2, four) = (_mm256_set1_epi32(3), _mm256_set1_epi32(0xF));
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let rec = w.record(t, b).as_ptr();
+            let d = halves(rec, h);
+            let dmin = halves(rec.add(Q4K_DMIN), h);
+            for c in 0..4 {
+                if R == 1 && h == 0 {
+                    prefetch_next(rec, size, c, 4);
+                }
+                // Units 2c (low nibbles) and 2c + 1 (high nibbles).
+                let mut dot = [[_mm256_setzero_si256(); 2]; R];
+                let mut lo16 = [_mm256_setzero_si256(); R];
+                let mut hi16 = [_mm256_setzero_si256(); R];
+                for g in 0..8 {
+                    let v = load(rec.add(Q4K_QS + (c * 8 + g) * VECTOR), h);
+                    let mut lo = _mm256_and_si256(v, nibble);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                    if F == Q5K {
+                        lo = with_high_bits(lo, rec.add(Q5K_QH), 2 * c * 8 + g, h, sixteen);
+                        hi = with_high_bits(hi, rec.add(Q5K_QH), (2 * c + 1) * 8 + g, h, sixteen);
+                    }
+                    for r in 0..R {
+                        let row = row0 + r;
+                        let plo = _mm256_maddubs_epi16(lo, xg(xq, units, row, b * 8 + 2 * c, g));
+                        let phi = _mm256_maddubs_epi16(hi, xg(xq, units, row, b * 8 + 2 * c + 1, g));
+                        lo16[r] = _mm256_add_epi16(lo16[r], plo);
+                        hi16[r] = _mm256_add_epi16(hi16[r], phi);
+                    }
+                    if F == Q5K && g % 4 == 3 {
+                        for r in 0..R {
+                            dot[r][0] = _mm256_add_epi32(dot[r][0], widen(lo16[r]));
+                            dot[r][1] = _mm256_add_epi32(dot[r][1], widen(hi16[r]));
+                            lo16[r] = _mm256_setzero_si256();
+                            hi16[r] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                if F == Q4K {
+                    for r in 0..R {
+                        dot[r] = [widen(lo16[r]), widen(hi16[r])];
+                    }
+                }
+                for (k, j) in [2 * c, 2 * c + 1].into_iter().enumerate() {
+                    let lo = bytes_u32(rec.add(Q4K_SC_LO + j * LANES), h);
+                    let hi = bytes_u32(rec.add(Q4K_SC_HI + (j % 4) * LANES), h);
+                    let hi = if j >= 4 { _mm256_srli_epi32(hi, 4) } else { hi };
+                    let sc = _mm256_or_si256(_mm256_and_si256(lo, four), _mm256_slli_epi32(_mm256_and_si256(hi, low2), 4));
+                    let mins = _mm256_or_si256(
+                        _mm256_srli_epi32(lo, 4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2), low2), 4),
+                    );
+                    // -(dmin·m_j) and d·sc_j, as the AVX-512 kernel computes them.
+                    let neg_min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mins)));
+                    let dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                    for r in 0..R {
+                        let xi = (row0 + r) * units + b * 8 + j;
+                        let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][k]), dsc);
+                        acc[r] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(*xq.scales.get_unchecked(xi)), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(neg_min, _mm256_set1_ps(*xq.sums.get_unchecked(xi)), acc[r]);
+                    }
+                }
+            }
+        }
+        for (r, acc) in acc.into_iter().enumerate() {
+            store(acc, out, row0 + r, w.n, t * LANES, h);
+        }
+    }
+
+    /// Tiles `t0..t0 + tiles` of Q6_K (`F = Q6K`) or Q3_K (`Q3K`) against every activation
+    /// row, 2 rows at a time (each row holds 4 integer accumulators).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in super::super) unsafe fn q6k_columns<const F: u8>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        half_sums: &[i32],
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
+        for t in t0..t0 + tiles {
+            for h in 0..2 {
+                rows_by_two!(m, |R, row0| q6k_tile::<F, R>(w, xq, half_sums, row0, t, h, out));
+            }
+        }
+    }
+
+    /// Rows `8h..8h + 8`'s unsigned values (`q + 4`) of units `4n..4n + 4`, group `g`, of a Q3_K
+    /// record.
+    #[inline(always)]
+    unsafe fn q3k_values(rec: *const u8, n: usize, g: usize, h: usize) -> [__m256i; 4] {
+        let three = _mm256_set1_epi8(3);
+        let four = _mm256_set1_epi8(4);
+        let bits = load(rec.add(Q3K_QS + (n * 8 + g) * VECTOR), h);
+        let pairs = [bits, _mm256_srli_epi16(bits, 2), _mm256_srli_epi16(bits, 4), _mm256_srli_epi16(bits, 6)];
+        std::array::from_fn(|j| {
+            with_high_bits(_mm256_and_si256(pairs[j], three), rec.add(Q3K_HMASK), (4 * n + j) * 8 + g, h, four)
+        })
+    }
+
+    /// The signed scales `sc − 32` of a Q3_K record's 16 sub-blocks into `out`, laid out as
+    /// Q6_K's (as `x86::q3k_scales` writes them): bytewise, so the 64-byte vectors of fields run
+    /// as two 32-byte halves whatever rows the caller reads.
+    #[inline(always)]
+    unsafe fn q3k_scales(rec: *const u8, out: &mut [i8; 16 * LANES]) {
+        let nibble = _mm256_set1_epi8(0x0F);
+        let three = _mm256_set1_epi8(3);
+        let offset = _mm256_set1_epi8(32);
+        for half in 0..2 {
+            let first = load(rec.add(Q3K_SC), half);
+            let second = load(rec.add(Q3K_SC + 4 * LANES), half);
+            let top = load(rec.add(Q3K_SC + 8 * LANES), half);
+            let lows = [
+                _mm256_and_si256(first, nibble),
+                _mm256_and_si256(second, nibble),
+                _mm256_and_si256(_mm256_srli_epi16(first, 4), nibble),
+                _mm256_and_si256(_mm256_srli_epi16(second, 4), nibble),
+            ];
+            let tops = [top, _mm256_srli_epi16(top, 2), _mm256_srli_epi16(top, 4), _mm256_srli_epi16(top, 6)];
+            for (q, (low, top)) in lows.into_iter().zip(tops).enumerate() {
+                let sc = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(top, three), 4));
+                let at = out.as_mut_ptr().add(q * 4 * LANES + half * 32);
+                _mm256_storeu_si256(at as *mut _, _mm256_sub_epi8(sc, offset));
+            }
+        }
+    }
+
+    /// Activation rows `row0..row0 + R` times rows `8h..8h + 8` of Q6_K (Q3_K) tile `t`.
+    #[inline(always)]
+    unsafe fn q6k_tile<const F: u8, const R: usize>(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        half_sums: &[i32],
+        row0: usize,
+        t: usize,
+        h: usize,
+        out: *mut f32,
+    ) {
+        let offset = if F == Q6K { Format::Q6K.offset() } else { Format::Q3K.offset() };
+        let size = if F == Q6K { Format::Q6K.record_bytes() } else { Format::Q3K.record_bytes() };
+        let nb = w.blocks();
+        let units = nb * 8;
+        let nibble = _mm256_set1_epi8(0x0F);
+        let top = _mm256_set1_epi8(0x30);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut decoded = [0i8; 16 * LANES];
+        for b in 0..nb {
+            let rec = w.record(t, b).as_ptr();
+            let d = halves(rec, h);
+            let scales = if F == Q6K {
+                rec.add(Q6K_SC)
+            } else {
+                q3k_scales(rec, &mut decoded);
+                decoded.as_ptr() as *const u8
+            };
+            for n in 0..2 {
+                for s in 0..2 {
+                    if R == 1 && h == 0 {
+                        prefetch_next(rec, size, 2 * n + s, 4);
+                    }
+                    // Sub-block s of units 4n..4n + 4.
+                    let mut dot = [[_mm256_setzero_si256(); 4]; R];
+                    for (r, dot) in dot.iter_mut().enumerate() {
+                        for (u, dot) in dot.iter_mut().enumerate() {
+                            let unit = (row0 + r) * units + b * 8 + 4 * n + u;
+                            *dot = _mm256_set1_epi32(-offset * *half_sums.get_unchecked(unit * 2 + s));
+                        }
+                    }
+                    for g in 4 * s..4 * s + 4 {
+                        let values = if F == Q6K {
+                            let bits = load(rec.add(Q6K_QH + (n * 8 + g) * VECTOR), h);
+                            let a = load(rec.add(Q6K_QL + (2 * n * 8 + g) * VECTOR), h);
+                            let c = load(rec.add(Q6K_QL + ((2 * n + 1) * 8 + g) * VECTOR), h);
+                            let with_top = |low: __m256i, high: __m256i| {
+                                _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_and_si256(high, top))
+                            };
+                            [
+                                with_top(a, _mm256_slli_epi16(bits, 4)),
+                                with_top(c, _mm256_slli_epi16(bits, 2)),
+                                with_top(_mm256_srli_epi16(a, 4), bits),
+                                with_top(_mm256_srli_epi16(c, 4), _mm256_srli_epi16(bits, 2)),
+                            ]
+                        } else {
+                            q3k_values(rec, n, g, h)
+                        };
+                        for (r, dot) in dot.iter_mut().enumerate() {
+                            for (u, dot) in dot.iter_mut().enumerate() {
+                                *dot = dot_u(*dot, values[u], xg(xq, units, row0 + r, b * 8 + 4 * n + u, g));
+                            }
+                        }
+                    }
+                    for u in 0..4 {
+                        let sc = bytes_i32(scales.add((8 * n + 2 * u + s) * LANES), h);
+                        let dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                        for r in 0..R {
+                            let xi = (row0 + r) * units + b * 8 + 4 * n + u;
+                            let scaled = _mm256_mul_ps(dsc, _mm256_set1_ps(*xq.scales.get_unchecked(xi)));
+                            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][u]), scaled, acc[r]);
+                        }
+                    }
+                }
+            }
+        }
+        for (r, acc) in acc.into_iter().enumerate() {
+            store(acc, out, row0 + r, w.n, t * LANES, h);
+        }
+    }
+}
+
 /// The k-quants' tiles with NEON `sdot` by element, as `super::neon` runs the 32-value formats:
 /// Q4_K's kernel runs Q5_K with a fifth bit, Q6_K's runs Q3_K, as on x86.
 #[cfg(target_arch = "aarch64")]

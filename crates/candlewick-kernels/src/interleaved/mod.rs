@@ -1,6 +1,6 @@
 //! Weights of ggml's block formats repacked at load into tiles of 16 interleaved rows, and the
-//! int8 GEMM over them: an AVX-512 VNNI path and a NEON `sdot` one (FEAT_DotProd), chosen at run
-//! time, and a portable one (ggml's `block_q8_0x8` / `block_q4_Kx8` idea, candle's x86 repack).
+//! int8 GEMM over them: an AVX-512 VNNI path, an AVX2 one (`avx2.rs`, for the x86 CPUs without
+//! AVX-512) and a NEON `sdot` one (FEAT_DotProd), chosen at run time, and a portable one (ggml's `block_q8_0x8` / `block_q4_Kx8` idea, candle's x86 repack).
 //! The 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are laid out here; the 256-value k-quants
 //! (Q3_K, Q4_K, Q5_K, Q6_K) in `k_quants.rs`; the formats whose 4-bit values index a table of
 //! levels (IQ4_NL, IQ4_XS, MXFP4, x86 only) in `i_quants.rs`; the grid i-quants and the ternary
@@ -86,6 +86,8 @@ macro_rules! rows_by_two {
 }
 
 // After the macros: they are in scope in these files.
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod grid;
 mod i_quants;
 mod k_quants;
@@ -394,13 +396,13 @@ impl Format {
 /// registers would cost one instruction per weight vector).
 const Q8_0_BIAS: u8 = if cfg!(target_arch = "x86_64") { 0x80 } else { 0 };
 
-/// Whether this CPU runs the tiled kernels fast (AVX-512 VNNI and BW on x86, `sdot` on Arm);
-/// elsewhere weights stay in ggml's layout for candle's kernels and `int8_gemm`.
+/// Whether this CPU runs the tiled kernels fast (AVX-512 VNNI and BW, or AVX2 with FMA and F16C,
+/// on x86; `sdot` on Arm); elsewhere weights stay in ggml's layout for candle's kernels and
+/// `int8_gemm`.
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        // The nibble unpacking needs AVX-512 BW besides the VNNI dot product.
-        super::int8_gemm::best_path() == Path::Avx512Vnni && is_x86_feature_detected!("avx512bw")
+        avx512() || avx2()
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -412,17 +414,33 @@ pub fn available() -> bool {
     }
 }
 
+/// Whether this CPU runs the AVX-512 tiles (the nibble unpacking needs AVX-512 BW besides the
+/// VNNI dot product).
+#[cfg(target_arch = "x86_64")]
+fn avx512() -> bool {
+    super::int8_gemm::best_path() == Path::Avx512Vnni && is_x86_feature_detected!("avx512bw")
+}
+
+/// Whether this CPU runs the AVX2 tiles (`avx2.rs`).
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
 /// The SIMD path that multiplies `format`'s tiles on this CPU, if there is one: weights are
-/// repacked only then. Arm has kernels for the formats `neon::runs` names; others stay in ggml's
-/// layout there.
+/// repacked only then. AVX2 and Arm have kernels for some formats (`avx2.rs`, `neon::runs`);
+/// others stay in ggml's layout there (the grid formats re-encoded as Q8_0).
 pub fn fast_path(format: Format) -> Option<Path> {
     if !available() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let _ = format;
-        Some(Path::Avx512Vnni)
+        if avx512() {
+            Some(Path::Avx512Vnni)
+        } else {
+            (!format.is_grid()).then_some(Path::Avx2)
+        }
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -441,7 +459,7 @@ pub fn fast_path(format: Format) -> Option<Path> {
 fn vbmi() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        available() && is_x86_feature_detected!("avx512vbmi")
+        avx512() && is_x86_feature_detected!("avx512vbmi")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -721,6 +739,33 @@ impl Interleaved {
                             Format::IQ4XS => x86::columns::<IQ4XS>(self, &xq, m, t0, tiles, ptr.0),
                             Format::MXFP4 => x86::columns::<MXFP4>(self, &xq, m, t0, tiles, ptr.0),
                             _ => grid::x86::columns(self, &xq, &half_sums, m, t0, tiles, ptr.0),
+                        }
+                    }
+                }
+                #[cfg(target_arch = "x86_64")]
+                Path::Avx2 => {
+                    // SAFETY: AVX2, FMA and F16C were detected (`fast_path`, asserted above);
+                    // indices stay inside the weight, the quantized rows and the output.
+                    unsafe {
+                        match self.format {
+                            Format::Q8_0 => avx2::columns::<Q8_0>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4_0 => avx2::columns::<Q4_0>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4_1 => avx2::columns::<Q4_1>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q5_0 => avx2::columns::<Q5_0>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q5_1 => avx2::columns::<Q5_1>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::IQ4NL => avx2::columns::<IQ4NL>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::IQ4XS => avx2::columns::<IQ4XS>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::MXFP4 => avx2::columns::<MXFP4>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q4K => k_quants::avx2::q4k_columns::<Q4K>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q5K => k_quants::avx2::q4k_columns::<Q5K>(self, &xq, m, t0, tiles, ptr.0),
+                            Format::Q6K => {
+                                k_quants::avx2::q6k_columns::<Q6K>(self, &xq, &half_sums, m, t0, tiles, ptr.0)
+                            }
+                            Format::Q3K => {
+                                k_quants::avx2::q6k_columns::<Q3K>(self, &xq, &half_sums, m, t0, tiles, ptr.0)
+                            }
+                            // The grid formats have no AVX2 kernel and are never repacked there.
+                            _ => self.portable_columns(&xq, m, t0, tiles, ptr),
                         }
                     }
                 }
@@ -1609,6 +1654,24 @@ mod tests {
                     assert!(((a - c).abs() as f64) <= near_candle * s + 1e-5, "{at} candle {c}");
                 }
             }
+        }
+    }
+
+    /// On x86 the tiles run where AVX-512 VNNI and BW do, every format; else where AVX2, FMA and
+    /// F16C do, every format but the grid ones (re-encoded as Q8_0 there, `grid.rs` having no
+    /// AVX2 kernel); else nowhere.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn x86_tiles_follow_the_cpu() {
+        for format in formats() {
+            let want = if avx512() {
+                Some(Path::Avx512Vnni)
+            } else if avx2() && !format.is_grid() {
+                Some(Path::Avx2)
+            } else {
+                None
+            };
+            assert_eq!(fast_path(format), want, "{format:?}");
         }
     }
 
