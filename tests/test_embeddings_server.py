@@ -6,6 +6,7 @@ L2 ≤ 1e-4)."""
 from __future__ import annotations
 
 import base64
+import urllib.request
 
 import numpy as np
 import pytest
@@ -119,3 +120,83 @@ def test_rerank_jina_cohere_shape(rerank_server):
     assert top["results"][0]["index"] == int(np.argmax(REF["rerank/instruction"]))
     status, answer, _ = post(base, "/v1/rerank", {"query": fx.QUERY, "documents": fx.DOCUMENTS, "rank_fields": ["x"]})
     assert status == 400 and answer["error"]["param"] == "rank_fields"
+
+
+def test_concurrent_requests_each_get_their_reference_vectors(embed_server):
+    # Requests sent together are batched into fewer `embed` calls (/metrics counts both); each
+    # still gets its own texts' vectors, in order, whatever it was batched with.
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, name = embed_server
+    ref = REF["qwen3/default"]
+    jobs = [[i % len(fx.TEXTS), (i + 1) % len(fx.TEXTS)] for i in range(12)]
+
+    def one(rows):
+        status, body, _ = post(base, "/v1/embeddings", {"model": name, "input": [fx.TEXTS[r] for r in rows]})
+        assert status == 200, body
+        return [d["embedding"] for d in body["data"]]
+
+    def count(metric):
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            return int(re.search(rf"^{metric} (\d+)$", r.read().decode(), re.M).group(1))
+
+    before = count("candlewick_embedding_requests_total"), count("candlewick_embedding_batches_total")
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(one, jobs))
+    for rows, got in zip(jobs, answers):
+        assert close(got, ref[rows])
+    requests = count("candlewick_embedding_requests_total") - before[0]
+    batches = count("candlewick_embedding_batches_total") - before[1]
+    assert requests == len(jobs) and 1 <= batches <= requests
+
+
+def test_the_batcher_gathers_waiting_requests_and_isolates_a_failure():
+    # In process, over a runtime whose `embed` waits until released: deterministic batching.
+    import asyncio
+    import threading
+
+    from candlewick.serve.app import Metrics
+    from candlewick.serve.embeddings import EmbeddingBatcher
+
+    class Runtime:
+        def __init__(self):
+            self.calls, self.release = [], threading.Event()
+
+        def embed(self, inputs, **options):
+            self.calls.append((list(inputs), options))
+            self.release.wait(10)
+            if "bad" in inputs:
+                raise ValueError("bad input")
+            return np.array([[float(len(x)), float(options.get("dimensions") or 0)] for x in inputs], np.float32)
+
+    async def scenario():
+        rt, metrics = Runtime(), Metrics()
+        b = EmbeddingBatcher(rt, metrics, max_inputs=4)
+        first = asyncio.ensure_future(b.embed(["a"], {"dimensions": None}))
+        await asyncio.sleep(0.05)   # the first call is running: the rest wait for the next one
+        rest = [asyncio.ensure_future(b.embed(x, o)) for x, o in [
+            (["bb", "ccc"], {"dimensions": None}), (["bad"], {"dimensions": None}),
+            (["dddd"], {"dimensions": 8}), (["ee"], {"dimensions": None}), (["f"], {"dimensions": None})]]
+        gone = asyncio.ensure_future(b.embed(["gone"], {"dimensions": None}))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        rt.release.set()
+        out = await asyncio.gather(first, *rest, return_exceptions=True)
+        return rt, metrics, out
+
+    rt, metrics, out = asyncio.run(scenario())
+    assert out[0].tolist() == [[1, 0]]
+    assert out[1].tolist() == [[2, 0], [3, 0]] and out[4].tolist() == [[2, 0]] and out[5].tolist() == [[1, 0]]
+    assert isinstance(out[2], ValueError)
+    assert out[3].tolist() == [[4, 8]]
+    calls = [c[0] for c in rt.calls]
+    # Same options together up to 4 inputs; the failed batch again request by request; the
+    # cancelled request never embedded; other options in a call of their own.
+    assert calls[0] == ["a"]
+    assert calls[1] == ["bb", "ccc", "bad", "ee"]
+    assert calls[2:5] == [["bb", "ccc"], ["bad"], ["ee"]]
+    assert sorted(map(tuple, calls[5:])) == [("dddd",), ("f",)]
+    assert "gone" not in sum(calls, [])
+    # Counted: the calls that succeeded and the requests they answered (the failed one is not).
+    assert metrics.embedding_requests == 5 and metrics.embedding_batches == 5

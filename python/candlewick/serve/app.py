@@ -102,6 +102,10 @@ class Metrics:
     timeouts: int = 0
     disconnects: int = 0
     cached_tokens: int = 0
+    # /v1/embeddings: the requests answered and the `embed` calls that answered them (fewer
+    # when concurrent requests were batched).
+    embedding_requests: int = 0
+    embedding_batches: int = 0
 
     def count(self, route: str, status: int) -> None:
         key = (route, status)
@@ -810,6 +814,10 @@ def build_app(server: Server) -> Starlette:
             "# TYPE candlewick_request_timeouts_total counter", f"candlewick_request_timeouts_total {m.timeouts}",
             "# TYPE candlewick_client_disconnects_total counter",
             f"candlewick_client_disconnects_total {m.disconnects}",
+            "# TYPE candlewick_embedding_requests_total counter",
+            f"candlewick_embedding_requests_total {m.embedding_requests}",
+            "# TYPE candlewick_embedding_batches_total counter",
+            f"candlewick_embedding_batches_total {m.embedding_batches}",
             # The engine's prefix reuse: prompt tokens not computed again (restored from the
             # prefix cache or still held by an idle session), over all prompt tokens started.
             "# TYPE candlewick_prefix_cache_prompt_tokens_total counter",

@@ -8,14 +8,16 @@ lists; ``encoding_format`` ``float`` or ``base64`` (little-endian float32, as Op
 ``prompt`` (the model's query/document prompts). Rerank: ``query``, ``documents`` (strings, or
 ``{"text": ...}`` objects), ``top_n``, ``return_documents``, candlewick's ``instruction``. Any
 other field is a 400 naming it. The work runs in a thread beside the engine (its own fresh
-contexts over the shared weights); the runtime's lock serialises these requests.
+contexts over the shared weights); the runtime's lock serialises these requests. Concurrent
+embedding requests are batched (`EmbeddingBatcher`): while one ``embed`` call runs, those that
+arrive wait, and the next call embeds them together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from starlette.requests import Request
@@ -59,8 +61,75 @@ def token_count(runtime, item, kw: dict) -> int:
     return n if limit is None else min(n, limit)
 
 
+class EmbeddingBatcher:
+    """Gathers concurrent embedding requests into one ``embed`` call, as vLLM batches its pooling
+    requests: while a call runs, the requests that arrive wait, and the next call takes every
+    waiting request with the same options (``dimensions``, ``prompt_name``, ``prompt``), up to
+    ``max_inputs`` inputs, so an encoder multiplies each weight once for all of them (one product
+    per weight per batch, and an input's vector does not depend on its batch: the inputs are
+    never padded). A call that fails is repeated request by request, so a bad input fails its own
+    request only; a request whose client has gone is dropped before its call."""
+
+    def __init__(self, runtime, metrics, max_inputs: int = 256):
+        self.runtime = runtime
+        self.metrics = metrics
+        self.max_inputs = max_inputs
+        self.pending: list = []
+        self.worker: Optional[asyncio.Task] = None
+
+    async def embed(self, inputs: list, options: dict) -> np.ndarray:
+        """The vectors of `inputs` (one request's), embedded with `options` beside the other
+        requests waiting."""
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((inputs, options, future))
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self.pending:
+            await self._run(self._take())
+
+    def _take(self) -> list:
+        """The next batch: the oldest request, and the later ones with its options that fit."""
+        key = sorted(self.pending[0][1].items())
+        batch, rest, count = [], [], 0
+        for item in self.pending:
+            if sorted(item[1].items()) == key and (not batch or count + len(item[0]) <= self.max_inputs):
+                batch.append(item)
+                count += len(item[0])
+            else:
+                rest.append(item)
+        self.pending = rest
+        return batch
+
+    async def _run(self, batch: list) -> None:
+        live = [item for item in batch if not item[2].done()]
+        if not live:
+            return
+        inputs = [x for item in live for x in item[0]]
+        try:
+            vectors = await asyncio.to_thread(self.runtime.embed, inputs, **live[0][1])
+        except Exception as e:
+            if len(live) == 1:
+                if not live[0][2].done():
+                    live[0][2].set_exception(e)
+                return
+            for item in live:
+                await self._run([item])
+            return
+        self.metrics.embedding_batches += 1
+        self.metrics.embedding_requests += len(live)
+        at = 0
+        for item_inputs, _, future in live:
+            if not future.done():
+                future.set_result(vectors[at:at + len(item_inputs)])
+            at += len(item_inputs)
+
+
 def embeddings_routes(server: Server, route) -> list:
     """The routes of this module, made with app.py's `route` (errors in OpenAI's shape)."""
+    batcher = EmbeddingBatcher(server.runtime, server.metrics)
 
     async def embeddings(request: Request) -> Response:
         body = await server.body_within(request, server.deadline())
@@ -74,7 +143,7 @@ def embeddings_routes(server: Server, route) -> list:
         if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
             raise ApiError(400, "dimensions must be a positive integer", param="dimensions")
         kw = {k: body[k] for k in ("prompt_name", "prompt") if body.get(k) is not None}
-        vectors = await asyncio.to_thread(server.runtime.embed, inputs, dimensions=dims, **kw)
+        vectors = await batcher.embed(inputs, dict(kw, dimensions=dims))
         tokens = sum(token_count(server.runtime, i, kw) for i in inputs)
         data = []
         for i, v in enumerate(np.asarray(vectors, dtype=np.float32)):
