@@ -62,8 +62,16 @@ def test_int8_kernel_is_chosen_by_this_cpu_not_by_the_build():
     else:
         want = "portable"
     assert candlewick.build_info()["int8_kernel"] == want
-    # Weights are repacked into 16-row tiles exactly where the AVX-512 VNNI GEMM can run them.
-    assert candlewick.build_info()["interleaved_tiles"] == ({"avx512_vnni", "avx512vl", "avx512bw"} <= flags)
+    # Weights are repacked into 16-row tiles exactly where the AVX-512 VNNI kernels or the AVX2
+    # ones can run them.
+    avx512 = {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
+    tiles = avx512 or {"avx2", "fma", "f16c"} <= flags
+    assert candlewick.build_info()["interleaved_tiles"] == tiles
+    # AVX-512 tiles every block type; AVX2 all but the grid i-quants and the ternary types.
+    grid = {"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "tq1_0", "tq2_0"}
+    tiled = set(candlewick.build_info()["tiled_types"])
+    assert len(tiled) == (21 if avx512 else 12 if tiles else 0)
+    assert not tiles or avx512 or not tiled & grid
 
 
 def test_portable_build_keeps_to_its_baseline():

@@ -18,8 +18,13 @@ use candlewick::backend::kernels::{self, int8_gemm};
 ///     ``cpu_target_features`` (the SIMD features the compiler could assume, e.g. no
 ///     ``avx512f`` in the portable x86-64-v3 wheel); ``int8_kernel`` (the inner product our
 ///     quantized GEMM chose on this CPU at run time: ``"avx512vnni"``, ``"avx2"``, ``"neon-i8mm"``,
-///     ``"neon-dotprod"``, ``"neon"`` or ``"portable"``); ``interleaved_tiles`` (whether Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q3_K/Q4_K/Q5_K/Q6_K and
-///     IQ4_NL/IQ4_XS/MXFP4 and the grid i-quants and ternary types (IQ1_S … IQ3_S, TQ1_0, TQ2_0) are repacked at load into 16-row tiles of their own size for the AVX-512 VNNI GEMM, all but IQ4_NL/IQ4_XS/MXFP4 for Arm's ``sdot`` one too); ``devices`` (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
+///     ``"neon-dotprod"``, ``"neon"`` or ``"portable"``); ``interleaved_tiles`` (whether this CPU
+///     repacks block weights at load into 16-row tiles of their own size: AVX-512 VNNI or AVX2 on
+///     x86, ``sdot`` on Arm); ``tiled_types`` (the ggml types it repacks, by llama.cpp's name:
+///     every block type on AVX-512 VNNI, all but the grid i-quants and ternary types (IQ1_S …
+///     IQ3_S, TQ1_0, TQ2_0) on AVX2, all but IQ4_NL/IQ4_XS/MXFP4 on Arm; elsewhere weights stay in
+///     ggml's layout, and the types candle lacks are re-encoded as Q8_0); ``devices``
+///     (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
 ///
 /// Example:
 ///     >>> candlewick.build_info()["devices"]
@@ -37,6 +42,9 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("cpu_target_features", kernels::compiled_cpu_features())?;
     d.set_item("int8_kernel", int8_gemm::best_path().name())?;
     d.set_item("interleaved_tiles", kernels::interleaved::available())?;
+    let tiled: Vec<&str> =
+        kernels::interleaved::Format::ALL.into_iter().filter(|f| f.runs_fast()).map(|f| f.name()).collect();
+    d.set_item("tiled_types", tiled)?;
     let devices: Vec<String> =
         device::available_devices().into_iter().map(|(d, _)| format!("{}:{}", d.kind, d.ordinal)).collect();
     d.set_item("devices", devices)?;

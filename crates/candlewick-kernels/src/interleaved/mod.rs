@@ -154,6 +154,31 @@ pub enum Format {
 }
 
 impl Format {
+    /// Every format, in the order `build_info()["tiled_types"]` lists them.
+    pub const ALL: [Format; 21] = [
+        Self::Q8_0,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q3K,
+        Self::Q4K,
+        Self::Q5K,
+        Self::Q6K,
+        Self::IQ4NL,
+        Self::IQ4XS,
+        Self::MXFP4,
+        Self::IQ1S,
+        Self::IQ1M,
+        Self::IQ2XXS,
+        Self::IQ2XS,
+        Self::IQ2S,
+        Self::IQ3XXS,
+        Self::IQ3S,
+        Self::TQ1_0,
+        Self::TQ2_0,
+    ];
+
     /// The tile format of a ggml type, if there is one.
     pub fn of(dtype: GgmlDType) -> Option<Self> {
         Some(match dtype {
