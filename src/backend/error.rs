@@ -32,10 +32,17 @@ pub enum CandleError {
         reason: String,
     },
     /// The artifact names an architecture this backend does not implement.
-    #[error("unsupported architecture `{name}` (supported: llama, mistral, qwen2, qwen3, gemma3, phi3)")]
+    #[error(
+        "unsupported architecture `{name}` (this build loads these from {format}: {supported}; \
+         candlewick.supported_architectures() lists every family, encoders and image models included)"
+    )]
     UnsupportedArchitecture {
         /// The architecture as named in the artifact.
         name: String,
+        /// The artifact's format: `config.json` or `GGUF`.
+        format: &'static str,
+        /// The decoder architectures that load from that format, by the name it uses.
+        supported: String,
     },
     /// A configuration value this backend does not implement.
     #[error("unsupported configuration: {what}")]

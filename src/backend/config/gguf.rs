@@ -20,7 +20,7 @@ pub fn parse_config(
     let arch = Architecture::ALL
         .into_iter()
         .find(|a| a.gguf_name() == Some(name.as_str()))
-        .ok_or_else(|| CandleError::UnsupportedArchitecture { name: name.clone() })?;
+        .ok_or_else(|| Architecture::unsupported(&name, true))?;
     let key = |k: &str| format!("{name}.{k}");
     // As llama.cpp requires: an embedding row without a token would be generated and then
     // decode to nothing, silently dropping text.

@@ -335,7 +335,7 @@ fn architecture(model_type: &str) -> Result<Architecture> {
         "granitemoe" | "granitemoeshared" => Architecture::GraniteMoe,
         "gpt_oss" => Architecture::GptOss,
         "qwen2_moe" => Architecture::Qwen2Moe,
-        other => return Err(CandleError::UnsupportedArchitecture { name: other.to_owned() }),
+        other => return Err(Architecture::unsupported(other, false)),
     })
 }
 
@@ -624,7 +624,9 @@ mod tests {
     #[test]
     fn unknown_model_type_is_unsupported() {
         let err = parse_config(r#"{"model_type": "mamba"}"#, "x").unwrap_err();
-        assert!(matches!(err, CandleError::UnsupportedArchitecture { ref name } if name == "mamba"));
+        assert!(matches!(err, CandleError::UnsupportedArchitecture { ref name, .. } if name == "mamba"));
+        let message = err.to_string();
+        assert!(message.contains("config.json: llama, mistral") && message.contains("qwen2_moe"), "{message}");
     }
 
     const LLAMA: &str = r#"{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"num_key_value_heads":2,

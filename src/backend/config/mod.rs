@@ -113,6 +113,24 @@ impl Architecture {
         }
     }
 
+    /// The error for an artifact naming `name`, an architecture no decoder here implements,
+    /// with the names that do load from its format (`gguf`: `general.architecture`; else
+    /// config.json's `model_type`).
+    pub fn unsupported(name: &str, gguf: bool) -> CandleError {
+        let mut names: Vec<&str> = Vec::new();
+        for n in Self::ALL.into_iter().filter_map(|a| if gguf { a.gguf_name() } else { Some(a.name()) }) {
+            // Mixtral's GGUF files are `llama`'s.
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        CandleError::UnsupportedArchitecture {
+            name: name.to_owned(),
+            format: if gguf { "GGUF" } else { "config.json" },
+            supported: names.join(", "),
+        }
+    }
+
     /// Every architecture the decoder loads, in the order they were added.
     pub const ALL: [Architecture; 18] = [
         Self::Llama,
