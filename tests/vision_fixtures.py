@@ -1,5 +1,6 @@
-"""Tiny vision-language models (Gemma 3 with SigLIP, LLaVA-1.5 with CLIP) and transformers'
-reference outputs for them, for tests/test_vision.py.
+"""Tiny vision-language models (Gemma 3 with SigLIP, LLaVA-1.5 with CLIP, Idefics3 and SmolVLM
+with SigLIP on split images) and transformers' reference outputs for them, for
+tests/test_vision.py and tests/test_vision_split.py.
 
 The checkpoints are not stored (weights stay out of git): every float32 weight is drawn from
 numpy's PCG64 generator with a fixed seed, in the order of the names the checkpoint holds, so a
@@ -48,6 +49,19 @@ CASES = {
     "gemma3": (51, "<start_of_image>"),
     "llava": (52, "<image>"),
 }
+# Idefics3's layout: an image split into tiles plus the whole image, each tile's tokens framed by
+# `<fake_token_around_image>` and named `<row_r_col_c>` (tests/test_vision_split.py). Their
+# reference ids and pixels are transformers' processor's own, not written out here.
+SPLIT_CASES = {
+    "idefics3": (53, "<image>"),
+    "smolvlm": (54, "<image>"),
+}
+ALL_CASES = {**CASES, **SPLIT_CASES}
+# The split families' own tokens (the tiny models split an image into at most 2 x 2 tiles), at
+# ids no other token of the tiny tokenizer takes.
+SPLIT_SPECIAL = {480: "<fake_token_around_image>", 481: "<global-img>", 482: "<end_of_utterance>",
+                 483: "<row_1_col_1>", 484: "<row_1_col_2>", 485: "<row_2_col_1>", 486: "<row_2_col_2>"}
+SPLIT_TOKENS_PER_TILE = 16
 
 
 def _is_norm(name):
@@ -61,13 +75,19 @@ def weights(case):
     return draw(DATA / case, _is_norm)
 
 
-def tokenizer_json() -> str:
+def specials(case=None) -> dict:
+    """The special tokens of `case`'s tokenizer (id -> text)."""
+    return SPECIAL | (SPLIT_SPECIAL if case in SPLIT_CASES else {})
+
+
+def tokenizer_json(case=None) -> str:
     """A word-level tokenizer: the special tokens at their ids, the words after them."""
-    vocab = {tok: i for i, tok in SPECIAL.items()}
+    special = specials(case)
+    vocab = {tok: i for i, tok in special.items()}
     for i, w in enumerate(WORDS):
         vocab[w] = 4 + i
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for i, t in sorted(SPECIAL.items())]
+              "normalized": False, "special": True} for i, t in sorted(special.items())]
     return json.dumps({
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\\n\\n|\\n| |[A-Za-z]+|[^A-Za-z\\s]"},
@@ -84,7 +104,7 @@ def tokenizer_json() -> str:
 def tokenizer_config(case) -> dict:
     return {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "chat_template": CHAT_TEMPLATE.replace("{{ image_token }}", CASES[case][1])}
+            "chat_template": CHAT_TEMPLATE.replace("{{ image_token }}", ALL_CASES[case][1])}
 
 
 def materialise(case, dest, tensors=None):
@@ -100,7 +120,7 @@ def materialise(case, dest, tensors=None):
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "preprocessor_config.json"):
         shutil.copy(DATA / case / name, dest / name)
-    (dest / "tokenizer.json").write_text(tokenizer_json())
+    (dest / "tokenizer.json").write_text(tokenizer_json(case))
     (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(case)))
     save_file(tensors, str(dest / "model.safetensors"))
     return dest
@@ -245,7 +265,7 @@ def _build(case):
     from safetensors.numpy import load_file, save_file
 
     config, model_name, proc, tokens = _configs(case)
-    seed = CASES[case][0]
+    seed = ALL_CASES[case][0]
     dest = DATA / case
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,6 +291,160 @@ def _build(case):
             "tokens_per_image": tokens, "keys": sorted(out)}
     (dest / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(case, "->", dest, sorted(out))
+
+
+# -- Idefics3 / SmolVLM: images split into tiles ---------------------------------------------------
+
+# The prompts the split references run, as text for transformers' processor: one image, two images,
+# and the chat template's rendering of one user turn with an image (which brings its own `<bos>`).
+SPLIT_PROMPTS = {
+    "one": ("Describe the picture<image>What is this ?", [0], True),
+    "two": ("a<image>and<image>red ?", [0, 1], True),
+    "chat": ("<bos><start_of_turn>user\n<image>What is this ?<end_of_turn>\n<start_of_turn>model\n", [1], False),
+}
+
+
+def _split_configs(case):
+    """The config and image processor of a split case: SigLIP 32 x 32 tiles of 8 x 8 patches,
+    pixel shuffle by 2 (16 tokens a tile), images resized to a longest edge of 64 (2 x 2 tiles)."""
+    import transformers as tf
+
+    smol = case == "smolvlm"
+    text = tf.LlamaConfig(**TEXT, tie_word_embeddings=False)
+    vision = (tf.SmolVLMVisionConfig if smol else tf.Idefics3VisionConfig)(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=4,
+        layer_norm_eps=1e-6)
+    config = (tf.SmolVLMConfig if smol else tf.Idefics3Config)(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2, image_token_id=LLAVA_IMAGE)
+    proc = (tf.SmolVLMImageProcessor if smol else tf.Idefics3ImageProcessor)(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    arch = "SmolVLMForConditionalGeneration" if smol else "Idefics3ForConditionalGeneration"
+    return config, arch, proc
+
+
+def _split_processor(case, directory):
+    """transformers' processor of the checkpoint at `directory`. Both cases use Idefics3Processor:
+    SmolVLMProcessor lays an image's tokens out the same way (`get_image_prompt_string`) but needs
+    the num2words package and a video processor."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(directory))
+    ip = tf.AutoImageProcessor.from_pretrained(str(directory))
+    return tf.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=SPLIT_TOKENS_PER_TILE)
+
+
+def split_inputs(case, directory):
+    """`{prompt: (ids, pixel_values [1, tiles, 3, 32, 32], pixel_attention_mask)}` as transformers'
+    processor makes them from the two drawn images."""
+    from PIL import Image
+
+    proc = _split_processor(case, directory)
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in draw_images()]
+    out = {}
+    for key, (text, which, specials_added) in SPLIT_PROMPTS.items():
+        enc = proc(text=[text], images=[[images[i] for i in which]], return_tensors="pt",
+                   add_special_tokens=specials_added)
+        out[key] = (enc["input_ids"][0], enc["pixel_values"].float(), enc["pixel_attention_mask"])
+    return out
+
+
+def _split_outputs(model, inputs, chat=True):
+    """As `_outputs`, for a split case: every point of the one-image prompt with the tiles' rows
+    stacked in order (`[tiles · rows, width]`, as candlewick returns them)."""
+    import torch
+
+    m = model.model
+    obs = {}
+    hooks = [m.text_model.register_forward_pre_hook(
+        lambda _m, a, kw: obs.__setitem__("model.embed_tokens", kw["inputs_embeds"][0].detach().numpy().copy()),
+        with_kwargs=True)]
+    for i, layer in enumerate(m.text_model.layers):
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: obs.__setitem__(
+            f"model.layers.{i}.output", (out[0] if isinstance(out, tuple) else out)[0].detach().numpy().copy())))
+
+    def stacked(t):
+        return t.detach().reshape(-1, t.shape[-1]).numpy().copy()
+
+    for i, layer in enumerate(m.vision_model.encoder.layers):
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: obs.__setitem__(
+            f"vision.layers.{i}.output", stacked(out[0] if isinstance(out, tuple) else out))))
+
+    def connector_hook(_m, a, out):
+        obs["vision.output"] = stacked(a[0])
+        obs["vision.projector.output"] = stacked(out)
+
+    hooks.append(m.connector.register_forward_hook(connector_hook))
+
+    def run(key):
+        ids, pv, mask = inputs[key]
+        with torch.no_grad():
+            return model(input_ids=ids[None], pixel_values=pv, pixel_attention_mask=mask,
+                         use_cache=False).logits[0].numpy()
+
+    out = {"one_logits": run("one")}
+    out.update({f"one.{k}": v for k, v in obs.items()})
+    for h in hooks:
+        h.remove()
+    out["two_logits"] = run("two")
+    if chat:
+        out["chat_logits"] = run("chat")
+    ids, pv, mask = inputs["one"]
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids[None], pixel_values=pv, pixel_attention_mask=mask, max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out["one_greedy"] = gen[0, len(ids):].numpy().astype(np.int64)
+    return out
+
+
+def _load_split(case, tensors=None):
+    """transformers' model of a split case (float32, eager attention) on `tensors`."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = getattr(transformers, _split_configs(case)[1]).from_pretrained(materialise(case, tmp, tensors),
+                                                                               dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def _build_split(case):
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    config, model_name, proc = _split_configs(case)
+    dest = DATA / case
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        getattr(transformers, model_name)(config).save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+        shutil.copy(Path(tmp) / "config.json", dest / "config.json")
+    proc.save_pretrained(str(dest))
+    spec = {"seed": ALL_CASES[case][0], "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    tensors, _ = weights(case)
+    spec["sha256"] = digest(tensors)
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = split_inputs(case, materialise(case, tmp))
+    out = {}
+    for key, (ids, pv, _) in inputs.items():
+        out[f"{key}_ids"] = ids.numpy().astype(np.int64)
+        out[f"{key}_pixel_values"] = pv.numpy()
+    out.update(_split_outputs(_load_split(case), inputs))
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dest / "reference.safetensors"))
+    meta = {"case": case, "architecture": model_name,
+            "reference": f"transformers {transformers.__version__}, torch {torch.__version__}, eager attention, float32",
+            "processor": "Idefics3Processor (image_seq_len 16) over " + type(proc).__name__,
+            "tokens_per_tile": SPLIT_TOKENS_PER_TILE,
+            "tiles": {k: int(v[1].shape[1]) for k, v in inputs.items()}, "keys": sorted(out)}
+    (dest / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(case, "->", dest, meta["tiles"], sorted(out))
 
 
 # -- GGUF: the language model (tests/gguf_convert.py) and llama.cpp's mmproj ---------------------
@@ -542,8 +716,10 @@ def _check_mmproj(converted, outtype, case="gemma3"):
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or CASES:
+    for name in sys.argv[1:] or ALL_CASES:
         if name.endswith("-gguf"):
             _build_gguf(name[: -len("-gguf")])
+        elif name in SPLIT_CASES:
+            _build_split(name)
         else:
             _build(name)

@@ -1,7 +1,8 @@
 //! One vision encoder for every supported family, parameterised by `VisionConfig` as the decoder
 //! is by `ArchConfig` (DESIGN §13): patch embedding, positions, CLIP's class token and pre-norm,
 //! LayerNorm encoder layers with bidirectional attention, SigLIP's post-norm, then the family's
-//! projector into the decoder's embedding space. Its points are `vision.layers.{i}.output`,
+//! projector into the decoder's embedding space (Gemma 3's pooling, LLaVA's MLP, Idefics3's pixel
+//! shuffle). Its points are `vision.layers.{i}.output`,
 //! `vision.output` and `vision.projector.output`.
 
 use std::collections::VecDeque;
@@ -71,6 +72,7 @@ struct Layer {
 enum Projector {
     Pooled { norm: Norm, proj: Linear, tokens_per_side: usize },
     Mlp { first: Linear, second: Linear, activation: VisionActivation },
+    Shuffle { proj: Linear, scale: usize },
 }
 
 /// How many encoded images the encoder keeps, keyed by their pixels: a second question about the
@@ -178,6 +180,10 @@ impl VisionModel {
                 first: linear(VisionSlot::ProjFirst, 0, th, h)?,
                 second: linear(VisionSlot::ProjSecond, 0, th, th)?,
                 activation,
+            },
+            ProjectorConfig::PixelShuffle { scale } => Projector::Shuffle {
+                proj: Linear::new(w.matmul(&name(VisionSlot::ProjShuffle, 0, "weight"), th, h * scale * scale)?, None),
+                scale,
             },
         };
         Ok(Self {
@@ -344,9 +350,26 @@ impl VisionModel {
             Projector::Mlp { first, second, activation } => {
                 second.forward(&activate(*activation, &first.forward(&x)?)?)?
             }
+            Projector::Shuffle { proj, scale } => proj.forward(&pixel_shuffle(&x, n, *scale)?)?,
         };
         at(VisionPoint::Projector, y.to_dtype(DType::F32)?)
     }
+}
+
+/// Idefics3's pixel shuffle of one image's `[n·n, D]` patch rows into `[(n/s)², s²·D]`, as
+/// transformers' `Idefics3Connector.pixel_shuffle` lays it out: row-major `[n, n, D]` viewed as
+/// `[n, n/s, s·D]` (s neighbours along a row side by side), rows and columns swapped, viewed as
+/// `[n/s, n/s, s²·D]` (s of those along a column), swapped back.
+fn pixel_shuffle(x: &Tensor, n: usize, s: usize) -> candle_core::Result<Tensor> {
+    let d = x.dim(1)?;
+    let m = n / s;
+    x.reshape((n, m, s * d))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((m, m, s * s * d))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((m * m, s * s * d))
 }
 
 /// `activation` of `x`.
