@@ -163,3 +163,77 @@ def test_engine_runs_a_split_image_request_beside_a_text_one(case):
         assert image.wait().token_ids == ref["one_greedy"].tolist()
         assert text.wait().token_ids == rt.generate([1, 5, 6, 7], max_tokens=6, temperature=0.0,
                                                     ignore_eos=True).token_ids
+
+
+# -- GGUF language model + llama.cpp's mmproj (projector type idefics3) ---------------------------
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """`{case: {outtype: (language model, mmproj)}}`, written on first use; the mmproj files are
+    key for key and tensor for tensor what `convert_hf_to_gguf.py --mmproj` writes
+    (`vf._check_mmproj` compared them when the references were made)."""
+    pytest.importorskip("gguf")
+    root = tmp_path_factory.mktemp("split-gguf")
+    made: dict = {}
+
+    def files(case):
+        if case not in made:
+            src = vf.materialise(case, root / case / "hf")
+            made[case] = {t: vf.write_gguf(case, src, root / case / t, t) for t in ("f32", "q8_0")}
+        return made[case]
+    return files
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gguf_with_mmproj_f32_matches_transformers(gguf_files, name):
+    """The F32 files hold the drawn weights exactly (the converter stores the projection in F32
+    too): every point within DESIGN §7's float32 bound of the checkpoint's own reference."""
+    lm, mmproj = gguf_files(name)["f32"]
+    ref = vf.gguf_reference(name, "f32")
+    with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj), dtype="f32") as rt:
+        r = rt.trace(ref["one_ids"].tolist(), pixel_values=ref["one_pixel_values"])
+        close(r.output.logits, ref["one_logits"])
+        points = [k[4:] for k in ref if k.startswith("one.")]
+        for point in points:
+            close(r.observations[point], ref["one." + point])
+        assert len(points) == 9
+        close(rt.trace(ref["two_ids"].tolist(), pixel_values=ref["two_pixel_values"]).output.logits,
+              ref["two_logits"])
+        g = rt.generate(ref["one_ids"].tolist(), pixel_values=ref["one_pixel_values"], max_tokens=6,
+                        temperature=0.0, ignore_eos=True)
+        assert g.token_ids == ref["one_greedy"].tolist()
+        # `<image>` is found by name in the GGUF's tokenizer; raw images go through the processor
+        # the mmproj describes (its preproc_image_size, its tile size): transformers' pixels.
+        ids, pixels = rt.process(chat_messages(), chat_template=vf.tokenizer_config(name)["chat_template"])
+        close(pixels, ref["chat_pixel_values"], 1e-5)
+        # (The file's vocabulary names the words `<w{i}>`: the text's ids differ, the image's do not.)
+        layout = set(vf.SPLIT_SPECIAL) | {IMAGE}
+        assert [t for t in ids if t in layout] == [t for t in ref["chat_ids"].tolist() if t in layout]
+        assert ids.count(IMAGE) == 5 * TILE
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gguf_with_mmproj_q8_0_within_design_bounds(gguf_files, name):
+    """DESIGN §7's quantized bounds, against transformers on the files' de-quantized weights: the
+    decoder runs quantized, the encoder (Q8_0 in the mmproj too) de-quantized."""
+    from conftest import rel_l2
+
+    lm, mmproj = gguf_files(name)["q8_0"]
+    ref, held = vf.reference(name), vf.gguf_reference(name, "q8_0")
+    with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj)) as rt:
+        assert "q8_0" in rt.model_info["weight_types"]
+        for key in ("one", "two"):
+            got = np.asarray(rt.trace(ref[f"{key}_ids"].tolist(), pixel_values=ref[f"{key}_pixel_values"]).output.logits)
+            want = held[f"{key}_logits"]
+            top = np.argsort(-want, axis=1)[:, :20]
+            errs = np.array([rel_l2(np.take(g, t), np.take(w, t)) for g, w, t in zip(got, want, top)])
+            overlap = np.array([len(set(np.argsort(-g)[:5].tolist()) & set(t[:5].tolist())) for g, t in zip(got, top)])
+            ranked = np.sort(want, axis=1)
+            decided = ranked[:, -1] - ranked[:, -2] > 1.0
+            misses = np.flatnonzero(decided & (got.argmax(1) != want.argmax(1)))
+            print(f"\n[gguf+mmproj q8_0] {name} {key}: top-20 rel L2 median {np.median(errs):.4f} (max {errs.max():.4f}); "
+                  f"top-5 overlap >= 3 on {100 * np.mean(overlap >= 3):.0f}% of rows; argmax misses {len(misses)} of "
+                  f"{decided.sum()} rows with margin > 1.0")
+            assert np.median(errs) <= 0.05
+            assert np.mean(overlap >= 3) >= 0.95
+            assert len(misses) == 0, misses

@@ -449,7 +449,18 @@ def _build_split(case):
 
 # -- GGUF: the language model (tests/gguf_convert.py) and llama.cpp's mmproj ---------------------
 
-TEXT_ARCH = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "llava": ("llama", "LlamaForCausalLM")}
+TEXT_ARCH = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "llava": ("llama", "LlamaForCausalLM"),
+             "idefics3": ("llama", "LlamaForCausalLM"), "smolvlm": ("llama", "LlamaForCausalLM")}
+
+
+def _text_name(case, name):
+    """The language model's name of a checkpoint tensor (`model.…`, `lm_head.…`), or None for the
+    vision tower's and the projector's."""
+    if case in SPLIT_CASES:
+        if name.startswith("model.text_model."):
+            return "model." + name[len("model.text_model."):]
+        return name if name.startswith("lm_head.") else None
+    return name[len("language_model."):] if name.startswith("language_model.") else None
 
 
 def _text_dir(case, src, dest):
@@ -464,22 +475,22 @@ def _text_dir(case, src, dest):
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(text))
     t = load_file(str(Path(src) / "model.safetensors"))
-    save_file({k[len("language_model."):]: v for k, v in t.items() if k.startswith("language_model.")},
-              str(dest / "model.safetensors"))
+    save_file({_text_name(case, k): v for k, v in t.items() if _text_name(case, k)}, str(dest / "model.safetensors"))
     return dest
 
 
-def _vocab(w, cfg):
+def _vocab(w, cfg, case=None):
     """Departure (as tests/gguf_convert.py's): the tiny tokenizer is word-level, which the
     converter cannot write; a SentencePiece-style list of its tokens is, the special ones named
-    as Gemma 3's (llama.cpp and candlewick find `<image_soft_token>` by name)."""
-    names = {i: t for i, t in SPECIAL.items()} | {4 + i: f"<w{i}>" for i in range(len(WORDS))}
+    as the checkpoint's (llama.cpp and candlewick find `<image_soft_token>` / `<image>` by name)."""
+    special = specials(case)
+    names = dict(special) | {4 + i: f"<w{i}>" for i in range(len(WORDS))}
     n = cfg["vocab_size"]
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list([names.get(i, f"<t{i}>") for i in range(n)])
     w.add_token_scores([0.0] * n)
-    w.add_token_types([3 if i in SPECIAL else 1 for i in range(n)])
+    w.add_token_types([3 if i in special else 1 for i in range(n)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
@@ -490,6 +501,9 @@ def write_mmproj(case, src, dest, outtype="f32"):
 
     - Gemma 3: `convert_hf_to_gguf.py --mmproj` (conversion/gemma.py's `Gemma3VisionModel`): the
       soft-embedding norm + 1, the input projection in F16, 2-D encoder weights in `outtype`;
+    - Idefics3 / SmolVLM: `convert_hf_to_gguf.py --mmproj` (conversion/smolvlm.py's
+      `SmolVLMModel`): the embeddings in F32, the other 2-D weights and the projection
+      `mm.model.fc` in `outtype`;
     - LLaVA-1.5: `tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py --llava-projector
       --clip-model-is-vision --use-f32` (the current converter takes no CLIP encoder): only the
       layers up to the one the projector reads, no post-LayerNorm, CLIP's fc1 named `ffn_down`
@@ -500,7 +514,7 @@ def write_mmproj(case, src, dest, outtype="f32"):
     v = cfg["vision_config"]
     tensors, _ = weights(case)
     w = gguf.GGUFWriter(str(dest), "clip")
-    if case == "gemma3":
+    if case != "llava":
         w.add_type(gguf.GGUFType.MMPROJ)
         w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
         w.add_bool("clip.has_vision_encoder", True)
@@ -512,11 +526,20 @@ def write_mmproj(case, src, dest, outtype="f32"):
             w.add_uint32(f"clip.vision.{key}", value)
         w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
         w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-        w.add_string("clip.projector_type", "gemma3")
-        w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
-        w.add_bool("clip.use_gelu", True)
-        side = int(cfg["mm_tokens_per_image"] ** 0.5)
-        w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
+        if case == "gemma3":
+            w.add_string("clip.projector_type", "gemma3")
+            w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
+            w.add_bool("clip.use_gelu", True)
+            side = int(cfg["mm_tokens_per_image"] ** 0.5)
+            w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
+        else:
+            # conversion/smolvlm.py's `SmolVLMModel`: the processor's longest edge goes along.
+            pre = json.loads((Path(src) / "preprocessor_config.json").read_text())
+            w.add_string("clip.projector_type", "idefics3")
+            w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-5))
+            w.add_uint32("clip.vision.projector.scale_factor", cfg.get("scale_factor", 2))
+            w.add_bool("clip.use_gelu", True)
+            w.add_uint32("clip.vision.preproc_image_size", pre.get("size", {}).get("longest_edge", v["image_size"]))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     else:
         assert outtype == "f32", "the LLaVA converter writes f32 (--use-f32) or f16"
@@ -552,7 +575,18 @@ def _mmproj_tensors(case, tensors, layers, outtype):
     T = gguf.GGMLQuantizationType
     q = {"f32": T.F32, "q8_0": T.Q8_0}[outtype]
     proj = "multi_modal_projector."
-    if case == "gemma3":
+    if case in SPLIT_CASES:
+        tower = "model.vision_model."
+        layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+                 "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+                 "self_attn.v_proj": "attn_v"}
+        out = [("mm.model.fc.weight", "model.connector.modality_projection.proj.weight", None, q),
+               ("v.patch_embd.bias", tower + "embeddings.patch_embedding.bias", None, T.F32),
+               ("v.patch_embd.weight", tower + "embeddings.patch_embedding.weight", None, T.F32),
+               ("v.position_embd.weight", tower + "embeddings.position_embedding.weight", None, T.F32)]
+        end = [("v.post_ln.bias", tower + "post_layernorm.bias", None, T.F32),
+               ("v.post_ln.weight", tower + "post_layernorm.weight", None, T.F32)]
+    elif case == "gemma3":
         layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
                  "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
                  "self_attn.v_proj": "attn_v"}
@@ -580,7 +614,8 @@ def _mmproj_tensors(case, tensors, layers, outtype):
     for i in range(layers):
         for hf, gg in layer.items():
             for kind in ("bias", "weight"):
-                name = f"vision_tower.encoder.layers.{i}.{hf}.{kind}"
+                name = (f"model.vision_model.encoder.layers.{i}.{hf}.{kind}" if case in SPLIT_CASES
+                        else f"vision_tower.encoder.layers.{i}.{hf}.{kind}")
                 out.append((f"v.blk.{i}.{gg}.{kind}", name, None, q if tensors[name].ndim == 2 else T.F32))
     out += end
     # Gemma's soft-embedding norm is stored with its 1 added, as the converter does.
@@ -611,13 +646,13 @@ def file_weights(case, lm, mmproj):
     names = gguf.get_tensor_name_map(gguf_convert._arch_enum(arch), text["num_hidden_layers"])
     rows = {}  # file row -> Hugging Face row, for the permuted q/k
     for hname, t in tensors.items():
-        if not hname.startswith("language_model."):
+        short = _text_name(case, hname)
+        if short is None:
             continue
-        short = hname[len("language_model."):]
         gname = names.get_name(short, try_suffixes=(".weight", ".bias"))
         if case == "gemma3" and hname.endswith("norm.weight"):
             t = t + np.float32(1)
-        if case == "llava" and hname.endswith(("q_proj.weight", "k_proj.weight")):
+        if case != "gemma3" and hname.endswith(("q_proj.weight", "k_proj.weight")):
             kv = text["num_attention_heads"] if "q_proj" in hname else text["num_key_value_heads"]
             rows[hname] = gguf_convert._permute(np.arange(len(t))[:, None], text["num_attention_heads"], kv).ravel()
             t = t[rows[hname]]
@@ -638,9 +673,13 @@ def file_weights(case, lm, mmproj):
 
 
 def gguf_reference(case, outtype):
-    """transformers' outputs on the weights the GGUF files of `outtype` hold (`_build_gguf`)."""
+    """transformers' outputs on the weights the GGUF files of `outtype` hold (`_build_gguf`). The
+    split cases' F32 files hold the drawn weights exactly (their converter stores every matrix
+    in F32, `_build_gguf` checks it), so their reference is the checkpoint's own."""
     from safetensors.numpy import load_file
 
+    if case in SPLIT_CASES and outtype == "f32":
+        return reference(case)
     return load_file(str(DATA / case / f"reference-gguf-{outtype}.safetensors"))
 
 
@@ -655,15 +694,29 @@ def _build_gguf(case):
     from safetensors.numpy import save_file
 
     ref = reference(case)
-    pixels = torch.from_numpy(ref["pixel_values"])
-    tokens = json.loads((DATA / case / "reference.json").read_text())["tokens_per_image"]
+    split = case in SPLIT_CASES
+    if split:
+        # transformers' processor's ids and pixels, as the reference stored them (every tile whole).
+        inputs = {k: (torch.from_numpy(ref[f"{k}_ids"]), torch.from_numpy(ref[f"{k}_pixel_values"]),
+                      torch.ones(ref[f"{k}_pixel_values"].shape[:2] + ref[f"{k}_pixel_values"].shape[3:],
+                                 dtype=torch.int64)) for k in SPLIT_PROMPTS}
+    else:
+        pixels = torch.from_numpy(ref["pixel_values"])
+        tokens = json.loads((DATA / case / "reference.json").read_text())["tokens_per_image"]
     for outtype in ("f32", "q8_0"):
         with tempfile.TemporaryDirectory() as tmp:
             lm, mmproj = write_gguf(case, materialise(case, Path(tmp) / "hf"), Path(tmp) / "gguf", outtype)
             tensors = file_weights(case, lm, mmproj)
         drawn, _ = weights(case)
         changed = sorted(k for k in drawn if not np.array_equal(drawn[k], tensors[k]))
-        out = _outputs(case, _load(case, tensors), pixels, tokens, chat=False)
+        if split and outtype == "f32":
+            assert not changed, f"{case}: the F32 files hold other weights than the drawn ones: {changed}"
+            print(case, outtype, "hold the drawn weights: reference.safetensors is their reference")
+            continue
+        if split:
+            out = _split_outputs(_load_split(case, tensors), inputs, chat=False)
+        else:
+            out = _outputs(case, _load(case, tensors), pixels, tokens, chat=False)
         if outtype != "f32":
             out = {k: out[k] for k in ("one_logits", "two_logits")}
         dest = DATA / case / f"reference-gguf-{outtype}.safetensors"
@@ -682,13 +735,13 @@ def write_gguf(case, src, dest, outtype="f32"):
     dest.mkdir(parents=True, exist_ok=True)
     text = _text_dir(case, src, dest / "text")
     keep = gguf_convert._minimal_vocab
-    gguf_convert._minimal_vocab = _vocab
+    gguf_convert._minimal_vocab = lambda w, cfg: _vocab(w, cfg, case)
     try:
         lm = gguf_convert.convert(text, dest / f"model-{outtype}.gguf", outtype=outtype)
     finally:
         gguf_convert._minimal_vocab = keep
     # LLaVA's converter writes no Q8_0: its mmproj stays float32 beside a Q8_0 language model.
-    mm = outtype if case == "gemma3" else "f32"
+    mm = "f32" if case == "llava" else outtype
     return lm, write_mmproj(case, src, dest / f"mmproj-{mm}.gguf", mm)
 
 
@@ -704,7 +757,8 @@ def _check_mmproj(converted, outtype, case="gemma3"):
         src = materialise(case, Path(tmp) / "clip")
         ours = gguf.GGUFReader(str(write_mmproj(case, src, Path(tmp) / "m.gguf", outtype)))
         theirs = gguf.GGUFReader(str(converted))
-        skip = {"general.name", "general.size_label"}
+        # The converter names the file after its folder (and counts those keys in GGUF.kv_count).
+        skip = {"general.name", "general.size_label", "GGUF.kv_count"}
         keys = lambda r: {k: (f.types, [f.parts[i].tolist() for i in f.data]) for k, f in r.fields.items()
                           if k not in skip}
         a, b = keys(ours), keys(theirs)
