@@ -213,8 +213,14 @@ pub fn image_starts(vision: &VisionModel, ids: &[u32], images: usize) -> Result<
     let (token, per) = (vision.image_token_id(), c.tokens_per_image());
     let at: Vec<usize> = ids.iter().enumerate().filter(|(_, &t)| t == token).map(|(i, _)| i).collect();
     if at.len() != images * per {
+        // Idefics3's pixel values hold a split image's tiles, each its own run of tokens.
+        let what = if matches!(c.projector, crate::backend::config::vision::ProjectorConfig::PixelShuffle { .. }) {
+            "tile(s) (a split image's tiles and its whole image)"
+        } else {
+            "image(s)"
+        };
         return Err(refused(format!(
-            "the prompt holds {} image tokens (id {token}); {images} image(s) of {per} tokens each need {}",
+            "the prompt holds {} image tokens (id {token}); {images} {what} of {per} tokens each need {}",
             at.len(),
             images * per
         )));

@@ -431,3 +431,28 @@ pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path:
         preproc_longest_edge: md.opt_usize("clip.vision.preproc_image_size")?,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idefics3_and_smolvlm_read_as_siglip_with_a_pixel_shuffle() {
+        for model_type in ["idefics3", "smolvlm"] {
+            let text = format!(
+                r#"{{"model_type":"{model_type}","scale_factor":4,"image_token_id":49190,
+                "vision_config":{{"hidden_size":64,"num_attention_heads":4,"image_size":512,"patch_size":16}}}}"#
+            );
+            let c = from_hf(&text, 576, "config.json").unwrap().unwrap();
+            assert_eq!(c.family, VisionFamily::Idefics3);
+            assert_eq!(c.projector, ProjectorConfig::PixelShuffle { scale: 4 });
+            // SmolVLM-256M's shape: 32 x 32 patches, folded by 4: 64 tokens a tile.
+            assert_eq!(c.tokens_per_image(), 64);
+            assert!(!c.clip && c.post_norm && !c.bidirectional && !c.drop_class_token);
+            assert_eq!((c.image_token_id, c.activation, c.layers_run), (49190, VisionActivation::GeluTanh, 12));
+        }
+        let bad = r#"{"model_type":"idefics3","scale_factor":3,"vision_config":{"image_size":64,"patch_size":4}}"#;
+        let err = from_hf(bad, 64, "config.json").unwrap_err().to_string();
+        assert!(err.contains("scale_factor 3"), "{err}");
+    }
+}

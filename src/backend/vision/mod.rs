@@ -391,3 +391,19 @@ fn hash_pixels(pixels: &[f32]) -> u64 {
     }
     h.finish()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pixel_shuffle_folds_each_block_of_patches_as_transformers_does() {
+        // A 4 x 4 grid of one-value patches numbered row by row, folded by 2: each output row is
+        // one 2 x 2 block, its patches row by row (Idefics3Connector.pixel_shuffle's layout).
+        let x = Tensor::arange(0f32, 16f32, &Device::Cpu).unwrap().reshape((16, 1)).unwrap();
+        let y = pixel_shuffle(&x, 4, 2).unwrap().to_vec2::<f32>().unwrap();
+        let want: Vec<Vec<f32>> =
+            vec![vec![0., 1., 4., 5.], vec![2., 3., 6., 7.], vec![8., 9., 12., 13.], vec![10., 11., 14., 15.]];
+        assert_eq!(y, want);
+    }
+}
