@@ -165,6 +165,40 @@ def test_engine_runs_a_split_image_request_beside_a_text_one(case):
                                                     ignore_eos=True).token_ids
 
 
+def test_server_answers_a_split_image_question_through_the_openai_client(case):
+    import base64
+    import socket
+    import threading
+    import time
+
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    from candlewick.serve import Server, build_app
+
+    _, rt, ref, _ = case
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(build_app(Server(rt, "tiny-split")), host="127.0.0.1", port=port,
+                                         log_level="error"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not http.started and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        url = "data:image/png;base64," + base64.b64encode(vf.draw_images()[1]).decode()
+        r = client.chat.completions.create(model="tiny-split", max_tokens=1, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this ?"}]}])
+        assert r.usage.prompt_tokens == len(ref["chat_ids"])
+        assert r.choices[0].message.content == rt.tokenizer.decode([int(np.argmax(ref["chat_logits"][-1]))])
+    finally:
+        http.should_exit = True
+        thread.join(10)
+
+
 # -- GGUF language model + llama.cpp's mmproj (projector type idefics3) ---------------------------
 
 @pytest.fixture(scope="module")
@@ -237,3 +271,21 @@ def test_gguf_with_mmproj_q8_0_within_design_bounds(gguf_files, name):
             assert np.median(errs) <= 0.05
             assert np.mean(overlap >= 3) >= 0.95
             assert len(misses) == 0, misses
+
+
+def test_cli_generate_takes_an_image_with_an_idefics3_mmproj(gguf_files, tmp_path, capsys):
+    """`candlewick generate --mmproj PATH --image PATH`: what the Python API answers."""
+    from candlewick import cli
+
+    lm, mmproj = gguf_files("idefics3")["f32"]
+    png = tmp_path / "p.png"
+    png.write_bytes(vf.draw_images()[0])
+    prompt = "<image>What is this ?"
+    assert cli.main(["generate", "--mmproj", str(mmproj), "--model", str(lm), "--dtype", "f32", "--device", "cpu",
+                     "--image", str(png), "--temp", "0", "-n", "4", "--quiet", prompt]) == 0
+    out = capsys.readouterr().out
+    with cw.ModelRuntime.load(str(lm), mmproj=str(mmproj), dtype="f32") as rt:
+        ids, pixels = rt.process(prompt, [str(png)])
+        want = rt.generate(ids, pixel_values=pixels, max_tokens=4, temperature=0.0)
+    assert ids.count(IMAGE) == 5 * TILE and np.asarray(pixels).shape == (1, 5, 3, 32, 32)
+    assert out.rstrip("\n") == want.text
