@@ -35,8 +35,11 @@ def default_model() -> str:
 
 
 @contextmanager
-def progress(label: str, stream=sys.stderr, after: float = 0.3) -> Iterator[None]:
+def progress(label: str, stream=None, after: float = 0.3) -> Iterator[None]:
     """Shows an elapsed-time spinner on a terminal while a long step (GIL released) runs."""
+    # sys.stderr as it is now, not as it was at import: a caller (pytest's capture) may have
+    # replaced it since, and closed the one it replaced.
+    stream = sys.stderr if stream is None else stream
     done = threading.Event()
 
     def spin() -> None:

@@ -75,9 +75,17 @@ enum Projector {
     Shuffle { proj: Linear, scale: usize },
 }
 
-/// How many encoded images the encoder keeps, keyed by their pixels: a second question about the
-/// same image skips the encoder.
+/// How many encoded images the encoder keeps at least, keyed by their pixels: a second question
+/// about the same image skips the encoder.
 pub const ENCODER_CACHE_IMAGES: usize = 16;
+
+/// Past `ENCODER_CACHE_IMAGES`, the encoder keeps more while their embeddings fit in this many
+/// bytes: a split image (Idefics3, SmolVLM) is up to 17 encoder images, its tiles and the whole
+/// image, each cached on its own, and 16 would not hold one of them.
+pub const ENCODER_CACHE_BYTES: usize = 64 << 20;
+
+/// The most encoded images the encoder keeps, however small (16 images split 4 x 4).
+pub const ENCODER_CACHE_MAX_IMAGES: usize = 16 * 17;
 
 /// The vision encoder and projector of a vision-language model.
 #[derive(Debug)]
@@ -289,7 +297,12 @@ impl VisionModel {
         self.counts.lock().unwrap_or_else(|e| e.into_inner()).0 += 1;
         if let Some(key) = key {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            if cache.len() >= ENCODER_CACHE_IMAGES {
+            let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+            let mut held: usize = cache.iter().map(|(_, t)| bytes(t)).sum::<usize>() + bytes(&out);
+            while cache.len() >= ENCODER_CACHE_MAX_IMAGES
+                || (cache.len() >= ENCODER_CACHE_IMAGES && held > ENCODER_CACHE_BYTES)
+            {
+                held -= cache.front().map_or(0, |(_, t)| bytes(t));
                 cache.pop_front();
             }
             cache.push_back((key, out.clone()));
