@@ -335,7 +335,9 @@ pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path:
         "idefics3" => VisionFamily::Idefics3,
         _ => {
             return Err(CandleError::UnsupportedConfig {
-                what: format!("{path}: mmproj projector type {projector:?} (candlewick reads gemma3, idefics3 and mlp)"),
+                what: format!(
+                    "{path}: mmproj projector type {projector:?} (candlewick reads gemma3, idefics3 and mlp)"
+                ),
             })
         }
     };
