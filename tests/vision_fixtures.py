@@ -16,6 +16,14 @@ and, shared, a small word-level `tokenizer.json` with the image tokens and a cha
 `gemma3-gguf` writes `reference-gguf-{f32,q8_0}.safetensors`: transformers on the weights the
 GGUF language model and mmproj files hold (`file_weights` reads them back and de-quantizes them:
 the converter's F16 projector matrix, Q8_0 blocks), the reference the GGUF tests compare with.
+
+The split cases (`idefics3`, `smolvlm`) run transformers' own processor for their ids and pixel
+values, so they also need torchvision and Pillow (transformers' default, torchvision, image
+processors: docs/images.md); their references hold `{one,two,chat}_{ids,pixel_values}` beside
+the outputs. `idefics3-gguf` / `smolvlm-gguf` write only the Q8_0 reference: the F32 files hold
+the drawn weights exactly. `_check_mmproj(path, outtype, case)` compares `write_mmproj`'s file
+with the one `convert_hf_to_gguf.py --mmproj --outtype {f32,q8_0}` writes from `materialise(case)`
+(llama-cpp-python's sdist, vendor/llama.cpp, with its own gguf-py on PYTHONPATH).
 """
 
 from __future__ import annotations
