@@ -33,8 +33,9 @@ def close(a, b, tol=TOL):
 
 
 def test_supported_architectures_say_which_take_images():
-    assert cw.supported_architectures(images=True) == ["gemma3", "llava"]
-    assert cw.supported_architectures("gguf", images=True) == ["gemma3", "llava"]
+    families = ["gemma3", "llava", "idefics3", "smolvlm"]
+    assert cw.supported_architectures(images=True) == families
+    assert cw.supported_architectures("gguf", images=True) == families
 
 
 def test_logits_at_image_and_text_positions(case):

@@ -1,5 +1,6 @@
-"""Tiny vision-language models (Gemma 3 with SigLIP, LLaVA-1.5 with CLIP) and transformers'
-reference outputs for them, for tests/test_vision.py.
+"""Tiny vision-language models (Gemma 3 with SigLIP, LLaVA-1.5 with CLIP, Idefics3 and SmolVLM
+with SigLIP on split images) and transformers' reference outputs for them, for
+tests/test_vision.py and tests/test_vision_split.py.
 
 The checkpoints are not stored (weights stay out of git): every float32 weight is drawn from
 numpy's PCG64 generator with a fixed seed, in the order of the names the checkpoint holds, so a
@@ -15,6 +16,14 @@ and, shared, a small word-level `tokenizer.json` with the image tokens and a cha
 `gemma3-gguf` writes `reference-gguf-{f32,q8_0}.safetensors`: transformers on the weights the
 GGUF language model and mmproj files hold (`file_weights` reads them back and de-quantizes them:
 the converter's F16 projector matrix, Q8_0 blocks), the reference the GGUF tests compare with.
+
+The split cases (`idefics3`, `smolvlm`) run transformers' own processor for their ids and pixel
+values, so they also need torchvision and Pillow (transformers' default, torchvision, image
+processors: docs/images.md); their references hold `{one,two,chat}_{ids,pixel_values}` beside
+the outputs. `idefics3-gguf` / `smolvlm-gguf` write only the Q8_0 reference: the F32 files hold
+the drawn weights exactly. `_check_mmproj(path, outtype, case)` compares `write_mmproj`'s file
+with the one `convert_hf_to_gguf.py --mmproj --outtype {f32,q8_0}` writes from `materialise(case)`
+(llama-cpp-python's sdist, vendor/llama.cpp, with its own gguf-py on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -48,6 +57,19 @@ CASES = {
     "gemma3": (51, "<start_of_image>"),
     "llava": (52, "<image>"),
 }
+# Idefics3's layout: an image split into tiles plus the whole image, each tile's tokens framed by
+# `<fake_token_around_image>` and named `<row_r_col_c>` (tests/test_vision_split.py). Their
+# reference ids and pixels are transformers' processor's own, not written out here.
+SPLIT_CASES = {
+    "idefics3": (53, "<image>"),
+    "smolvlm": (54, "<image>"),
+}
+ALL_CASES = {**CASES, **SPLIT_CASES}
+# The split families' own tokens (the tiny models split an image into at most 2 x 2 tiles), at
+# ids no other token of the tiny tokenizer takes.
+SPLIT_SPECIAL = {480: "<fake_token_around_image>", 481: "<global-img>", 482: "<end_of_utterance>",
+                 483: "<row_1_col_1>", 484: "<row_1_col_2>", 485: "<row_2_col_1>", 486: "<row_2_col_2>"}
+SPLIT_TOKENS_PER_TILE = 16
 
 
 def _is_norm(name):
@@ -61,13 +83,19 @@ def weights(case):
     return draw(DATA / case, _is_norm)
 
 
-def tokenizer_json() -> str:
+def specials(case=None) -> dict:
+    """The special tokens of `case`'s tokenizer (id -> text)."""
+    return SPECIAL | (SPLIT_SPECIAL if case in SPLIT_CASES else {})
+
+
+def tokenizer_json(case=None) -> str:
     """A word-level tokenizer: the special tokens at their ids, the words after them."""
-    vocab = {tok: i for i, tok in SPECIAL.items()}
+    special = specials(case)
+    vocab = {tok: i for i, tok in special.items()}
     for i, w in enumerate(WORDS):
         vocab[w] = 4 + i
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for i, t in sorted(SPECIAL.items())]
+              "normalized": False, "special": True} for i, t in sorted(special.items())]
     return json.dumps({
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\\n\\n|\\n| |[A-Za-z]+|[^A-Za-z\\s]"},
@@ -84,7 +112,7 @@ def tokenizer_json() -> str:
 def tokenizer_config(case) -> dict:
     return {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "chat_template": CHAT_TEMPLATE.replace("{{ image_token }}", CASES[case][1])}
+            "chat_template": CHAT_TEMPLATE.replace("{{ image_token }}", ALL_CASES[case][1])}
 
 
 def materialise(case, dest, tensors=None):
@@ -100,7 +128,7 @@ def materialise(case, dest, tensors=None):
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "preprocessor_config.json"):
         shutil.copy(DATA / case / name, dest / name)
-    (dest / "tokenizer.json").write_text(tokenizer_json())
+    (dest / "tokenizer.json").write_text(tokenizer_json(case))
     (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(case)))
     save_file(tensors, str(dest / "model.safetensors"))
     return dest
@@ -245,7 +273,7 @@ def _build(case):
     from safetensors.numpy import load_file, save_file
 
     config, model_name, proc, tokens = _configs(case)
-    seed = CASES[case][0]
+    seed = ALL_CASES[case][0]
     dest = DATA / case
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -273,9 +301,174 @@ def _build(case):
     print(case, "->", dest, sorted(out))
 
 
+# -- Idefics3 / SmolVLM: images split into tiles ---------------------------------------------------
+
+# The prompts the split references run, as text for transformers' processor: one image, two images,
+# and the chat template's rendering of one user turn with an image (which brings its own `<bos>`).
+SPLIT_PROMPTS = {
+    "one": ("Describe the picture<image>What is this ?", [0], True),
+    "two": ("a<image>and<image>red ?", [0, 1], True),
+    "chat": ("<bos><start_of_turn>user\n<image>What is this ?<end_of_turn>\n<start_of_turn>model\n", [1], False),
+}
+
+
+def _split_configs(case):
+    """The config and image processor of a split case: SigLIP 32 x 32 tiles of 8 x 8 patches,
+    pixel shuffle by 2 (16 tokens a tile), images resized to a longest edge of 64 (2 x 2 tiles)."""
+    import transformers as tf
+
+    smol = case == "smolvlm"
+    text = tf.LlamaConfig(**TEXT, tie_word_embeddings=False)
+    vision = (tf.SmolVLMVisionConfig if smol else tf.Idefics3VisionConfig)(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=4,
+        layer_norm_eps=1e-6)
+    config = (tf.SmolVLMConfig if smol else tf.Idefics3Config)(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2, image_token_id=LLAVA_IMAGE)
+    proc = (tf.SmolVLMImageProcessor if smol else tf.Idefics3ImageProcessor)(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    arch = "SmolVLMForConditionalGeneration" if smol else "Idefics3ForConditionalGeneration"
+    return config, arch, proc
+
+
+def _split_processor(case, directory):
+    """transformers' processor of the checkpoint at `directory`. Both cases use Idefics3Processor:
+    SmolVLMProcessor lays an image's tokens out the same way (`get_image_prompt_string`) but needs
+    the num2words package and a video processor."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(directory))
+    ip = tf.AutoImageProcessor.from_pretrained(str(directory))
+    return tf.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=SPLIT_TOKENS_PER_TILE)
+
+
+def split_inputs(case, directory):
+    """`{prompt: (ids, pixel_values [1, tiles, 3, 32, 32], pixel_attention_mask)}` as transformers'
+    processor makes them from the two drawn images."""
+    from PIL import Image
+
+    proc = _split_processor(case, directory)
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in draw_images()]
+    out = {}
+    for key, (text, which, specials_added) in SPLIT_PROMPTS.items():
+        enc = proc(text=[text], images=[[images[i] for i in which]], return_tensors="pt",
+                   add_special_tokens=specials_added)
+        out[key] = (enc["input_ids"][0], enc["pixel_values"].float(), enc["pixel_attention_mask"])
+    return out
+
+
+def _split_outputs(model, inputs, chat=True):
+    """As `_outputs`, for a split case: every point of the one-image prompt with the tiles' rows
+    stacked in order (`[tiles · rows, width]`, as candlewick returns them)."""
+    import torch
+
+    m = model.model
+    obs = {}
+    hooks = [m.text_model.register_forward_pre_hook(
+        lambda _m, a, kw: obs.__setitem__("model.embed_tokens", kw["inputs_embeds"][0].detach().numpy().copy()),
+        with_kwargs=True)]
+    for i, layer in enumerate(m.text_model.layers):
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: obs.__setitem__(
+            f"model.layers.{i}.output", (out[0] if isinstance(out, tuple) else out)[0].detach().numpy().copy())))
+
+    def stacked(t):
+        return t.detach().reshape(-1, t.shape[-1]).numpy().copy()
+
+    for i, layer in enumerate(m.vision_model.encoder.layers):
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: obs.__setitem__(
+            f"vision.layers.{i}.output", stacked(out[0] if isinstance(out, tuple) else out))))
+
+    def connector_hook(_m, a, out):
+        obs["vision.output"] = stacked(a[0])
+        obs["vision.projector.output"] = stacked(out)
+
+    hooks.append(m.connector.register_forward_hook(connector_hook))
+
+    def run(key):
+        ids, pv, mask = inputs[key]
+        with torch.no_grad():
+            return model(input_ids=ids[None], pixel_values=pv, pixel_attention_mask=mask,
+                         use_cache=False).logits[0].numpy()
+
+    out = {"one_logits": run("one")}
+    out.update({f"one.{k}": v for k, v in obs.items()})
+    for h in hooks:
+        h.remove()
+    out["two_logits"] = run("two")
+    if chat:
+        out["chat_logits"] = run("chat")
+    ids, pv, mask = inputs["one"]
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids[None], pixel_values=pv, pixel_attention_mask=mask, max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out["one_greedy"] = gen[0, len(ids):].numpy().astype(np.int64)
+    return out
+
+
+def _load_split(case, tensors=None):
+    """transformers' model of a split case (float32, eager attention) on `tensors`."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = getattr(transformers, _split_configs(case)[1]).from_pretrained(materialise(case, tmp, tensors),
+                                                                               dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def _build_split(case):
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    config, model_name, proc = _split_configs(case)
+    dest = DATA / case
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        getattr(transformers, model_name)(config).save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+        shutil.copy(Path(tmp) / "config.json", dest / "config.json")
+    proc.save_pretrained(str(dest))
+    spec = {"seed": ALL_CASES[case][0], "tensors": [[n, list(saved[n].shape)] for n in sorted(saved)], "sha256": ""}
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    tensors, _ = weights(case)
+    spec["sha256"] = digest(tensors)
+    (dest / "weights.json").write_text(json.dumps(spec) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = split_inputs(case, materialise(case, tmp))
+    out = {}
+    for key, (ids, pv, _) in inputs.items():
+        out[f"{key}_ids"] = ids.numpy().astype(np.int64)
+        out[f"{key}_pixel_values"] = pv.numpy()
+    out.update(_split_outputs(_load_split(case), inputs))
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dest / "reference.safetensors"))
+    meta = {"case": case, "architecture": model_name,
+            "reference": f"transformers {transformers.__version__}, torch {torch.__version__}, eager attention, float32",
+            "processor": "Idefics3Processor (image_seq_len 16) over " + type(proc).__name__,
+            "tokens_per_tile": SPLIT_TOKENS_PER_TILE,
+            "tiles": {k: int(v[1].shape[1]) for k, v in inputs.items()}, "keys": sorted(out)}
+    (dest / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(case, "->", dest, meta["tiles"], sorted(out))
+
+
 # -- GGUF: the language model (tests/gguf_convert.py) and llama.cpp's mmproj ---------------------
 
-TEXT_ARCH = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "llava": ("llama", "LlamaForCausalLM")}
+TEXT_ARCH = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "llava": ("llama", "LlamaForCausalLM"),
+             "idefics3": ("llama", "LlamaForCausalLM"), "smolvlm": ("llama", "LlamaForCausalLM")}
+
+
+def _text_name(case, name):
+    """The language model's name of a checkpoint tensor (`model.…`, `lm_head.…`), or None for the
+    vision tower's and the projector's."""
+    if case in SPLIT_CASES:
+        if name.startswith("model.text_model."):
+            return "model." + name[len("model.text_model."):]
+        return name if name.startswith("lm_head.") else None
+    return name[len("language_model."):] if name.startswith("language_model.") else None
 
 
 def _text_dir(case, src, dest):
@@ -290,22 +483,22 @@ def _text_dir(case, src, dest):
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(text))
     t = load_file(str(Path(src) / "model.safetensors"))
-    save_file({k[len("language_model."):]: v for k, v in t.items() if k.startswith("language_model.")},
-              str(dest / "model.safetensors"))
+    save_file({_text_name(case, k): v for k, v in t.items() if _text_name(case, k)}, str(dest / "model.safetensors"))
     return dest
 
 
-def _vocab(w, cfg):
+def _vocab(w, cfg, case=None):
     """Departure (as tests/gguf_convert.py's): the tiny tokenizer is word-level, which the
     converter cannot write; a SentencePiece-style list of its tokens is, the special ones named
-    as Gemma 3's (llama.cpp and candlewick find `<image_soft_token>` by name)."""
-    names = {i: t for i, t in SPECIAL.items()} | {4 + i: f"<w{i}>" for i in range(len(WORDS))}
+    as the checkpoint's (llama.cpp and candlewick find `<image_soft_token>` / `<image>` by name)."""
+    special = specials(case)
+    names = dict(special) | {4 + i: f"<w{i}>" for i in range(len(WORDS))}
     n = cfg["vocab_size"]
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list([names.get(i, f"<t{i}>") for i in range(n)])
     w.add_token_scores([0.0] * n)
-    w.add_token_types([3 if i in SPECIAL else 1 for i in range(n)])
+    w.add_token_types([3 if i in special else 1 for i in range(n)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
@@ -316,6 +509,9 @@ def write_mmproj(case, src, dest, outtype="f32"):
 
     - Gemma 3: `convert_hf_to_gguf.py --mmproj` (conversion/gemma.py's `Gemma3VisionModel`): the
       soft-embedding norm + 1, the input projection in F16, 2-D encoder weights in `outtype`;
+    - Idefics3 / SmolVLM: `convert_hf_to_gguf.py --mmproj` (conversion/smolvlm.py's
+      `SmolVLMModel`): the embeddings in F32, the other 2-D weights and the projection
+      `mm.model.fc` in `outtype`;
     - LLaVA-1.5: `tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py --llava-projector
       --clip-model-is-vision --use-f32` (the current converter takes no CLIP encoder): only the
       layers up to the one the projector reads, no post-LayerNorm, CLIP's fc1 named `ffn_down`
@@ -326,7 +522,7 @@ def write_mmproj(case, src, dest, outtype="f32"):
     v = cfg["vision_config"]
     tensors, _ = weights(case)
     w = gguf.GGUFWriter(str(dest), "clip")
-    if case == "gemma3":
+    if case != "llava":
         w.add_type(gguf.GGUFType.MMPROJ)
         w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
         w.add_bool("clip.has_vision_encoder", True)
@@ -338,11 +534,20 @@ def write_mmproj(case, src, dest, outtype="f32"):
             w.add_uint32(f"clip.vision.{key}", value)
         w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
         w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-        w.add_string("clip.projector_type", "gemma3")
-        w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
-        w.add_bool("clip.use_gelu", True)
-        side = int(cfg["mm_tokens_per_image"] ** 0.5)
-        w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
+        if case == "gemma3":
+            w.add_string("clip.projector_type", "gemma3")
+            w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
+            w.add_bool("clip.use_gelu", True)
+            side = int(cfg["mm_tokens_per_image"] ** 0.5)
+            w.add_uint32("clip.vision.projector.scale_factor", (v["image_size"] // v["patch_size"]) // side)
+        else:
+            # conversion/smolvlm.py's `SmolVLMModel`: the processor's longest edge goes along.
+            pre = json.loads((Path(src) / "preprocessor_config.json").read_text())
+            w.add_string("clip.projector_type", "idefics3")
+            w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-5))
+            w.add_uint32("clip.vision.projector.scale_factor", cfg.get("scale_factor", 2))
+            w.add_bool("clip.use_gelu", True)
+            w.add_uint32("clip.vision.preproc_image_size", pre.get("size", {}).get("longest_edge", v["image_size"]))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     else:
         assert outtype == "f32", "the LLaVA converter writes f32 (--use-f32) or f16"
@@ -378,7 +583,18 @@ def _mmproj_tensors(case, tensors, layers, outtype):
     T = gguf.GGMLQuantizationType
     q = {"f32": T.F32, "q8_0": T.Q8_0}[outtype]
     proj = "multi_modal_projector."
-    if case == "gemma3":
+    if case in SPLIT_CASES:
+        tower = "model.vision_model."
+        layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+                 "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
+                 "self_attn.v_proj": "attn_v"}
+        out = [("mm.model.fc.weight", "model.connector.modality_projection.proj.weight", None, q),
+               ("v.patch_embd.bias", tower + "embeddings.patch_embedding.bias", None, T.F32),
+               ("v.patch_embd.weight", tower + "embeddings.patch_embedding.weight", None, T.F32),
+               ("v.position_embd.weight", tower + "embeddings.position_embedding.weight", None, T.F32)]
+        end = [("v.post_ln.bias", tower + "post_layernorm.bias", None, T.F32),
+               ("v.post_ln.weight", tower + "post_layernorm.weight", None, T.F32)]
+    elif case == "gemma3":
         layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
                  "self_attn.k_proj": "attn_k", "self_attn.out_proj": "attn_out", "self_attn.q_proj": "attn_q",
                  "self_attn.v_proj": "attn_v"}
@@ -406,7 +622,8 @@ def _mmproj_tensors(case, tensors, layers, outtype):
     for i in range(layers):
         for hf, gg in layer.items():
             for kind in ("bias", "weight"):
-                name = f"vision_tower.encoder.layers.{i}.{hf}.{kind}"
+                name = (f"model.vision_model.encoder.layers.{i}.{hf}.{kind}" if case in SPLIT_CASES
+                        else f"vision_tower.encoder.layers.{i}.{hf}.{kind}")
                 out.append((f"v.blk.{i}.{gg}.{kind}", name, None, q if tensors[name].ndim == 2 else T.F32))
     out += end
     # Gemma's soft-embedding norm is stored with its 1 added, as the converter does.
@@ -437,13 +654,13 @@ def file_weights(case, lm, mmproj):
     names = gguf.get_tensor_name_map(gguf_convert._arch_enum(arch), text["num_hidden_layers"])
     rows = {}  # file row -> Hugging Face row, for the permuted q/k
     for hname, t in tensors.items():
-        if not hname.startswith("language_model."):
+        short = _text_name(case, hname)
+        if short is None:
             continue
-        short = hname[len("language_model."):]
         gname = names.get_name(short, try_suffixes=(".weight", ".bias"))
         if case == "gemma3" and hname.endswith("norm.weight"):
             t = t + np.float32(1)
-        if case == "llava" and hname.endswith(("q_proj.weight", "k_proj.weight")):
+        if case != "gemma3" and hname.endswith(("q_proj.weight", "k_proj.weight")):
             kv = text["num_attention_heads"] if "q_proj" in hname else text["num_key_value_heads"]
             rows[hname] = gguf_convert._permute(np.arange(len(t))[:, None], text["num_attention_heads"], kv).ravel()
             t = t[rows[hname]]
@@ -464,9 +681,13 @@ def file_weights(case, lm, mmproj):
 
 
 def gguf_reference(case, outtype):
-    """transformers' outputs on the weights the GGUF files of `outtype` hold (`_build_gguf`)."""
+    """transformers' outputs on the weights the GGUF files of `outtype` hold (`_build_gguf`). The
+    split cases' F32 files hold the drawn weights exactly (their converter stores every matrix
+    in F32, `_build_gguf` checks it), so their reference is the checkpoint's own."""
     from safetensors.numpy import load_file
 
+    if case in SPLIT_CASES and outtype == "f32":
+        return reference(case)
     return load_file(str(DATA / case / f"reference-gguf-{outtype}.safetensors"))
 
 
@@ -481,15 +702,29 @@ def _build_gguf(case):
     from safetensors.numpy import save_file
 
     ref = reference(case)
-    pixels = torch.from_numpy(ref["pixel_values"])
-    tokens = json.loads((DATA / case / "reference.json").read_text())["tokens_per_image"]
+    split = case in SPLIT_CASES
+    if split:
+        # transformers' processor's ids and pixels, as the reference stored them (every tile whole).
+        inputs = {k: (torch.from_numpy(ref[f"{k}_ids"]), torch.from_numpy(ref[f"{k}_pixel_values"]),
+                      torch.ones(ref[f"{k}_pixel_values"].shape[:2] + ref[f"{k}_pixel_values"].shape[3:],
+                                 dtype=torch.int64)) for k in SPLIT_PROMPTS}
+    else:
+        pixels = torch.from_numpy(ref["pixel_values"])
+        tokens = json.loads((DATA / case / "reference.json").read_text())["tokens_per_image"]
     for outtype in ("f32", "q8_0"):
         with tempfile.TemporaryDirectory() as tmp:
             lm, mmproj = write_gguf(case, materialise(case, Path(tmp) / "hf"), Path(tmp) / "gguf", outtype)
             tensors = file_weights(case, lm, mmproj)
         drawn, _ = weights(case)
         changed = sorted(k for k in drawn if not np.array_equal(drawn[k], tensors[k]))
-        out = _outputs(case, _load(case, tensors), pixels, tokens, chat=False)
+        if split and outtype == "f32":
+            assert not changed, f"{case}: the F32 files hold other weights than the drawn ones: {changed}"
+            print(case, outtype, "hold the drawn weights: reference.safetensors is their reference")
+            continue
+        if split:
+            out = _split_outputs(_load_split(case, tensors), inputs, chat=False)
+        else:
+            out = _outputs(case, _load(case, tensors), pixels, tokens, chat=False)
         if outtype != "f32":
             out = {k: out[k] for k in ("one_logits", "two_logits")}
         dest = DATA / case / f"reference-gguf-{outtype}.safetensors"
@@ -508,13 +743,13 @@ def write_gguf(case, src, dest, outtype="f32"):
     dest.mkdir(parents=True, exist_ok=True)
     text = _text_dir(case, src, dest / "text")
     keep = gguf_convert._minimal_vocab
-    gguf_convert._minimal_vocab = _vocab
+    gguf_convert._minimal_vocab = lambda w, cfg: _vocab(w, cfg, case)
     try:
         lm = gguf_convert.convert(text, dest / f"model-{outtype}.gguf", outtype=outtype)
     finally:
         gguf_convert._minimal_vocab = keep
     # LLaVA's converter writes no Q8_0: its mmproj stays float32 beside a Q8_0 language model.
-    mm = outtype if case == "gemma3" else "f32"
+    mm = "f32" if case == "llava" else outtype
     return lm, write_mmproj(case, src, dest / f"mmproj-{mm}.gguf", mm)
 
 
@@ -530,7 +765,8 @@ def _check_mmproj(converted, outtype, case="gemma3"):
         src = materialise(case, Path(tmp) / "clip")
         ours = gguf.GGUFReader(str(write_mmproj(case, src, Path(tmp) / "m.gguf", outtype)))
         theirs = gguf.GGUFReader(str(converted))
-        skip = {"general.name", "general.size_label"}
+        # The converter names the file after its folder (and counts those keys in GGUF.kv_count).
+        skip = {"general.name", "general.size_label", "GGUF.kv_count"}
         keys = lambda r: {k: (f.types, [f.parts[i].tolist() for i in f.data]) for k, f in r.fields.items()
                           if k not in skip}
         a, b = keys(ours), keys(theirs)
@@ -542,8 +778,10 @@ def _check_mmproj(converted, outtype, case="gemma3"):
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or CASES:
+    for name in sys.argv[1:] or ALL_CASES:
         if name.endswith("-gguf"):
             _build_gguf(name[: -len("-gguf")])
+        elif name in SPLIT_CASES:
+            _build_split(name)
         else:
             _build(name)

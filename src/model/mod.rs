@@ -220,7 +220,8 @@ impl Model {
                 // The mmproj file does not name the image token: the language model's tokenizer does.
                 let token = match v.config().family {
                     crate::backend::config::vision::VisionFamily::Gemma3 => "<image_soft_token>",
-                    crate::backend::config::vision::VisionFamily::Llava => "<image>",
+                    crate::backend::config::vision::VisionFamily::Llava
+                    | crate::backend::config::vision::VisionFamily::Idefics3 => "<image>",
                 };
                 if let Some(id) = tokenizer.as_ref().ok().and_then(|t| t.token_to_id(token)) {
                     v.set_image_token_id(id);

@@ -10,7 +10,8 @@ use crate::backend::vision::{VisionModel, VisionPoint};
 use crate::backend::CandleError;
 use crate::core::{BackendSession, EditOp, Intervention, ObservationRequest, ObservationSet, ObservationValue};
 
-/// Images as the model's processor returns them: float32 `[n, 3, S, S]`, row-major.
+/// Images as the model's processor returns them: float32 `[n, 3, S, S]`, row-major (Idefics3's
+/// processor returns one prompt's tiles as `[1, n, 3, S, S]`, which reads the same).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PixelValues {
     /// The values.
@@ -50,13 +51,14 @@ impl ProcessorFiles {
     /// What the family's processor reads, from an mmproj file's configuration (llama.cpp's
     /// converters keep the image size, mean and std). Gemma 3: a bilinear resize to the square;
     /// LLaVA: transformers' `CLIPImageProcessor` (bicubic resize of the shortest edge, centre
-    /// crop), as the Hugging Face checkpoints configure it.
+    /// crop), as the Hugging Face checkpoints configure it; Idefics3: the longest edge resized to
+    /// the file's `preproc_image_size` (lanczos), split into tiles of the encoder's image size.
     pub fn from_mmproj(c: &crate::backend::config::vision::VisionConfig) -> Self {
         use crate::backend::config::vision::VisionFamily;
         let tokens = c.tokens_per_image();
         let s = c.image_size;
         let (mean, std) = c.normalization.unwrap_or(match c.family {
-            VisionFamily::Gemma3 => ([0.5; 3], [0.5; 3]),
+            VisionFamily::Gemma3 | VisionFamily::Idefics3 => ([0.5; 3], [0.5; 3]),
             // OpenAI CLIP's.
             VisionFamily::Llava => {
                 ([0.481_454_66, 0.457_827_5, 0.408_210_73], [0.268_629_54, 0.261_302_58, 0.275_777_11])
@@ -93,6 +95,30 @@ impl ProcessorFiles {
                     "vision_feature_select_strategy": strategy,
                 }),
             ),
+            VisionFamily::Idefics3 => {
+                let scale = match c.projector {
+                    crate::backend::config::vision::ProjectorConfig::PixelShuffle { scale } => scale,
+                    _ => 2,
+                };
+                (
+                    serde_json::json!({
+                        "image_processor_type": "Idefics3ImageProcessor",
+                        // transformers' default: four tiles a side.
+                        "size": {"longest_edge": c.preproc_longest_edge.unwrap_or(4 * s)},
+                        "max_image_size": {"longest_edge": s},
+                        "do_image_splitting": true,
+                        "image_mean": mean,
+                        "image_std": std,
+                        "resample": 1,
+                        "image_seq_len": tokens,
+                    }),
+                    serde_json::json!({
+                        "model_type": "idefics3",
+                        "scale_factor": scale,
+                        "vision_config": {"patch_size": c.patch_size, "image_size": s},
+                    }),
+                )
+            }
         };
         Self { model_type: c.family.name().into(), processor: processor.to_string(), config: config.to_string() }
     }
@@ -187,8 +213,14 @@ pub fn image_starts(vision: &VisionModel, ids: &[u32], images: usize) -> Result<
     let (token, per) = (vision.image_token_id(), c.tokens_per_image());
     let at: Vec<usize> = ids.iter().enumerate().filter(|(_, &t)| t == token).map(|(i, _)| i).collect();
     if at.len() != images * per {
+        // Idefics3's pixel values hold a split image's tiles, each its own run of tokens.
+        let what = if matches!(c.projector, crate::backend::config::vision::ProjectorConfig::PixelShuffle { .. }) {
+            "tile(s) (a split image's tiles and its whole image)"
+        } else {
+            "image(s)"
+        };
         return Err(refused(format!(
-            "the prompt holds {} image tokens (id {token}); {images} image(s) of {per} tokens each need {}",
+            "the prompt holds {} image tokens (id {token}); {images} {what} of {per} tokens each need {}",
             at.len(),
             images * per
         )));
@@ -217,7 +249,8 @@ pub fn encode_images(
 ) -> Result<(Vec<ImageSpan>, ObservationSet), ModelError> {
     let s = vision.config().image_size;
     let n = match pixels.shape.as_slice() {
-        [n, 3, h, w] if *h == s && *w == s && pixels.data.len() == n * 3 * s * s => *n,
+        // Idefics3's processor nests one prompt's tiles (each an image to the encoder) in a batch of one.
+        [n, 3, h, w] | [1, n, 3, h, w] if *h == s && *w == s && pixels.data.len() == n * 3 * s * s => *n,
         other => {
             return Err(refused(format!(
             "pixel_values must be float32 [images, 3, {s}, {s}] as the model's processor returns them, not {other:?}"

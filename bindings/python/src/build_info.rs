@@ -88,8 +88,8 @@ pub fn supported_architectures(py: Python<'_>, format: Option<&str>, images: boo
     if images {
         use candlewick::backend::config::vision::VisionFamily;
         // Every family loads from a GGUF language model plus its mmproj file too
-        // (`config::vision::from_mmproj`).
-        return Ok(VisionFamily::ALL.into_iter().map(VisionFamily::name).collect());
+        // (`config::vision::from_mmproj`). A family lists every `model_type` it loads.
+        return Ok(VisionFamily::ALL.into_iter().flat_map(|f| f.model_types().iter().copied()).collect());
     }
     let decoders =
         Architecture::ALL.into_iter().filter(|a| !gguf_only || a.gguf_name().is_some()).map(Architecture::name);

@@ -452,9 +452,10 @@ pub fn parse_config(text: &str, path: &str) -> Result<ArchConfig> {
         Some(other) => return Err(invalid(path, "model_type", format!("expected a string, got {other}"))),
         None => return Err(malformed("no `model_type`".into())),
     };
-    // LLaVA wraps a language model of another family: its text_config names it (Llama by default).
+    // LLaVA, Idefics3 and SmolVLM wrap a language model of another family: their text_config
+    // names it (Llama by default).
     let model_type = match model_type.as_str() {
-        "llava" => map
+        "llava" | "idefics3" | "smolvlm" => map
             .get("text_config")
             .and_then(|t| t.get("model_type"))
             .and_then(Value::as_str)

@@ -14,6 +14,9 @@ pub enum VisionFamily {
     Gemma3,
     /// LLaVA-1.5 (`LlavaForConditionalGeneration`): CLIP, a two-layer MLP projector.
     Llava,
+    /// Idefics3 and SmolVLM (`Idefics3ForConditionalGeneration`, `SmolVLMForConditionalGeneration`):
+    /// SigLIP on each tile of a split image, pixel shuffle, one linear projection.
+    Idefics3,
 }
 
 impl VisionFamily {
@@ -22,11 +25,27 @@ impl VisionFamily {
         match self {
             Self::Gemma3 => "gemma3",
             Self::Llava => "llava",
+            Self::Idefics3 => "idefics3",
         }
     }
 
+    /// Every `model_type` of the family's checkpoints (SmolVLM is Idefics3's model under its own
+    /// name).
+    pub fn model_types(self) -> &'static [&'static str] {
+        match self {
+            Self::Gemma3 => &["gemma3"],
+            Self::Llava => &["llava"],
+            Self::Idefics3 => &["idefics3", "smolvlm"],
+        }
+    }
+
+    /// The family of a config.json `model_type`.
+    pub fn from_model_type(model_type: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.model_types().contains(&model_type))
+    }
+
     /// Every family, in the order `supported_architectures` lists them.
-    pub const ALL: [VisionFamily; 2] = [Self::Gemma3, Self::Llava];
+    pub const ALL: [VisionFamily; 3] = [Self::Gemma3, Self::Llava, Self::Idefics3];
 }
 
 /// The vision MLP's activation.
@@ -71,6 +90,12 @@ pub enum ProjectorConfig {
         /// The activation between the two layers.
         activation: VisionActivation,
     },
+    /// Idefics3: pixel shuffle (each `scale`×`scale` block of patches folded into one row of
+    /// `scale² · Hv` values), then one linear map without bias.
+    PixelShuffle {
+        /// Side of the folded block (`scale_factor`).
+        scale: usize,
+    },
 }
 
 /// A vision encoder and projector.
@@ -114,6 +139,11 @@ pub struct VisionConfig {
     /// them in its own configuration (an mmproj file's `clip.vision.image_mean` / `image_std`;
     /// a Hugging Face directory's are in its processor configuration instead).
     pub normalization: Option<([f64; 3], [f64; 3])>,
+    /// Idefics3's processor resizes an image's longest edge to this before splitting it, where
+    /// the checkpoint carries it in its own configuration (an mmproj file's
+    /// `clip.vision.preproc_image_size`; a Hugging Face directory's processor configuration
+    /// holds it as `size.longest_edge`).
+    pub preproc_longest_edge: Option<usize>,
 }
 
 impl VisionConfig {
@@ -132,6 +162,7 @@ impl VisionConfig {
         match self.projector {
             ProjectorConfig::Pooled { tokens_per_side, .. } => tokens_per_side * tokens_per_side,
             ProjectorConfig::Mlp { .. } => self.encoder_rows() - usize::from(self.drop_class_token),
+            ProjectorConfig::PixelShuffle { scale } => (self.patches_per_side() / scale).pow(2),
         }
     }
 
@@ -167,10 +198,8 @@ fn count(map: &serde_json::Map<String, Value>, key: &str, default: Option<usize>
 pub fn from_hf(text: &str, text_hidden: usize, path: &str) -> Result<Option<VisionConfig>> {
     let malformed = |reason: String| CandleError::Malformed { what: "config.json", path: path.to_owned(), reason };
     let root: Value = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
-    let family = match root.get("model_type").and_then(Value::as_str) {
-        Some("gemma3") => VisionFamily::Gemma3,
-        Some("llava") => VisionFamily::Llava,
-        _ => return Ok(None),
+    let Some(family) = root.get("model_type").and_then(Value::as_str).and_then(VisionFamily::from_model_type) else {
+        return Ok(None);
     };
     let Some(Value::Object(v)) = root.get("vision_config") else {
         // Gemma 3 1B's config says `gemma3_text`; a `gemma3` one without a vision tower is text only.
@@ -178,9 +207,12 @@ pub fn from_hf(text: &str, text_hidden: usize, path: &str) -> Result<Option<Visi
     };
     let top = root.as_object().expect("an object: model_type was read from it");
     let gemma = family == VisionFamily::Gemma3;
-    // transformers' SiglipVisionConfig / CLIPVisionConfig defaults.
-    let hidden_size = count(v, "hidden_size", Some(768), path)?;
-    let num_heads = count(v, "num_attention_heads", Some(12), path)?;
+    // SigLIP (Gemma 3's tower, and Idefics3's with its own defaults) or CLIP (LLaVA's).
+    let siglip = family != VisionFamily::Llava;
+    // transformers' SiglipVisionConfig / CLIPVisionConfig / Idefics3VisionConfig defaults.
+    let idefics = family == VisionFamily::Idefics3;
+    let hidden_size = count(v, "hidden_size", Some(if idefics { 1152 } else { 768 }), path)?;
+    let num_heads = count(v, "num_attention_heads", Some(if idefics { 16 } else { 12 }), path)?;
     if hidden_size % num_heads != 0 {
         return Err(malformed(format!(
             "vision_config.hidden_size {hidden_size} is not a multiple of its {num_heads} heads"
@@ -194,9 +226,9 @@ pub fn from_hf(text: &str, text_hidden: usize, path: &str) -> Result<Option<Visi
             "vision_config.image_size {image_size} is not a multiple of patch_size {patch_size}"
         )));
     }
-    let act_default = if gemma { "gelu_pytorch_tanh" } else { "quick_gelu" };
+    let act_default = if siglip { "gelu_pytorch_tanh" } else { "quick_gelu" };
     let act = field(v, "hidden_act").and_then(Value::as_str).unwrap_or(act_default);
-    let layer_norm_eps = field(v, "layer_norm_eps").and_then(Value::as_f64).unwrap_or(if gemma { 1e-6 } else { 1e-5 });
+    let layer_norm_eps = field(v, "layer_norm_eps").and_then(Value::as_f64).unwrap_or(if siglip { 1e-6 } else { 1e-5 });
     if let Some(n) = field(v, "num_channels").and_then(Value::as_u64).filter(|&n| n != 3) {
         return Err(CandleError::UnsupportedConfig {
             what: format!("{path}: vision_config.num_channels = {n} (RGB only)"),
@@ -206,7 +238,11 @@ pub fn from_hf(text: &str, text_hidden: usize, path: &str) -> Result<Option<Visi
         .or_else(|| field(top, "image_token_index"))
         .and_then(Value::as_u64)
         .map(|n| n as u32)
-        .unwrap_or(if gemma { 262_144 } else { 32_000 });
+        .unwrap_or(match family {
+            VisionFamily::Gemma3 => 262_144,
+            VisionFamily::Llava => 32_000,
+            VisionFamily::Idefics3 => 128_257,
+        });
     let patches = image_size / patch_size;
     let (layers_run, drop_class_token, projector) = match family {
         VisionFamily::Gemma3 => {
@@ -254,6 +290,13 @@ pub fn from_hf(text: &str, text_hidden: usize, path: &str) -> Result<Option<Visi
             let activation = VisionActivation::parse(act, "projector_hidden_act", path)?;
             (index as usize, drop, ProjectorConfig::Mlp { activation })
         }
+        VisionFamily::Idefics3 => {
+            let scale = count(top, "scale_factor", Some(2), path)?;
+            if patches % scale != 0 {
+                return Err(malformed(format!("scale_factor {scale} does not divide the {patches} patches per side")));
+            }
+            (num_layers, false, ProjectorConfig::PixelShuffle { scale })
+        }
     };
     Ok(Some(VisionConfig {
         family,
@@ -266,20 +309,22 @@ pub fn from_hf(text: &str, text_hidden: usize, path: &str) -> Result<Option<Visi
         image_size,
         layer_norm_eps,
         activation: VisionActivation::parse(act, "vision_config.hidden_act", path)?,
-        clip: !gemma,
-        post_norm: gemma,
+        clip: !siglip,
+        post_norm: siglip,
         drop_class_token,
         projector,
         text_hidden_size: text_hidden,
         image_token_id,
         bidirectional: gemma,
         normalization: None,
+        preproc_longest_edge: None,
     }))
 }
 
 /// The vision configuration of llama.cpp's mmproj GGUF (`clip.*` metadata); `text_hidden` is the
-/// language model's width. Two projectors: Gemma 3's (`clip.projector_type` = `gemma3`, as
-/// `convert_hf_to_gguf.py --mmproj` writes it) and LLaVA-1.5's MLP (`mlp`, as llama.cpp's
+/// language model's width. Three projectors: Gemma 3's (`clip.projector_type` = `gemma3`, as
+/// `convert_hf_to_gguf.py --mmproj` writes it), Idefics3 / SmolVLM's pixel shuffle (`idefics3`,
+/// the same converter) and LLaVA-1.5's MLP (`mlp`, as llama.cpp's
 /// `convert_image_encoder_to_gguf.py --llava-projector` writes it: CLIP with its class token and
 /// pre-LayerNorm, only the layers the projector reads, no post-LayerNorm).
 pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path: &str) -> Result<VisionConfig> {
@@ -287,13 +332,18 @@ pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path:
     let family = match projector.as_str() {
         "gemma3" => VisionFamily::Gemma3,
         "mlp" => VisionFamily::Llava,
+        "idefics3" => VisionFamily::Idefics3,
         _ => {
             return Err(CandleError::UnsupportedConfig {
-                what: format!("{path}: mmproj projector type {projector:?} (candlewick reads gemma3 and mlp)"),
+                what: format!(
+                    "{path}: mmproj projector type {projector:?} (candlewick reads gemma3, idefics3 and mlp)"
+                ),
             })
         }
     };
     let gemma = family == VisionFamily::Gemma3;
+    // SigLIP towers (Gemma 3's, Idefics3's): no class token, a post-LayerNorm.
+    let siglip = family != VisionFamily::Llava;
     let malformed = |reason: String| CandleError::Malformed { what: "mmproj GGUF", path: path.to_owned(), reason };
     let hidden_size = md.usize("clip.vision.embedding_length")?;
     let num_heads = md.usize("clip.vision.attention.head_count")?;
@@ -306,7 +356,7 @@ pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path:
     if num_layers > super::MAX_LAYERS {
         return Err(malformed(format!("clip.vision.block_count {num_layers} is over {}", super::MAX_LAYERS)));
     }
-    let eps = md.opt_f64("clip.vision.attention.layer_norm_epsilon")?.unwrap_or(if gemma { 1e-6 } else { 1e-5 });
+    let eps = md.opt_f64("clip.vision.attention.layer_norm_epsilon")?.unwrap_or(if siglip { 1e-6 } else { 1e-5 });
     let patches = image_size / patch_size;
     let channels = |key: &str| -> Result<Option<[f64; 3]>> {
         match md.opt_f64_array(key)? {
@@ -320,13 +370,19 @@ pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path:
         (Some(mean), Some(std)) => Some((mean, std)),
         _ => None,
     };
-    let (layers_run, activation, projector) = if gemma {
-        // llama.cpp pools by 4 unless the converter wrote another factor (test models).
-        let scale = md.opt_usize("clip.vision.projector.scale_factor")?.unwrap_or(4);
+    let (layers_run, activation, projector) = if siglip {
+        // llama.cpp pools Gemma 3 by 4 unless the converter wrote another factor (test models);
+        // Idefics3's converter always writes the config's `scale_factor` (transformers' default 2).
+        let scale = md.opt_usize("clip.vision.projector.scale_factor")?.unwrap_or(if gemma { 4 } else { 2 });
         if scale == 0 || patches % scale != 0 {
             return Err(malformed(format!("projector scale factor {scale} does not divide {patches} patches")));
         }
-        (num_layers, VisionActivation::GeluTanh, ProjectorConfig::Pooled { tokens_per_side: patches / scale, eps })
+        let projector = if gemma {
+            ProjectorConfig::Pooled { tokens_per_side: patches / scale, eps }
+        } else {
+            ProjectorConfig::PixelShuffle { scale }
+        };
+        (num_layers, VisionActivation::GeluTanh, projector)
     } else {
         // The converter keeps the layers up to the one the projector reads (`feature_layer`,
         // counted as transformers' hidden states: k is layer k - 1's output); without the key,
@@ -360,15 +416,45 @@ pub fn from_mmproj(md: &super::metadata::Metadata<'_>, text_hidden: usize, path:
         image_size,
         layer_norm_eps: eps,
         activation,
-        clip: !gemma,
-        post_norm: gemma,
-        drop_class_token: !gemma,
+        clip: !siglip,
+        post_norm: siglip,
+        drop_class_token: !siglip,
         projector,
         text_hidden_size: text_hidden,
-        // Gemma 3's `<image_soft_token>`, LLaVA's `<image>`; the model layer reads the file's own
-        // from its tokenizer.
-        image_token_id: if gemma { 262_144 } else { 32_000 },
+        // Gemma 3's `<image_soft_token>`, LLaVA's and Idefics3's `<image>`; the model layer reads
+        // the file's own from its tokenizer.
+        image_token_id: match family {
+            VisionFamily::Gemma3 => 262_144,
+            VisionFamily::Llava => 32_000,
+            VisionFamily::Idefics3 => 128_257,
+        },
         bidirectional: gemma,
         normalization,
+        preproc_longest_edge: md.opt_usize("clip.vision.preproc_image_size")?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idefics3_and_smolvlm_read_as_siglip_with_a_pixel_shuffle() {
+        for model_type in ["idefics3", "smolvlm"] {
+            let text = format!(
+                r#"{{"model_type":"{model_type}","scale_factor":4,"image_token_id":49190,
+                "vision_config":{{"hidden_size":64,"num_attention_heads":4,"image_size":512,"patch_size":16}}}}"#
+            );
+            let c = from_hf(&text, 576, "config.json").unwrap().unwrap();
+            assert_eq!(c.family, VisionFamily::Idefics3);
+            assert_eq!(c.projector, ProjectorConfig::PixelShuffle { scale: 4 });
+            // SmolVLM-256M's shape: 32 x 32 patches, folded by 4: 64 tokens a tile.
+            assert_eq!(c.tokens_per_image(), 64);
+            assert!(!c.clip && c.post_norm && !c.bidirectional && !c.drop_class_token);
+            assert_eq!((c.image_token_id, c.activation, c.layers_run), (49190, VisionActivation::GeluTanh, 12));
+        }
+        let bad = r#"{"model_type":"idefics3","scale_factor":3,"vision_config":{"image_size":64,"patch_size":4}}"#;
+        let err = from_hf(bad, 64, "config.json").unwrap_err().to_string();
+        assert!(err.contains("scale_factor 3"), "{err}");
+    }
 }

@@ -1,7 +1,8 @@
 //! One vision encoder for every supported family, parameterised by `VisionConfig` as the decoder
 //! is by `ArchConfig` (DESIGN §13): patch embedding, positions, CLIP's class token and pre-norm,
 //! LayerNorm encoder layers with bidirectional attention, SigLIP's post-norm, then the family's
-//! projector into the decoder's embedding space. Its points are `vision.layers.{i}.output`,
+//! projector into the decoder's embedding space (Gemma 3's pooling, LLaVA's MLP, Idefics3's pixel
+//! shuffle). Its points are `vision.layers.{i}.output`,
 //! `vision.output` and `vision.projector.output`.
 
 use std::collections::VecDeque;
@@ -71,11 +72,20 @@ struct Layer {
 enum Projector {
     Pooled { norm: Norm, proj: Linear, tokens_per_side: usize },
     Mlp { first: Linear, second: Linear, activation: VisionActivation },
+    Shuffle { proj: Linear, scale: usize },
 }
 
-/// How many encoded images the encoder keeps, keyed by their pixels: a second question about the
-/// same image skips the encoder.
+/// How many encoded images the encoder keeps at least, keyed by their pixels: a second question
+/// about the same image skips the encoder.
 pub const ENCODER_CACHE_IMAGES: usize = 16;
+
+/// Past `ENCODER_CACHE_IMAGES`, the encoder keeps more while their embeddings fit in this many
+/// bytes: a split image (Idefics3, SmolVLM) is up to 17 encoder images, its tiles and the whole
+/// image, each cached on its own, and 16 would not hold one of them.
+pub const ENCODER_CACHE_BYTES: usize = 64 << 20;
+
+/// The most encoded images the encoder keeps, however small (16 images split 4 x 4).
+pub const ENCODER_CACHE_MAX_IMAGES: usize = 16 * 17;
 
 /// The vision encoder and projector of a vision-language model.
 #[derive(Debug)]
@@ -178,6 +188,10 @@ impl VisionModel {
                 first: linear(VisionSlot::ProjFirst, 0, th, h)?,
                 second: linear(VisionSlot::ProjSecond, 0, th, th)?,
                 activation,
+            },
+            ProjectorConfig::PixelShuffle { scale } => Projector::Shuffle {
+                proj: Linear::new(w.matmul(&name(VisionSlot::ProjShuffle, 0, "weight"), th, h * scale * scale)?, None),
+                scale,
             },
         };
         Ok(Self {
@@ -283,7 +297,12 @@ impl VisionModel {
         self.counts.lock().unwrap_or_else(|e| e.into_inner()).0 += 1;
         if let Some(key) = key {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            if cache.len() >= ENCODER_CACHE_IMAGES {
+            let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+            let mut held: usize = cache.iter().map(|(_, t)| bytes(t)).sum::<usize>() + bytes(&out);
+            while cache.len() >= ENCODER_CACHE_MAX_IMAGES
+                || (cache.len() >= ENCODER_CACHE_IMAGES && held > ENCODER_CACHE_BYTES)
+            {
+                held -= cache.front().map_or(0, |(_, t)| bytes(t));
                 cache.pop_front();
             }
             cache.push_back((key, out.clone()));
@@ -344,9 +363,26 @@ impl VisionModel {
             Projector::Mlp { first, second, activation } => {
                 second.forward(&activate(*activation, &first.forward(&x)?)?)?
             }
+            Projector::Shuffle { proj, scale } => proj.forward(&pixel_shuffle(&x, n, *scale)?)?,
         };
         at(VisionPoint::Projector, y.to_dtype(DType::F32)?)
     }
+}
+
+/// Idefics3's pixel shuffle of one image's `[n·n, D]` patch rows into `[(n/s)², s²·D]`, as
+/// transformers' `Idefics3Connector.pixel_shuffle` lays it out: row-major `[n, n, D]` viewed as
+/// `[n, n/s, s·D]` (s neighbours along a row side by side), rows and columns swapped, viewed as
+/// `[n/s, n/s, s²·D]` (s of those along a column), swapped back.
+fn pixel_shuffle(x: &Tensor, n: usize, s: usize) -> candle_core::Result<Tensor> {
+    let d = x.dim(1)?;
+    let m = n / s;
+    x.reshape((n, m, s * d))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((m, m, s * s * d))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((m * m, s * s * d))
 }
 
 /// `activation` of `x`.
@@ -367,4 +403,20 @@ fn hash_pixels(pixels: &[f32]) -> u64 {
         v.to_bits().hash(&mut h);
     }
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pixel_shuffle_folds_each_block_of_patches_as_transformers_does() {
+        // A 4 x 4 grid of one-value patches numbered row by row, folded by 2: each output row is
+        // one 2 x 2 block, its patches row by row (Idefics3Connector.pixel_shuffle's layout).
+        let x = Tensor::arange(0f32, 16f32, &Device::Cpu).unwrap().reshape((16, 1)).unwrap();
+        let y = pixel_shuffle(&x, 4, 2).unwrap().to_vec2::<f32>().unwrap();
+        let want: Vec<Vec<f32>> =
+            vec![vec![0., 1., 4., 5.], vec![2., 3., 6., 7.], vec![8., 9., 12., 13.], vec![10., 11., 14., 15.]];
+        assert_eq!(y, want);
+    }
 }

@@ -196,11 +196,13 @@ pub enum VisionSlot {
     ProjFirst,
     /// LLaVA's second projector layer.
     ProjSecond,
+    /// Idefics3's projection after the pixel shuffle (`modality_projection.proj`, no bias).
+    ProjShuffle,
 }
 
 impl Naming {
     /// The stem of a vision slot's tensor name (without `.weight` / `.bias`): Hugging Face
-    /// `vision_tower.vision_model.…` / `multi_modal_projector.…` (after `weights::prefixed`'s
+    /// `vision_tower.vision_model.…` / `multi_modal_projector.…` / `connector.…` (after `weights::prefixed`'s
     /// renaming), or llama.cpp's mmproj `v.…` / `mm.…`.
     pub fn vision_stem(self, slot: VisionSlot, layer: usize) -> String {
         use VisionSlot as V;
@@ -217,6 +219,7 @@ impl Naming {
                     V::ProjNorm => return "multi_modal_projector.mm_soft_emb_norm".into(),
                     V::ProjFirst => return "multi_modal_projector.linear_1".into(),
                     V::ProjSecond => return "multi_modal_projector.linear_2".into(),
+                    V::ProjShuffle => return "connector.modality_projection.proj".into(),
                     layer_slot => {
                         let s = match layer_slot {
                             V::AttnNorm => "layer_norm1",
@@ -244,6 +247,7 @@ impl Naming {
                     V::ProjNorm => "mm.soft_emb_norm",
                     V::ProjFirst => "mm.0",
                     V::ProjSecond => "mm.2",
+                    V::ProjShuffle => "mm.model.fc",
                     layer_slot => {
                         let s = match layer_slot {
                             V::AttnNorm => "ln1",

@@ -14,9 +14,13 @@ use crate::backend::kernels::Weight;
 
 /// Stored prefix → the prefix the decoder and the vision encoder name, the first that matches.
 /// The vision tower is named `vision_tower.vision_model.` on the Hub and `vision_tower.` by
-/// transformers 5's `save_pretrained`.
-const RENAMES: [(&str, &str); 9] = [
+/// transformers 5's `save_pretrained`; Idefics3 and SmolVLM name theirs `model.text_model.`,
+/// `model.vision_model.` and `model.connector.` in both.
+const RENAMES: [(&str, &str); 12] = [
     ("model.language_model.", "model."),
+    ("model.text_model.", "model."),
+    ("model.vision_model.", "vision_tower.vision_model."),
+    ("model.connector.", "connector."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
