@@ -27,7 +27,7 @@ REF = load_file(str(DATA / "reference.safetensors"))
 META = json.loads((DATA / "reference.json").read_text())
 TOL = 1e-4
 EMBED_CASES = sorted(k for k in META["cases"] if "-embed/" in k)
-RERANKERS = ["bert-rerank", "xlmr-rerank"]
+RERANKERS = ["bert-rerank", "xlmr-rerank", "modernbert-rerank"]
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +37,22 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(dirs):
-    return {k: cw.ModelRuntime.load(v, device="cpu") for k, v in dirs.items()}
+    # nomic-bert's reference is llama.cpp's (tests/test_encoders_llama_cpp.py).
+    return {k: cw.ModelRuntime.load(v, device="cpu") for k, v in dirs.items() if not k.startswith("nomic")}
 
 
 @pytest.mark.parametrize("name", EMBED_CASES)
 def test_embeddings_match_sentence_transformers(models, name):
     rt = models[name.split("/")[0]]
-    out = rt.embed(fx.TEXTS, **META["cases"][name])
+    texts = META["texts"].get(name, fx.TEXTS)
+    out = rt.embed(texts, **META["cases"][name])
     ref = REF[name]
     assert out.dtype == np.float32 and out.shape == ref.shape, (out.shape, ref.shape)
-    for i in range(len(fx.TEXTS)):
+    for i in range(len(texts)):
         assert rel_l2(out[i], ref[i]) <= TOL, (name, i, rel_l2(out[i], ref[i]))
 
 
-@pytest.mark.parametrize("key", ["bert-embed", "xlmr-embed"])
+@pytest.mark.parametrize("key", ["bert-embed", "xlmr-embed", "modernbert-embed"])
 def test_tokenization_and_ids_match_the_reference(models, key):
     rt = models[key]
     assert [rt.tokenizer.encode(t) for t in fx.TEXTS] == META["input_ids"][key]
@@ -59,7 +61,8 @@ def test_tokenization_and_ids_match_the_reference(models, key):
     ref = REF[f"{key}/default"]
     # Ids past max_seq_length (16) are cut at their end, [SEP] included, where a text keeps its
     # [SEP]: only the inputs that fit compare.
-    fit = [i for i in range(len(ids)) if len(ids[i]) <= fx.MAX_SEQ_LENGTH]
+    limit = rt.embedding_info()["max_seq_length"]
+    fit = [i for i in range(len(ids)) if len(ids[i]) <= limit]
     assert len(fit) >= 4 and max(rel_l2(by_ids[i], ref[i]) for i in fit) <= TOL
     one = rt.embed(fx.TEXTS[1])
     assert one.shape == ref[1].shape and rel_l2(one, ref[1]) <= TOL
@@ -84,6 +87,43 @@ def test_long_pairs_are_cut_longest_first(models, key):
     assert rel_l2(np.array(scores, dtype=np.float32), REF[f"{key}/long"]) <= TOL
 
 
+def test_modernbert_head_reads_the_first_token_when_configured(dirs, tmp_path):
+    # gte-reranker-modernbert pools the mean before its head; classifier_pooling = "cls" reads
+    # the first token.
+    d = tmp_path / "cls"
+    shutil.copytree(dirs["modernbert-rerank"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"classifier_pooling": "cls"}))
+    results = cw.ModelRuntime.load(d, device="cpu").rerank(fx.QUERY, fx.DOCUMENTS)
+    scores = np.array([r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])], dtype=np.float32)
+    assert rel_l2(scores, REF["modernbert-rerank/cls"]) <= TOL, (scores, REF["modernbert-rerank/cls"])
+
+
+def test_modernbert_sliding_layers_see_their_window_only(models, dirs, tmp_path):
+    # The same weights with a window wider than any text give other vectors for the texts longer
+    # than the window, the same for the others: the references above exercise the window.
+    rt = models["modernbert-embed"]
+    assert rt.model_info["architecture"] == "modernbert"
+    e = rt.embedding_info()
+    assert e["pooling"] == "mean" and e["prompts"] == fx.NOMIC_PROMPTS and e["max_seq_length"] == 128
+    d = tmp_path / "wide"
+    shutil.copytree(dirs["modernbert-embed"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"local_attention": 512}))
+    wide = cw.ModelRuntime.load(d, device="cpu").embed(fx.TEXTS)
+    ref = REF["modernbert-embed/default"]
+    lens = [len(ids) for ids in META["input_ids"]["modernbert-embed"]]
+    # A token sees those at most local_attention / 2 away: a text of more tokens than that + 1
+    # has pairs the window separates.
+    reach = fx.MODERNBERT_LOCAL // 2
+    for i, n in enumerate(lens):
+        if n > reach + 1:
+            assert rel_l2(wide[i], ref[i]) > 1e-3, (i, n)
+        else:
+            assert rel_l2(wide[i], ref[i]) <= TOL, (i, n)
+    assert sum(n > reach + 1 for n in lens) >= 3 and min(lens) <= reach + 1
+
+
 def test_identity_activation_gives_the_logits(dirs, tmp_path):
     # sentence-transformers reads the CrossEncoder activation from config.json.
     d = tmp_path / "identity"
@@ -106,9 +146,10 @@ def test_model_info_and_embedding_info(models):
     assert models["xlmr-embed"].embedding_info()["pooling"] == "cls"
     # Without sentence-transformers files an encoder pools the mean, as sentence-transformers does.
     assert models["bert-rerank"].embedding_info()["pooling"] == "mean"
-    for name in ("bert", "roberta", "xlm-roberta"):
+    for name in ("bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert"):
         assert name in cw.supported_architectures()
-    assert "bert" in cw.supported_architectures("gguf") and "xlm-roberta" not in cw.supported_architectures("gguf")
+    gguf = cw.supported_architectures("gguf")
+    assert {"bert", "modernbert", "nomic_bert"} <= set(gguf) and "xlm-roberta" not in gguf
 
 
 def test_decoder_calls_are_refused(models):
