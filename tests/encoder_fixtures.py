@@ -478,6 +478,19 @@ def _nomic_config() -> dict:
         "use_rms_norm": False,
         "use_xentropy": True,
         "vocab_size": vocab_size("bert"),
+        # transformers ≥ 5.2's own `nomic_bert` reads these (BERT's names; it renames the released
+        # tensors, `Wqkv` split, as it loads) and not the GPT-2-style keys above, whose defaults
+        # are the released model's sizes: the tiny directory has both, so that sentence-transformers
+        # and llama.cpp's converter read the same model from it.
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 48,
+        "max_position_embeddings": 8192,
+        "hidden_act": "silu",
+        "layer_norm_eps": 1e-12,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+        "pad_token_id": 0,
     }
 
 

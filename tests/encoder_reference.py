@@ -37,9 +37,6 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="cw-encoder-ref-"))
     paths = fx.materialise(root)
     for name, path in paths.items():
-        if name.startswith("nomic"):
-            # Remote code (not fetched): its reference is llama.cpp's (tests/encoder_llama_reference.py).
-            continue
         cls = AutoModelForSequenceClassification if "rerank" in name else AutoModel
         _, info = cls.from_pretrained(str(path), output_loading_info=True)
         bad = {k: v for k, v in info.items() if v}
@@ -84,6 +81,15 @@ def main() -> None:
     case(f"{key}/query", m, {"prompt_name": "query"}, prompt_name="query")
     case(f"{key}/long", m, {}, texts=[fx.LONG, fx.LONG[:150], fx.TEXTS[2]])
     case(f"{key}/dim16", m, {"dimensions": 16}, truncate_dim=16, normalize_embeddings=True)
+
+    # nomic-bert: transformers ≥ 5.2's own NomicBertModel, reading the released layout (remote
+    # code's tensor names, renamed as it loads) from the fixture's config (see its BERT-named keys).
+    key = "nomic-embed"
+    m = SentenceTransformer(str(paths[key]), device="cpu")
+    ids[key] = [m.tokenizer(t)["input_ids"] for t in fx.TEXTS]
+    case(f"{key}/default", m, {})
+    case(f"{key}/query", m, {"prompt_name": "query"}, prompt_name="query")
+    case(f"{key}/long", m, {}, texts=[fx.LONG, fx.TEXTS[2]])
 
     pairs = [(fx.QUERY, d) for d in fx.DOCUMENTS]
     # ModernBERT's head on the mean (gte-reranker-modernbert) and, in a copy, on the first token.
