@@ -1,6 +1,8 @@
 """A tiny Hugging Face checkpoint to a GGUF file, written as llama.cpp's `convert_hf_to_gguf.py`
 writes it (the `conversion/` modules of ggml-org/llama.cpp: `base.py`, `llama.py`, `gemma.py`,
-`gpt2.py`, `gptneox.py`, `olmo.py`, `granite.py`, `phi.py`, `qwen.py`, `gpt_oss.py`, `bert.py`).
+`gpt2.py`, `gptneox.py`, `olmo.py`, `granite.py`, `phi.py`, `qwen.py`, `gpt_oss.py`, `bert.py`:
+BERT, nomic-bert and ModernBERT; the last two checked key for key and tensor for tensor against
+the converter's own output by tests/test_encoders_llama_cpp.py).
 
 What is reproduced: the architecture name, the metadata keys the converter's
 `set_gguf_parameters` writes, tensor names through the `gguf` package's `TensorNameMap`, every
@@ -73,6 +75,8 @@ ARCH = {
     "gpt_oss": "gpt-oss",
     "qwen2_moe": "qwen2moe",
     "bert": "bert",
+    "nomic_bert": "nomic-bert",
+    "modernbert": "modern-bert",
 }
 
 # The converters that derive from `LlamaModel` and so permute q/k rows (`undo_permute = True`).
@@ -293,6 +297,9 @@ def _tensors(cfg, model_type, weights, n_layers, arch):
             name = name.removeprefix("bert.")
             if name.startswith(("pooler.", "cls.predictions", "cls.seq_relationship")) or name.endswith("position_ids"):
                 continue
+        if model_type == "modernbert":
+            # `ModernBertModel.filter_tensors`: the task model's prefix off.
+            name = name.removeprefix("model.")
         if model_type == "gpt2" and name.endswith((".attn.bias", ".attn.masked_bias")):
             continue
         if model_type == "gemma2" and name == "lm_head.weight":
@@ -443,6 +450,76 @@ def _bert_vocab(w, src, cfg):
     gguf.SpecialVocab(src, n_vocab=len(tokens)).add_to_gguf(w)
 
 
+def _nomic_bert_parameters(w, src, cfg, n_layers):
+    """`NomicBertModel.set_gguf_parameters`: BERT's (`TextModel`'s keys as transformers' config
+    gives them, the head size included, no causal mask, the Pooling module's pooling)."""
+    heads = _find(cfg, "num_attention_heads", "n_head")
+    _bert_parameters(w, src, cfg, n_layers)
+    w.add_key_length(_find(cfg, "hidden_size", "n_embd") // heads)
+    w.add_value_length(_find(cfg, "hidden_size", "n_embd") // heads)
+
+
+def _modern_bert_parameters(w, src, cfg, n_layers):
+    """`ModernBertModel.set_gguf_parameters`: `TextModel`'s keys (the global rotary base, the
+    sliding layers' as `rope.freq_base_swa`, `norm_eps` under the RMS norm's key), no causal
+    mask, the pooling and the classifier's pooling, the window (`local_attention` tokens) and
+    pattern (`global_attn_every_n_layers`), no rope scaling, the vocabulary size, the MLP
+    activation."""
+    import gguf
+
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_rope_freq_base(cfg.get("global_rope_theta", 160000.0))
+    w.add_rope_freq_base_swa(cfg.get("local_rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg.get("norm_eps", 1e-5))
+    w.add_causal_attention(False)
+    _try_set_pooling_type(w, src)
+    if (pooling := cfg.get("classifier_pooling")) is not None:
+        kind = {"cls": gguf.PoolingType.CLS, "mean": gguf.PoolingType.MEAN}[pooling]
+        # The writer method is newer than some `gguf` releases; the key and type are its.
+        w.add_uint32("modern-bert.classifier.pooling_type", kind)
+    w.add_sliding_window(cfg["local_attention"])
+    if (pattern := cfg.get("global_attn_every_n_layers")) is not None:
+        w.add_sliding_window_pattern(pattern)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    w.add_vocab_size(cfg["vocab_size"])
+    if (act := cfg.get("hidden_activation")) is not None:
+        w.add_string("modern-bert.hidden_activation", act)  # `add_hidden_act`, newer than some `gguf`s
+
+
+def _gpt2_vocab(w, src, cfg):
+    """`ModernBertModel.set_vocab` (`_set_vocab_gpt2`): BOS, EOS added and SEP not, the byte-level
+    vocabulary padded to the config's `vocab_size` with `[PAD{i}]` (unused), special tokens as
+    control tokens, the merges, and the special tokens as `SpecialVocab` reads them. Departure:
+    `tokenizer.ggml.pre` is `modern-bert`, the name the released ModernBERT vocabulary hashes to
+    (the converter stops on the fixture's unknown hash)."""
+    import gguf
+
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    reverse = {i: piece for piece, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(cfg["vocab_size"]):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.CONTROL if reverse[i] in special else gguf.TokenType.NORMAL)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(True)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("modern-bert")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(src, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w)
+
+
 def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split_max_tensors=0,
             small_first_shard=False):
     """Writes `dest`, the GGUF file llama.cpp's converter makes of the checkpoint directory `src`
@@ -503,6 +580,10 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
     w.add_name(src.name)
     if model_type == "bert":
         _bert_parameters(w, src, cfg, n_layers)
+    elif model_type == "nomic_bert":
+        _nomic_bert_parameters(w, src, cfg, n_layers)
+    elif model_type == "modernbert":
+        _modern_bert_parameters(w, src, cfg, n_layers)
     else:
         _parameters(w, cfg, model_type, n_layers)
         if model_type in ("qwen2", "qwen3"):
@@ -510,8 +591,10 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
             _try_set_pooling_type(w, src)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if model_type == "bert":
+    if model_type in ("bert", "nomic_bert"):
         _bert_vocab(w, src, cfg)
+    elif model_type == "modernbert":
+        _gpt2_vocab(w, src, cfg)
     elif vocab:
         _minimal_vocab(w, cfg)
     w.write_header_to_file()

@@ -9,6 +9,13 @@ hashes to (`modern-bert` for ModernBERT's byte-level BPE) or `default` (BERT's a
 WordPiece, whose pre-tokenizer llama.cpp's WPM tokenizer does not read). Everything else (keys,
 tensor names, types, transforms) is the converter's.
 
+`loadable=True` adds a second departure, for llama.cpp's own cross-check only: this converter
+writes ModernBERT's `norm_eps` as `modern-bert.attention.layer_norm_rms_epsilon` (its LayerNorm
+name list lacks `norm_eps`), and the llama.cpp beside it requires
+`modern-bert.attention.layer_norm_epsilon` ("key not found in model"), so it loads no ModernBERT
+this converter writes; the LayerNorm key is written too, with the same value. candlewick reads
+the file without it.
+
     python tests/llama_convert.py SRC_DIR OUT.gguf [--outtype f32]   (torch, transformers)
 """
 
@@ -38,14 +45,15 @@ def source() -> Path | None:
     return None
 
 
-def convert(src: Path, out: Path, python: str = sys.executable, outtype: str = "f32") -> Path:
+def convert(src: Path, out: Path, python: str = sys.executable, outtype: str = "f32", loadable: bool = False) -> Path:
     """Writes `out` from the directory `src` with llama.cpp's converter run by `python` (which
     needs torch and transformers)."""
     llama = source()
     if llama is None:
         raise FileNotFoundError("llama.cpp's convert_hf_to_gguf.py (set CANDLEWICK_LLAMA_CPP_SRC)")
+    env = {**os.environ, "CANDLEWICK_LLAMA_LOADABLE": "1" if loadable else ""}
     r = subprocess.run([python, __file__, str(llama), str(src), "--outfile", str(out), "--outtype", outtype],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-3000:]}")
     return out
@@ -66,6 +74,15 @@ def _run(llama: Path, argv: list[str]) -> None:
             return "modern-bert" if isinstance(self, bert.ModernBertModel) else "default"
 
     base.TextModel.get_vocab_base_pre = pre_tokenizer
+    if os.environ.get("CANDLEWICK_LLAMA_LOADABLE"):
+        parameters = bert.ModernBertModel.set_gguf_parameters
+
+        def with_layer_norm_eps(self) -> None:
+            parameters(self)
+            # Departure (loadable): see the module's doc.
+            self.gguf_writer.add_layer_norm_eps(self.hparams["norm_eps"])
+
+        bert.ModernBertModel.set_gguf_parameters = with_layer_norm_eps
     sys.argv = [str(llama / "convert_hf_to_gguf.py"), *argv]
     runpy.run_path(str(llama / "convert_hf_to_gguf.py"), run_name="__main__")
 

@@ -25,7 +25,16 @@ from conftest import rel_l2
 DATA = Path(__file__).resolve().parent / "data" / "encoders"
 REF = load_file(str(DATA / "reference.safetensors"))
 META = json.loads((DATA / "reference.json").read_text())
+# llama.cpp's embeddings of the GGUF files its own converter writes of nomic-embed and
+# modernbert-embed (tests/encoder_llama_reference.py).
+LLAMA = load_file(str(DATA / "llama_cpp.safetensors"))
+LLAMA_META = json.loads((DATA / "llama_cpp.json").read_text())
 TOL = 1e-4
+# llama.cpp computes GELU from a float16 table of its input (ggml's GGML_GELU_FP16, the tanh
+# form): its ModernBERT (GeGLU) is 5e-4 to 9e-4 from the float32 reference, sentence-transformers,
+# which candlewick matches within 1.4e-6. That is llama.cpp's rounding, not a tolerance on
+# candlewick: this bound only says the two agree as peers.
+LLAMA_GELU_PEER = 2e-3
 EMBED_CASES = sorted(k for k in META["cases"] if "-embed/" in k)
 RERANKERS = ["bert-rerank", "xlmr-rerank", "modernbert-rerank"]
 
@@ -251,5 +260,42 @@ def test_gguf_bert_embeds_as_sentence_transformers(dirs, tmp_path):
     # The file has no max_seq_length: only the texts the directory's 16 tokens do not cut compare.
     fit = [i for i, ids in enumerate(META["input_ids"]["bert-embed"]) if len(ids) <= fx.MAX_SEQ_LENGTH]
     assert len(fit) >= 4 and max(rel_l2(out[i], ref[i]) for i in fit) <= TOL
+    with pytest.raises(cw.UnsupportedError, match="encoder"):
+        rt.generate("the cat", max_tokens=1)
+
+
+def test_nomic_directory_matches_llama_cpp(models):
+    # The same texts (with and without the query prompt) through llama.cpp's file of the same
+    # weights: its tokens are the directory's, its vectors within 1e-4 (SwiGLU: no table).
+    rt = models["nomic-embed"]
+    assert LLAMA_META["input_ids"]["nomic-embed/default"] == META["input_ids"]["nomic-embed"]
+    for case, args in (("default", {}), ("query", {"prompt_name": "query"})):
+        out, ref = rt.embed(fx.TEXTS, **args), LLAMA[f"nomic-embed/{case}"]
+        assert max(rel_l2(out[i], ref[i]) for i in range(len(fx.TEXTS))) <= TOL, case
+
+
+@pytest.mark.parametrize("key", ["nomic-embed", "modernbert-embed"])
+def test_gguf_nomic_bert_and_modern_bert_embed_as_the_directory(dirs, tmp_path, key):
+    # llama.cpp's converter's file (tests/gguf_convert.py writes it as convert_hf_to_gguf.py
+    # does, checked against it key for key in tests/test_encoders_llama_cpp.py): nomic-bert's
+    # WordPiece vocabulary, ModernBERT's byte-level BPE (`modern-bert` pre-tokenizer, [CLS] / [SEP]
+    # added), the pooling from `{arch}.pooling_type`, ModernBERT's window and both rotary bases.
+    pytest.importorskip("gguf")
+    from gguf_convert import convert
+
+    path = convert(dirs[key], tmp_path / f"{key}.gguf")
+    rt = cw.ModelRuntime.load(path, device="cpu")
+    family = {"nomic-embed": "nomic_bert", "modernbert-embed": "modernbert"}[key]
+    assert rt.model_info["architecture"] == family and rt.model_info["format"] == "gguf"
+    assert [rt.tokenizer.encode(t) for t in fx.TEXTS] == META["input_ids"][key]
+    assert LLAMA_META["input_ids"][f"{key}/default"] == META["input_ids"][key]
+    assert rt.embedding_info()["pooling"] == "mean"
+    out = rt.embed(fx.TEXTS)
+    for i in range(len(fx.TEXTS)):
+        assert rel_l2(out[i], REF[f"{key}/default"][i]) <= TOL, i
+    peer = TOL if key == "nomic-embed" else LLAMA_GELU_PEER
+    assert max(rel_l2(out[i], LLAMA[f"{key}/default"][i]) for i in range(len(fx.TEXTS))) <= peer
+    query = rt.embed([fx.NOMIC_PROMPTS["query"] + t for t in fx.TEXTS])
+    assert max(rel_l2(query[i], REF[f"{key}/query"][i]) for i in range(len(fx.TEXTS))) <= TOL
     with pytest.raises(cw.UnsupportedError, match="encoder"):
         rt.generate("the cat", max_tokens=1)

@@ -79,8 +79,9 @@ enum ByteLevelSplit {
 fn byte_level_split(pre: &str) -> Option<ByteLevelSplit> {
     Some(match pre {
         // llama.cpp writes these for vocabularies cut by GPT-2's regex; transformers leaves
-        // GPT2Tokenizer's `ByteLevel` in place for them.
-        "default" | "gpt-2" | "phi-2" | "mpt" | "olmo" => ByteLevelSplit::Gpt2,
+        // GPT2Tokenizer's `ByteLevel` in place for them (ModernBERT's is OLMo's, which llama.cpp
+        // cuts with GPT-2's regex too).
+        "default" | "gpt-2" | "phi-2" | "mpt" | "olmo" | "modern-bert" => ByteLevelSplit::Gpt2,
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
         | "jina-v5-nano" | "dbrx" | "smaug-bpe" => ByteLevelSplit::Regex(LLAMA3_SPLIT),
         "tekken" => ByteLevelSplit::Regex(TEKKEN_SPLIT),

@@ -587,7 +587,12 @@ pub fn from_gguf(md: &Metadata<'_>, vocab_size: usize, type_rows: usize, path: &
         ));
     }
     let pooling = EncoderPooling::from_gguf(md.opt_usize(&key("pooling_type"))?, path, name)?;
-    let eps = md.opt_f64(&key("attention.layer_norm_epsilon"))?;
+    // The converter writes ModernBERT's `norm_eps` under the RMS norm's key (its name list for
+    // LayerNorm's does not hold it); the norms are LayerNorms all the same.
+    let eps = match md.opt_f64(&key("attention.layer_norm_epsilon"))? {
+        Some(eps) => Some(eps),
+        None => md.opt_f64(&key("attention.layer_norm_rms_epsilon"))?,
+    };
     let base = |k: &str, default: f64| -> Result<f64> { theta(md.opt_f64(k)?.unwrap_or(default), path, k) };
     let mut config = EncoderConfig {
         family,

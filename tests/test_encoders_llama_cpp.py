@@ -1,0 +1,93 @@
+"""nomic-bert and ModernBERT against llama.cpp itself (marked `llama_cpp`): the GGUF files
+llama.cpp's own convert_hf_to_gguf.py writes of tests/encoder_fixtures.py's directories
+(tests/llama_convert.py), read by candlewick and by llama-cpp-python.
+
+The converter needs a Python with torch and transformers: `CANDLEWICK_CONVERTER_PYTHON` (default:
+this one), and llama.cpp's source (tests/llama_convert.py says where it is looked for). Without
+either, these skip. Why llama.cpp: for nomic-bert it was to be the only reference (its released
+checkpoints are remote code); transformers 5.25 turned out to have its own `nomic_bert`, so
+sentence-transformers is the reference (tests/test_encoders.py) and llama.cpp agrees with it
+within 5e-7. For ModernBERT llama.cpp is a peer only: see test_encoders.LLAMA_GELU_PEER.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import candlewick as cw
+
+import encoder_fixtures as fx
+import llama_convert
+from conftest import llama_cpp_or_skip, rel_l2
+from test_encoders import LLAMA_GELU_PEER, REF, TOL
+
+pytestmark = pytest.mark.llama_cpp
+PYTHON = os.environ.get("CANDLEWICK_CONVERTER_PYTHON", sys.executable)
+FAMILIES = ["nomic-embed", "modernbert-embed"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """{key: (the converter's file, its llama.cpp-loadable twin)} for each family."""
+    llama_cpp_or_skip()
+    if llama_convert.source() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not here (tests/llama_convert.py)")
+    if subprocess.run([PYTHON, "-c", "import torch, transformers"], capture_output=True).returncode != 0:
+        pytest.skip(f"{PYTHON} has no torch/transformers for the converter (set CANDLEWICK_CONVERTER_PYTHON)")
+    root = tmp_path_factory.mktemp("encoder-gguf")
+    dirs = fx.materialise(root / "dirs")
+    out = {}
+    for key in FAMILIES:
+        plain = llama_convert.convert(dirs[key], root / f"{key}.gguf", python=PYTHON)
+        loadable = llama_convert.convert(dirs[key], root / f"{key}-loadable.gguf", python=PYTHON, loadable=True)
+        out[key] = (dirs[key], plain, loadable)
+    return out
+
+
+def _read(path: Path):
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    # The name and size label are the converter's guesses from the directory's name.
+    kv = {k: v.contents() for k, v in r.fields.items()
+          if not k.startswith("GGUF.") and k not in ("general.name", "general.size_label")}
+    return kv, {t.name: (t.tensor_type.name, np.array(t.data)) for t in r.tensors}
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_gguf_convert_writes_what_the_converter_writes(converted, tmp_path, key):
+    from gguf_convert import convert
+
+    src, real, _ = converted[key]
+    (kv, tensors), (kv_real, tensors_real) = _read(convert(src, tmp_path / "mine.gguf")), _read(real)
+    # A newer `gguf` package's SpecialVocab also writes the WordPiece normaliser's lower-casing
+    # (candlewick lower-cases a `bert` vocabulary either way).
+    kv_real.pop("tokenizer.ggml.normalizer.lowercase", None)
+    kv.pop("tokenizer.ggml.normalizer.lowercase", None)
+    assert kv == kv_real
+    assert tensors.keys() == tensors_real.keys()
+    for name, (kind, data) in tensors.items():
+        assert kind == tensors_real[name][0] and np.array_equal(data, tensors_real[name][1]), name
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_the_converters_file_embeds_as_llama_cpp_does(converted, key):
+    llama_cpp = llama_cpp_or_skip()
+    _, plain, loadable = converted[key]
+    rt = cw.ModelRuntime.load(plain, device="cpu")
+    ours = rt.embed(fx.TEXTS)
+    for i in range(len(fx.TEXTS)):
+        assert rel_l2(ours[i], REF[f"{key}/default"][i]) <= TOL, i
+    llm = llama_cpp.Llama(model_path=str(loadable), embedding=True, verbose=False, n_ctx=512, n_batch=512,
+                          n_ubatch=512)
+    assert [llm.tokenize(t.encode()) for t in fx.TEXTS] == [rt.tokenizer.encode(t) for t in fx.TEXTS]
+    theirs = np.array([llm.embed(t) for t in fx.TEXTS], dtype=np.float64)
+    theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
+    bound = TOL if key == "nomic-embed" else LLAMA_GELU_PEER
+    assert max(rel_l2(ours[i], theirs[i]) for i in range(len(fx.TEXTS))) <= bound
