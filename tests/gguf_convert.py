@@ -490,12 +490,13 @@ def _modern_bert_parameters(w, src, cfg, n_layers):
         w.add_string("modern-bert.hidden_activation", act)  # `add_hidden_act`, newer than some `gguf`s
 
 
-def _gpt2_vocab(w, src, cfg):
-    """`ModernBertModel.set_vocab` (`_set_vocab_gpt2`): BOS, EOS added and SEP not, the byte-level
-    vocabulary padded to the config's `vocab_size` with `[PAD{i}]` (unused), special tokens as
-    control tokens, the merges, and the special tokens as `SpecialVocab` reads them. Departure:
-    `tokenizer.ggml.pre` is `modern-bert`, the name the released ModernBERT vocabulary hashes to
-    (the converter stops on the fixture's unknown hash)."""
+def _gpt2_vocab(w, src, cfg, pre="modern-bert", modernbert=True):
+    """`_set_vocab_gpt2` (ModernBERT's `set_vocab` adds BOS, EOS and SEP first; `SpecialVocab`
+    then says which are added): the tokenizer.json vocabulary padded to the config's
+    `vocab_size` with `[PAD{i}]` (unused), special tokens as control tokens, the merges, and the
+    special tokens as `SpecialVocab` reads them. Departure: `tokenizer.ggml.pre` is `pre`, the name
+    the released vocabulary hashes to (`modern-bert`), or `default` (EmbeddingGemma's fixture's
+    WordLevel vocabulary); the converter stops on the fixture's unknown hash."""
     import gguf
 
     tok = json.loads((src / "tokenizer.json").read_text())
@@ -510,18 +511,42 @@ def _gpt2_vocab(w, src, cfg):
         else:
             tokens.append(reverse[i])
             types.append(gguf.TokenType.CONTROL if reverse[i] in special else gguf.TokenType.NORMAL)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(True)
-    w.add_add_sep_token(True)
+    if modernbert:
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(True)
+        w.add_add_sep_token(True)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("modern-bert")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     gguf.SpecialVocab(src, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w)
+    if not modernbert:
+        # The converter's (newer) `SpecialVocab` reads BOS / EOS as added from the post-processor's
+        # single template, `<bos> $A <eos>`, where some `gguf` releases do not.
+        single = (tok.get("post_processor") or {}).get("single") or []
+        if single:
+            w.add_add_bos_token("SpecialToken" in single[0])
+            w.add_add_eos_token("SpecialToken" in single[-1])
+
+
+def _embedding_gemma_dense(src):
+    """`EmbeddingGemma` with `--sentence-transformers-dense-modules`: the `2_Dense` / `3_Dense`
+    modules' weights (bias and activation not written) as `dense_2` / `dense_3`, with their widths."""
+    from safetensors.numpy import load_file
+
+    modules = json.loads((src / "modules.json").read_text())
+    out = []
+    for m in modules:
+        if m["type"].endswith("Dense") and (src / m["path"] / "model.safetensors").is_file():
+            prefix = "dense_2" if m["path"] == "2_Dense" else "dense_3"
+            conf = json.loads((src / m["path"] / "config.json").read_text())
+            weight = load_file(str(src / m["path"] / "model.safetensors"))["linear.weight"]
+            out.append((prefix, weight, conf["in_features"], conf["out_features"]))
+    return out
 
 
 def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split_max_tensors=0,
-            small_first_shard=False):
+            small_first_shard=False, dense_modules=False):
     """Writes `dest`, the GGUF file llama.cpp's converter makes of the checkpoint directory `src`
     with `--outtype` `outtype` (`"f32"` or `"q8_0"`); returns `dest`.
 
@@ -544,7 +569,9 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
     cfg.update(config or {})
     model_type = cfg["model_type"]
     model_type = "gemma3" if model_type == "gemma3_text" else model_type
-    arch = ARCH[model_type]
+    # `EmbeddingGemma` (registered for `Gemma3TextModel`): Gemma 3 as `gemma-embedding`.
+    embedding_gemma = model_type == "gemma3" and "Gemma3TextModel" in (cfg.get("architectures") or [])
+    arch = "gemma-embedding" if embedding_gemma else ARCH[model_type]
     n_layers = _find(cfg, "n_layers", "num_hidden_layers", "n_layer", "num_layers")
     names = gguf.get_tensor_name_map(_arch_enum(arch), n_layers)
     weights = load_file(str(src / "model.safetensors"))
@@ -552,7 +579,16 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
     ftype = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
 
     w = gguf.GGUFWriter(str(dest), arch, split_max_tensors=split_max_tensors, small_first_shard=small_first_shard)
-    for hf_name, t in _tensors(cfg, model_type, weights, n_layers, arch):
+    tensors = _tensors(cfg, model_type, weights, n_layers, arch)
+    dense = _embedding_gemma_dense(src) if embedding_gemma and dense_modules else []
+    if embedding_gemma:
+        # `Gemma3Model.modify_tensors`: the table cut to the tokenizer's tokens (vocabulary +
+        # added tokens, as it counts them); the dense layers after the model's own tensors.
+        tok = json.loads((src / "tokenizer.json").read_text())
+        n_real = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+        tensors = [(n, t[:n_real] if n.endswith("embed_tokens.weight") else t) for n, t in tensors]
+        tensors += [(f"={prefix}.weight", weight) for prefix, weight, _, _ in dense]
+    for hf_name, t in tensors:
         if hf_name.startswith("="):
             new_name = hf_name[1:]
         else:
@@ -586,6 +622,13 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
         _modern_bert_parameters(w, src, cfg, n_layers)
     else:
         _parameters(w, cfg, model_type, n_layers)
+        if embedding_gemma:
+            # `EmbeddingGemma.set_gguf_parameters` after Gemma 3's: the sliding layers' base
+            # (`TextModel`'s), the dense widths, the pooling.
+            w.add_rope_freq_base_swa(_rope_params(cfg)["sliding_attention"]["rope_theta"])
+            for prefix, _, n_in, n_out in dense:
+                w.add_dense_features_dims(prefix, n_in, n_out)
+            _try_set_pooling_type(w, src)
         if model_type in ("qwen2", "qwen3"):
             # `Qwen2Model.set_gguf_parameters` (Qwen3's too) ends with `_try_set_pooling_type`.
             _try_set_pooling_type(w, src)
@@ -595,6 +638,8 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
         _bert_vocab(w, src, cfg)
     elif model_type == "modernbert":
         _gpt2_vocab(w, src, cfg)
+    elif embedding_gemma:
+        _gpt2_vocab(w, src, cfg, pre="default", modernbert=False)
     elif vocab:
         _minimal_vocab(w, cfg)
     w.write_header_to_file()

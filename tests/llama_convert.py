@@ -45,14 +45,15 @@ def source() -> Path | None:
     return None
 
 
-def convert(src: Path, out: Path, python: str = sys.executable, outtype: str = "f32", loadable: bool = False) -> Path:
+def convert(src: Path, out: Path, python: str = sys.executable, outtype: str = "f32", loadable: bool = False,
+            extra: tuple[str, ...] = ()) -> Path:
     """Writes `out` from the directory `src` with llama.cpp's converter run by `python` (which
-    needs torch and transformers)."""
+    needs torch and transformers), `extra` added to its arguments."""
     llama = source()
     if llama is None:
         raise FileNotFoundError("llama.cpp's convert_hf_to_gguf.py (set CANDLEWICK_LLAMA_CPP_SRC)")
     env = {**os.environ, "CANDLEWICK_LLAMA_LOADABLE": "1" if loadable else ""}
-    r = subprocess.run([python, __file__, str(llama), str(src), "--outfile", str(out), "--outtype", outtype],
+    r = subprocess.run([python, __file__, str(llama), str(src), "--outfile", str(out), "--outtype", outtype, *extra],
                        capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-3000:]}")

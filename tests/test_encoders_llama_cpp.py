@@ -91,3 +91,35 @@ def test_the_converters_file_embeds_as_llama_cpp_does(converted, key):
     theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
     bound = TOL if key == "nomic-embed" else LLAMA_GELU_PEER
     assert max(rel_l2(ours[i], theirs[i]) for i in range(len(fx.TEXTS))) <= bound
+
+
+def test_embeddinggemma_gguf_is_what_the_converter_writes(tmp_path):
+    """EmbeddingGemma (`gemma-embedding`, `--sentence-transformers-dense-modules`): the converter's
+    file equals tests/gguf_convert.py's and embeds the directory's ids as sentence-transformers
+    does. llama.cpp itself is not asked: llama-cpp-python 0.3.36 aborts embedding this tiny Gemma
+    (GGML_ASSERT(buffer) in process_ubatch, with or without the dense layers), and its `gpt2`
+    vocabulary loader wants merges the fixture's WordLevel tokenizer has none of."""
+    import json
+
+    from gguf_convert import convert
+    from safetensors.numpy import load_file
+
+    import embedding_fixtures as efx
+
+    llama_cpp_or_skip()
+    if llama_convert.source() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not here (tests/llama_convert.py)")
+    if subprocess.run([PYTHON, "-c", "import torch, transformers"], capture_output=True).returncode != 0:
+        pytest.skip(f"{PYTHON} has no torch/transformers for the converter (set CANDLEWICK_CONVERTER_PYTHON)")
+    src = efx.materialise(tmp_path / "dirs")["embeddinggemma"]
+    real = llama_convert.convert(src, tmp_path / "real.gguf", python=PYTHON,
+                                 extra=("--sentence-transformers-dense-modules",))
+    (kv, tensors), (kv_real, tensors_real) = _read(convert(src, tmp_path / "mine.gguf", dense_modules=True)), _read(real)
+    assert kv == kv_real and tensors.keys() == tensors_real.keys()
+    for name, (kind, data) in tensors.items():
+        assert kind == tensors_real[name][0] and np.array_equal(data, tensors_real[name][1]), name
+    data = Path(__file__).resolve().parent / "data" / "embeddings"
+    ref = load_file(str(data / "reference.safetensors"))["embeddinggemma/default"]
+    ids = json.loads((data / "reference.json").read_text())["input_ids"]["embeddinggemma"]
+    out = cw.ModelRuntime.load(real, device="cpu").embed(ids)
+    assert max(rel_l2(out[i], ref[i]) for i in range(len(ids))) <= TOL
