@@ -298,8 +298,11 @@ def _tensors(cfg, model_type, weights, n_layers, arch):
             if name.startswith(("pooler.", "cls.predictions", "cls.seq_relationship")) or name.endswith("position_ids"):
                 continue
         if model_type == "modernbert":
-            # `ModernBertModel.filter_tensors`: the task model's prefix off.
+            # `ModernBertModel.filter_tensors`: the task model's prefix off; `modify_tensors`: a
+            # classifier's map named as RoBERTa's (`cls.output`).
             name = name.removeprefix("model.")
+            if _class_labels(cfg) and name in ("classifier.weight", "classifier.bias"):
+                name = name.replace("classifier", "classifier.out_proj")
         if model_type == "gpt2" and name.endswith((".attn.bias", ".attn.masked_bias")):
             continue
         if model_type == "gemma2" and name == "lm_head.weight":
@@ -459,6 +462,15 @@ def _nomic_bert_parameters(w, src, cfg, n_layers):
     w.add_value_length(_find(cfg, "hidden_size", "n_embd") // heads)
 
 
+def _class_labels(cfg):
+    """`BertModel.__init__`'s `cls_out_labels`: `id2label`, unless it is the two dummy labels
+    AutoConfig adds."""
+    labels = cfg.get("id2label")
+    if labels and len(labels) == 2 and labels.get("0") == "LABEL_0":
+        return None
+    return labels
+
+
 def _modern_bert_parameters(w, src, cfg, n_layers):
     """`ModernBertModel.set_gguf_parameters`: `TextModel`'s keys (the global rotary base, the
     sliding layers' as `rope.freq_base_swa`, `norm_eps` under the RMS norm's key), no causal
@@ -477,6 +489,8 @@ def _modern_bert_parameters(w, src, cfg, n_layers):
     w.add_layer_norm_rms_eps(cfg.get("norm_eps", 1e-5))
     w.add_causal_attention(False)
     _try_set_pooling_type(w, src)
+    if labels := _class_labels(cfg):
+        w.add_array(f"{w.arch}.classifier.output_labels", [v for _, v in sorted(labels.items())])
     if (pooling := cfg.get("classifier_pooling")) is not None:
         kind = {"cls": gguf.PoolingType.CLS, "mean": gguf.PoolingType.MEAN}[pooling]
         # The writer method is newer than some `gguf` releases; the key and type are its.

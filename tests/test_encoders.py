@@ -299,3 +299,22 @@ def test_gguf_nomic_bert_and_modern_bert_embed_as_the_directory(dirs, tmp_path, 
     assert max(rel_l2(query[i], REF[f"{key}/query"][i]) for i in range(len(fx.TEXTS))) <= TOL
     with pytest.raises(cw.UnsupportedError, match="encoder"):
         rt.generate("the cat", max_tokens=1)
+
+
+def test_gguf_modern_bert_cross_encoder_reranks_as_sentence_transformers(dirs, tmp_path):
+    # The converter keeps ModernBERT's head whole (`cls`, `cls.norm`, `cls.output`) and its
+    # `classifier.pooling_type`; pairs are `[CLS] q [SEP] d [SEP]` as llama.cpp's rerank forms
+    # them from a BERT-family vocabulary (`add_sep_token` written, false here).
+    pytest.importorskip("gguf")
+    from gguf_convert import convert
+
+    for config, case in (({}, "default"), ({"classifier_pooling": "cls"}, "cls")):
+        path = convert(dirs["modernbert-rerank"], tmp_path / f"{case}.gguf", config=config)
+        rt = cw.ModelRuntime.load(path, device="cpu")
+        results = rt.rerank(fx.QUERY, fx.DOCUMENTS)
+        scores = np.array([r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])], dtype=np.float32)
+        assert rel_l2(scores, REF[f"modernbert-rerank/{case}"]) <= TOL, (case, scores)
+    # The long pairs' reference is the mean head's, cut longest-first to the 128 positions.
+    path = convert(dirs["modernbert-rerank"], tmp_path / "mean.gguf")
+    long = [cw.ModelRuntime.load(path, device="cpu").rerank(q, [d])[0]["relevance_score"] for q, d in fx.LONG_PAIRS]
+    assert rel_l2(np.array(long, dtype=np.float32), REF["modernbert-rerank/long"]) <= TOL

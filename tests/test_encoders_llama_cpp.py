@@ -25,7 +25,7 @@ import candlewick as cw
 import encoder_fixtures as fx
 import llama_convert
 from conftest import llama_cpp_or_skip, rel_l2
-from test_encoders import LLAMA_GELU_PEER, REF, TOL
+from test_encoders import LLAMA_GELU_PEER, META, REF, TOL
 
 pytestmark = pytest.mark.llama_cpp
 PYTHON = os.environ.get("CANDLEWICK_CONVERTER_PYTHON", sys.executable)
@@ -91,6 +91,37 @@ def test_the_converters_file_embeds_as_llama_cpp_does(converted, key):
     theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
     bound = TOL if key == "nomic-embed" else LLAMA_GELU_PEER
     assert max(rel_l2(ours[i], theirs[i]) for i in range(len(fx.TEXTS))) <= bound
+
+
+def test_modern_bert_cross_encoder_gguf_ranks_as_llama_cpp_does(tmp_path):
+    """gte-reranker-modernbert's shape: the converter's file equals tests/gguf_convert.py's,
+    candlewick's scores are sentence-transformers' (1e-4), and llama.cpp's rank pooling (the
+    sigmoid of its score, as CrossEncoder applies) agrees as a peer (its GELU table)."""
+    from gguf_convert import convert
+
+    llama_cpp = llama_cpp_or_skip()
+    if llama_convert.source() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not here (tests/llama_convert.py)")
+    if subprocess.run([PYTHON, "-c", "import torch, transformers"], capture_output=True).returncode != 0:
+        pytest.skip(f"{PYTHON} has no torch/transformers for the converter (set CANDLEWICK_CONVERTER_PYTHON)")
+    src = fx.materialise(tmp_path / "dirs")["modernbert-rerank"]
+    real = llama_convert.convert(src, tmp_path / "real.gguf", python=PYTHON)
+    (kv, tensors), (kv_real, tensors_real) = _read(convert(src, tmp_path / "mine.gguf")), _read(real)
+    assert kv == kv_real and tensors.keys() == tensors_real.keys()
+    for name, (kind, data) in tensors.items():
+        assert kind == tensors_real[name][0] and np.array_equal(data, tensors_real[name][1]), name
+    rt = cw.ModelRuntime.load(real, device="cpu")
+    ours = np.array([r["relevance_score"] for r in sorted(rt.rerank(fx.QUERY, fx.DOCUMENTS), key=lambda r: r["index"])])
+    assert rel_l2(ours, REF["modernbert-rerank/default"]) <= TOL
+    loadable = llama_convert.convert(src, tmp_path / "loadable.gguf", python=PYTHON, loadable=True)
+    llm = llama_cpp.Llama(model_path=str(loadable), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK,
+                          verbose=False, n_ctx=256, n_batch=256, n_ubatch=256)
+    # llama-cpp-python forms no pairs: each document's pair ids (the directory tokenizer's, which
+    # candlewick's scores above were formed from) go in as its "text".
+    pairs = {d.encode(): ids for d, ids in zip(fx.DOCUMENTS, META["input_ids"]["modernbert-rerank"])}
+    llm.tokenize = lambda text, add_bos=True, special=False: pairs[text]
+    logits = np.array([llm.embed(d)[0] for d in fx.DOCUMENTS], dtype=np.float64)
+    assert rel_l2(1.0 / (1.0 + np.exp(-logits)), ours) <= LLAMA_GELU_PEER
 
 
 def test_embeddinggemma_gguf_is_what_the_converter_writes(tmp_path):

@@ -307,8 +307,7 @@ impl CandleBackend {
             .ok_or_else(|| CandleError::MissingTensor { name: "token_embd.weight".into() })?;
         let vocab_size = embed.first().copied().unwrap_or(0);
         let source = path.display().to_string();
-        let type_rows = weights.shape("token_types.weight").and_then(|s| s.first().copied()).unwrap_or(0);
-        if let Some(encoder) = super::config::encoder::from_gguf(&md, vocab_size, type_rows, &source)? {
+        if let Some(encoder) = super::config::encoder::from_gguf(&md, vocab_size, &|t| weights.shape(t), &source)? {
             let max_context = options.max_context.unwrap_or(encoder.max_tokens()).min(encoder.max_tokens());
             validate_context(max_context)?;
             weights.drop_vocabulary();

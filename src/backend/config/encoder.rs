@@ -558,10 +558,17 @@ fn nomic_bert(k: &Keys<'_>) -> Result<EncoderConfig> {
 
 /// The encoder a GGUF file describes (`general.architecture` = `bert`, `modern-bert` or
 /// `nomic-bert`, as llama.cpp's converter writes them), or `None` for any other architecture.
-/// `type_rows` is the row count of its `token_types` table. The converter drops BERT's pooler
-/// and writes no classification head that reranks as sentence-transformers does, so a GGUF
-/// encoder embeds only.
-pub fn from_gguf(md: &Metadata<'_>, vocab_size: usize, type_rows: usize, path: &str) -> Result<Option<EncoderConfig>> {
+/// `shape` gives a tensor's shape where the file has it (the `token_types` table's rows, a
+/// classification head). The converter drops BERT's pooler, so a BERT GGUF has no head that
+/// reranks as sentence-transformers does and embeds only; ModernBERT's head it keeps whole
+/// (`cls`, `cls.norm`, `cls.output`), which reranks as llama.cpp's rank pooling does.
+pub fn from_gguf(
+    md: &Metadata<'_>,
+    vocab_size: usize,
+    shape: &dyn Fn(&str) -> Option<Vec<usize>>,
+    path: &str,
+) -> Result<Option<EncoderConfig>> {
+    let type_rows = shape("token_types.weight").and_then(|s| s.first().copied()).unwrap_or(0);
     let arch = md.string("general.architecture").ok();
     let Some(family) =
         EncoderFamily::ALL.into_iter().find(|f| f.gguf_name().is_some() && f.gguf_name() == arch.as_deref())
@@ -650,6 +657,38 @@ pub fn from_gguf(md: &Metadata<'_>, vocab_size: usize, type_rows: usize, path: &
                     })
                 }
             };
+            // llama.cpp's rank pooling: the head on the mean unless `classifier.pooling_type`
+            // says the first token (2), GELU after its first map, the classifier's one bias.
+            if let Some(labels) = shape("cls.output.weight").and_then(|s| s.first().copied()) {
+                let pooling = match md.opt_usize(&key("classifier.pooling_type"))? {
+                    None | Some(1) => EncoderPooling::Mean,
+                    Some(2) => EncoderPooling::Cls,
+                    Some(other) => {
+                        return Err(CandleError::UnsupportedConfig {
+                            what: format!(
+                                "{path}: {} = {other} (mean 1 and cls 2 are supported)",
+                                key("classifier.pooling_type")
+                            ),
+                        })
+                    }
+                };
+                if labels == 0 || shape("cls.weight").is_none() || shape("cls.norm.weight").is_none() {
+                    return Err(invalid(
+                        path,
+                        "cls.output.weight",
+                        "a classification head needs cls, cls.norm and at least one label",
+                    ));
+                }
+                config.classifier = Some(ClassifierConfig {
+                    num_labels: labels,
+                    activation: ScoreActivation::Sigmoid,
+                    pooling,
+                    transform: HeadTransform::ActivationNorm {
+                        activation: Activation::Gelu,
+                        bias: shape("cls.bias").is_some(),
+                    },
+                });
+            }
             config.type_vocab_size = 0;
             config.layer_norm_eps = eps.unwrap_or(1e-5);
             config.positions = EncoderPositions::Rotary;

@@ -301,11 +301,19 @@ impl Encoder {
         let head = match &c.classifier {
             None => None,
             Some(cls) => Some(match cls.transform {
-                HeadTransform::ActivationNorm { bias, .. } => Head {
-                    first: linear_with("head.dense", h, h, bias)?,
-                    norm: Some(layer_norm("head.norm", c.norm_bias)?),
-                    second: linear_with("classifier", cls.num_labels, h, true)?,
-                },
+                // ModernBERT's head: `head.dense`, `head.norm`, `classifier`; llama.cpp's
+                // converter calls them `cls`, `cls.norm`, `cls.output`.
+                HeadTransform::ActivationNorm { bias, .. } => {
+                    let [first, norm, second] = match naming {
+                        Naming::HuggingFace => ["head.dense", "head.norm", "classifier"],
+                        Naming::Gguf => ["cls", "cls.norm", "cls.output"],
+                    };
+                    Head {
+                        first: linear_with(first, h, h, bias)?,
+                        norm: Some(layer_norm(norm, c.norm_bias)?),
+                        second: linear_with(second, cls.num_labels, h, true)?,
+                    }
+                }
                 HeadTransform::Tanh if w.contains("classifier.out_proj.weight") => Head {
                     first: linear_with("classifier.dense", h, h, true)?,
                     norm: None,
