@@ -318,3 +318,16 @@ def test_gguf_modern_bert_cross_encoder_reranks_as_sentence_transformers(dirs, t
     path = convert(dirs["modernbert-rerank"], tmp_path / "mean.gguf")
     long = [cw.ModelRuntime.load(path, device="cpu").rerank(q, [d])[0]["relevance_score"] for q, d in fx.LONG_PAIRS]
     assert rel_l2(np.array(long, dtype=np.float32), REF["modernbert-rerank/long"]) <= TOL
+
+
+def test_nomic_bert_config_with_transformers_names_only(dirs, tmp_path):
+    # A config transformers' own `nomic_bert` wrote from scratch has only BERT's key names (the
+    # tensors it saves keep the released names): the same model.
+    d = tmp_path / "native"
+    shutil.copytree(dirs["nomic-embed"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    for key in ("n_embd", "n_layer", "n_head", "n_inner", "n_positions", "layer_norm_epsilon", "rotary_emb_base"):
+        cfg.pop(key)
+    (d / "config.json").write_text(json.dumps(cfg))
+    out, ref = cw.ModelRuntime.load(d, device="cpu").embed(fx.TEXTS), REF["nomic-embed/default"]
+    assert max(rel_l2(out[i], ref[i]) for i in range(len(fx.TEXTS))) <= TOL

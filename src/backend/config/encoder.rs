@@ -527,12 +527,22 @@ fn nomic_bert(k: &Keys<'_>) -> Result<EncoderConfig> {
     {
         return refuse("a partial or scaled rotary embedding (rotary_emb_fraction, rotary_emb_scale_base)".into());
     }
-    let hidden_size = k.width("n_embd")?;
-    let (num_layers, num_heads) = k.shape("n_layer", "n_head", hidden_size)?;
-    let rope_theta = theta(k.float("rotary_emb_base").unwrap_or(10_000.0), path, "rotary_emb_base")?;
-    let intermediate_size = match k.v.get("n_inner") {
+    // The released config's GPT-2-style keys, else the BERT names transformers' own `nomic_bert`
+    // writes (a config it made from scratch has only those; the tensors it saves are the released
+    // names either way).
+    let named = |gpt2: &'static str, bert: &'static str| if k.v.get(gpt2).is_some() { gpt2 } else { bert };
+    let hidden_size = k.width(named("n_embd", "hidden_size"))?;
+    let (num_layers, num_heads) =
+        k.shape(named("n_layer", "num_hidden_layers"), named("n_head", "num_attention_heads"), hidden_size)?;
+    let rope_base = k
+        .float("rotary_emb_base")
+        .or_else(|| k.v.get("rope_parameters").and_then(|r| r.get("rope_theta")).and_then(Value::as_f64))
+        .unwrap_or(1_000.0);
+    let rope_theta = theta(rope_base, path, "rotary_emb_base")?;
+    let inner = named("n_inner", "intermediate_size");
+    let intermediate_size = match k.v.get(inner) {
         Some(Value::Null) | None => 4 * hidden_size,
-        Some(_) => k.width("n_inner")?,
+        Some(_) => k.width(inner)?,
     };
     Ok(EncoderConfig {
         family: EncoderFamily::NomicBert,
@@ -541,9 +551,9 @@ fn nomic_bert(k: &Keys<'_>) -> Result<EncoderConfig> {
         intermediate_size,
         num_layers,
         num_heads,
-        max_position_embeddings: k.width("n_positions")?,
+        max_position_embeddings: k.width(named("n_positions", "max_position_embeddings"))?,
         type_vocab_size: k.num("type_vocab_size").unwrap_or(2),
-        layer_norm_eps: k.float("layer_norm_epsilon").unwrap_or(1e-12),
+        layer_norm_eps: k.float(named("layer_norm_epsilon", "layer_norm_eps")).unwrap_or(1e-12),
         activation: Activation::Silu,
         positions: EncoderPositions::Rotary,
         norms: EncoderNorms::Post,
@@ -852,6 +862,14 @@ mod tests {
             (EncoderFamily::NomicBert, EncoderNorms::Post, 48, Activation::Silu)
         );
         assert_eq!(n.layers[1], EncoderLayer { window: None, rope_theta: 1000.0 });
+        // transformers' own config (BERT names only) reads the same.
+        let native = r#"{"model_type": "nomic_bert", "architectures": ["NomicBertModel"], "vocab_size": 100,
+            "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 48,
+            "max_position_embeddings": 64, "layer_norm_eps": 1e-12, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}"#;
+        let m = from_hf(native, "c").unwrap().unwrap();
+        assert_eq!((m.hidden_size, m.num_layers, m.intermediate_size, m.max_tokens()), (32, 2, 48, 64));
+        assert_eq!(m.layers[0].rope_theta, 1000.0);
         let e = from_hf(&nomic.replace("\"prenorm\": false", "\"prenorm\": true"), "c").unwrap_err();
         assert!(matches!(e, CandleError::UnsupportedConfig { .. }) && e.to_string().contains("prenorm"), "{e}");
     }
