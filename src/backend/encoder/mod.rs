@@ -528,6 +528,8 @@ impl Encoder {
         let scale = (d as f64).powf(-0.5);
         let tables = self.rotary_tables(lens.iter().copied().max().unwrap_or(0))?;
         let pre = c.norms == EncoderNorms::Pre;
+        // A sliding layer's mask per (input length, window), built once for every layer.
+        let mut masks: HashMap<(usize, usize), Tensor> = HashMap::new();
         for (l, lc) in self.layers.iter().zip(&c.layers) {
             let h = match (&l.attn_norm, pre) {
                 (Some(norm), true) => norm.forward(&x)?,
@@ -554,7 +556,13 @@ impl Encoder {
                 }
                 let mut scores = (q.matmul(&k.t()?)? * scale)?;
                 if let Some(w) = lc.window.filter(|&w| t > w + 1) {
-                    scores = scores.broadcast_add(&window_mask(t, w, dev)?.to_dtype(scores.dtype())?)?;
+                    let mask = match masks.entry((t, w)) {
+                        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            e.insert(window_mask(t, w, dev)?.to_dtype(scores.dtype())?)
+                        }
+                    };
+                    scores = scores.broadcast_add(mask)?;
                 }
                 let probs = candle_nn::ops::softmax_last_dim(&scores)?;
                 parts.push(probs.matmul(&v)?.transpose(0, 1)?.reshape((t, c.hidden_size))?);
