@@ -7,6 +7,10 @@ layout their real counterparts ship (DESIGN §17):
 - `gemma-embed/`: EmbeddingGemma's: a bare Gemma 3 text model with
   `use_bidirectional_attention` and sliding layers, mean pooling, two Dense layers (Identity
   without bias, then Tanh with bias), Normalize, EmbeddingGemma's prompts, `<bos> … <eos>`.
+- `embeddinggemma/`: `gemma-embed/` with EmbeddingGemma's own Dense layers (64 → 96 → 64,
+  Identity, no bias), the shape llama.cpp's `gemma-embedding` GGUF takes (its `dense_2` /
+  `dense_3`: weights only, back to the hidden width), every layer sliding and the embedding
+  table cut to the tokenizer's size (as the converter and llama.cpp take them).
 - `qwen3-rerank/`: Qwen3-Reranker's: a Qwen3 causal LM (with `model.` names and an untied
   `lm_head`) whose vocabulary has `yes` and `no`.
 
@@ -237,7 +241,7 @@ def _tokenizer_files(dest: Path, post: str | None, eos: str) -> None:
 
 
 def materialise(root: Path) -> dict[str, Path]:
-    """Writes the three checkpoints under `root` (skipping what is there); returns their paths."""
+    """Writes the four checkpoints under `root` (skipping what is there); returns their paths."""
     from safetensors.numpy import save_file
 
     root = Path(root)
@@ -312,6 +316,40 @@ def materialise(root: Path) -> dict[str, Path]:
             {"prompts": GEMMA_PROMPTS, "default_prompt_name": None, "similarity_fn_name": "cosine"},
         )
         _write_json(dest / "sentence_bert_config.json", {"max_seq_length": 512, "do_lower_case": False})
+    # embeddinggemma: gemma-embed with the released model's Dense shape
+    dest = root / "embeddinggemma"
+    out["embeddinggemma"] = dest
+    if not (dest / "model.safetensors").is_file():
+        import shutil
+
+        from safetensors.numpy import load_file
+
+        shutil.copytree(root / "gemma-embed", dest, dirs_exist_ok=True)
+        # As many embedding rows as the converter keeps (it cuts the table to the tokenizer.json's
+        # vocabulary + added tokens and pads the token list to config.json's vocab_size; llama.cpp
+        # wants the two equal).
+        tok = json.loads((dest / "tokenizer.json").read_text())
+        n_vocab = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+        # Every layer slides: llama.cpp takes a `gemma-embedding` file's layers as five sliding
+        # then one global (EmbeddingGemma's own pattern, which the converter does not write), so
+        # three layers all slide there.
+        cfg = json.loads((dest / "config.json").read_text()) | {
+            "vocab_size": n_vocab,
+            "layer_types": ["sliding_attention"] * 3,
+        }
+        _write_json(dest / "config.json", cfg)
+        weights = load_file(str(dest / "model.safetensors"))
+        weights["embed_tokens.weight"] = np.ascontiguousarray(weights["embed_tokens.weight"][:n_vocab])
+        save_file(weights, str(dest / "model.safetensors"))
+        rng = np.random.Generator(np.random.PCG64(4205))
+        for folder, (n_in, n_out) in (("2_Dense", (64, 96)), ("3_Dense", (96, 64))):
+            _write_json(
+                dest / folder / "config.json",
+                {"in_features": n_in, "out_features": n_out, "bias": False,
+                 "activation_function": "torch.nn.modules.linear.Identity"},
+            )
+            save_file({"linear.weight": (rng.standard_normal((n_out, n_in)) * 0.2).astype(np.float32)},
+                      str(dest / folder / "model.safetensors"))
     # qwen3-rerank
     dest = root / "qwen3-rerank"
     out["rerank"] = dest

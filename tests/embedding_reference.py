@@ -69,6 +69,11 @@ def main() -> None:
     case("qwen3/mean_raw", st_model(q, "mean", normalize=False), {"pooling": "mean", "normalize": False})
     case("qwen3/cls", st_model(q, "cls"), {"pooling": "cls"})
     case("qwen3/max", st_model(q, "max"), {"pooling": "max"})
+    # EmbeddingGemma's Dense shape (tests/test_encoders.py reads its GGUF file).
+    m = st_model(paths["embeddinggemma"])
+    ids["embeddinggemma"] = [m.tokenizer(t)["input_ids"] for t in fx.TEXTS]
+    case("embeddinggemma/default", m, {})
+    case("embeddinggemma/query", m, {"prompt_name": "query"}, prompt_name="query")
     # A prompt of one's own on the Gemma model.
     m = st_model(paths["gemma"])
     case("gemma/own_prompt", m, {"prompt": "task: clustering | query: "}, prompt="task: clustering | query: ")

@@ -13,6 +13,7 @@ the library versions).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -45,10 +46,15 @@ def main() -> None:
     cases: dict[str, dict] = {}
     ids: dict[str, list] = {}
 
-    def case(name: str, model, args: dict, **encode):
-        batch = model.encode(fx.TEXTS, convert_to_numpy=True, batch_size=len(fx.TEXTS), **encode)
+    texts_of: dict[str, list] = {}
+
+    def case(name: str, model, args: dict, texts=None, **encode):
+        texts = texts or fx.TEXTS
+        if texts is not fx.TEXTS:
+            texts_of[name] = texts
+        batch = model.encode(texts, convert_to_numpy=True, batch_size=len(texts), **encode)
         # Padding must not change anything: each text alone gives the same vector.
-        for i, t in enumerate(fx.TEXTS):
+        for i, t in enumerate(texts):
             alone = model.encode([t], convert_to_numpy=True, **encode)[0]
             assert np.allclose(alone, batch[i], atol=1e-5), (name, i, np.abs(alone - batch[i]).max())
         out[name] = batch.astype(np.float32)
@@ -66,8 +72,36 @@ def main() -> None:
     raw = SentenceTransformer(modules=[word, models.Pooling(32, pooling_mode="cls")], device="cpu")
     case("bert-embed/cls_raw", raw, {"pooling": "cls", "normalize": False})
 
+    # ModernBERT: every text but two is longer than the window (8), and the long one is cut at
+    # max_seq_length (128) past which the rotary positions would go on.
+    key = "modernbert-embed"
+    m = SentenceTransformer(str(paths[key]), device="cpu")
+    ids[key] = [m.tokenizer(t)["input_ids"] for t in fx.TEXTS]
+    case(f"{key}/default", m, {})
+    case(f"{key}/query", m, {"prompt_name": "query"}, prompt_name="query")
+    case(f"{key}/long", m, {}, texts=[fx.LONG, fx.LONG[:150], fx.TEXTS[2]])
+    case(f"{key}/dim16", m, {"dimensions": 16}, truncate_dim=16, normalize_embeddings=True)
+
+    # nomic-bert: transformers ≥ 5.2's own NomicBertModel, reading the released layout (remote
+    # code's tensor names, renamed as it loads) from the fixture's config (see its BERT-named keys).
+    key = "nomic-embed"
+    m = SentenceTransformer(str(paths[key]), device="cpu")
+    ids[key] = [m.tokenizer(t)["input_ids"] for t in fx.TEXTS]
+    case(f"{key}/default", m, {})
+    case(f"{key}/query", m, {"prompt_name": "query"}, prompt_name="query")
+    case(f"{key}/long", m, {}, texts=[fx.LONG, fx.TEXTS[2]])
+
     pairs = [(fx.QUERY, d) for d in fx.DOCUMENTS]
-    for key in ("bert-rerank", "xlmr-rerank"):
+    # ModernBERT's head on the mean (gte-reranker-modernbert) and, in a copy, on the first token.
+    cls_dir = root / "modernbert-rerank-cls"
+    shutil.copytree(paths["modernbert-rerank"], cls_dir)
+    cfg = json.loads((cls_dir / "config.json").read_text())
+    (cls_dir / "config.json").write_text(json.dumps(cfg | {"classifier_pooling": "cls"}))
+    out["modernbert-rerank/cls"] = np.asarray(
+        CrossEncoder(str(cls_dir), device="cpu").predict(pairs, convert_to_numpy=True), dtype=np.float32
+    )
+    cases["modernbert-rerank/cls"] = {}
+    for key in ("bert-rerank", "xlmr-rerank", "modernbert-rerank"):
         ce = CrossEncoder(str(paths[key]), device="cpu")
         assert ce.num_labels == 1
         tok = AutoTokenizer.from_pretrained(str(paths[key]))
@@ -83,7 +117,7 @@ def main() -> None:
         out[f"{key}/logits"] = np.asarray(logits, dtype=np.float32)
         # Pairs past the 64 positions, cut longest-first to them (the tokenizer's own limit, 512,
         # would index past the position table).
-        ce64 = CrossEncoder(str(paths[key]), device="cpu", max_length=64)
+        ce64 = CrossEncoder(str(paths[key]), device="cpu", max_length=128 if "modernbert" in key else 64)
         out[f"{key}/long"] = np.asarray(ce64.predict(fx.LONG_PAIRS, convert_to_numpy=True), dtype=np.float32)
 
     DATA.mkdir(parents=True, exist_ok=True)
@@ -92,6 +126,7 @@ def main() -> None:
     save_file(out, str(DATA / "reference.safetensors"))
     meta = {
         "cases": cases,
+        "texts": texts_of,
         "input_ids": ids,
         "versions": {
             "torch": torch.__version__,

@@ -1,6 +1,8 @@
 """A tiny Hugging Face checkpoint to a GGUF file, written as llama.cpp's `convert_hf_to_gguf.py`
 writes it (the `conversion/` modules of ggml-org/llama.cpp: `base.py`, `llama.py`, `gemma.py`,
-`gpt2.py`, `gptneox.py`, `olmo.py`, `granite.py`, `phi.py`, `qwen.py`, `gpt_oss.py`, `bert.py`).
+`gpt2.py`, `gptneox.py`, `olmo.py`, `granite.py`, `phi.py`, `qwen.py`, `gpt_oss.py`, `bert.py`:
+BERT, nomic-bert and ModernBERT; the last two checked key for key and tensor for tensor against
+the converter's own output by tests/test_encoders_llama_cpp.py).
 
 What is reproduced: the architecture name, the metadata keys the converter's
 `set_gguf_parameters` writes, tensor names through the `gguf` package's `TensorNameMap`, every
@@ -73,6 +75,8 @@ ARCH = {
     "gpt_oss": "gpt-oss",
     "qwen2_moe": "qwen2moe",
     "bert": "bert",
+    "nomic_bert": "nomic-bert",
+    "modernbert": "modern-bert",
 }
 
 # The converters that derive from `LlamaModel` and so permute q/k rows (`undo_permute = True`).
@@ -293,6 +297,12 @@ def _tensors(cfg, model_type, weights, n_layers, arch):
             name = name.removeprefix("bert.")
             if name.startswith(("pooler.", "cls.predictions", "cls.seq_relationship")) or name.endswith("position_ids"):
                 continue
+        if model_type == "modernbert":
+            # `ModernBertModel.filter_tensors`: the task model's prefix off; `modify_tensors`: a
+            # classifier's map named as RoBERTa's (`cls.output`).
+            name = name.removeprefix("model.")
+            if _class_labels(cfg) and name in ("classifier.weight", "classifier.bias"):
+                name = name.replace("classifier", "classifier.out_proj")
         if model_type == "gpt2" and name.endswith((".attn.bias", ".attn.masked_bias")):
             continue
         if model_type == "gemma2" and name == "lm_head.weight":
@@ -443,8 +453,114 @@ def _bert_vocab(w, src, cfg):
     gguf.SpecialVocab(src, n_vocab=len(tokens)).add_to_gguf(w)
 
 
+def _nomic_bert_parameters(w, src, cfg, n_layers):
+    """`NomicBertModel.set_gguf_parameters`: BERT's (`TextModel`'s keys as transformers' config
+    gives them, the head size included, no causal mask, the Pooling module's pooling)."""
+    heads = _find(cfg, "num_attention_heads", "n_head")
+    _bert_parameters(w, src, cfg, n_layers)
+    w.add_key_length(_find(cfg, "hidden_size", "n_embd") // heads)
+    w.add_value_length(_find(cfg, "hidden_size", "n_embd") // heads)
+
+
+def _class_labels(cfg):
+    """`BertModel.__init__`'s `cls_out_labels`: `id2label`, unless it is the two dummy labels
+    AutoConfig adds."""
+    labels = cfg.get("id2label")
+    if labels and len(labels) == 2 and labels.get("0") == "LABEL_0":
+        return None
+    return labels
+
+
+def _modern_bert_parameters(w, src, cfg, n_layers):
+    """`ModernBertModel.set_gguf_parameters`: `TextModel`'s keys (the global rotary base, the
+    sliding layers' as `rope.freq_base_swa`, `norm_eps` under the RMS norm's key), no causal
+    mask, the pooling and the classifier's pooling, the window (`local_attention` tokens) and
+    pattern (`global_attn_every_n_layers`), no rope scaling, the vocabulary size, the MLP
+    activation."""
+    import gguf
+
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_rope_freq_base(cfg.get("global_rope_theta", 160000.0))
+    w.add_rope_freq_base_swa(cfg.get("local_rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg.get("norm_eps", 1e-5))
+    w.add_causal_attention(False)
+    _try_set_pooling_type(w, src)
+    if labels := _class_labels(cfg):
+        w.add_array(f"{w.arch}.classifier.output_labels", [v for _, v in sorted(labels.items())])
+    if (pooling := cfg.get("classifier_pooling")) is not None:
+        kind = {"cls": gguf.PoolingType.CLS, "mean": gguf.PoolingType.MEAN}[pooling]
+        # The writer method is newer than some `gguf` releases; the key and type are its.
+        w.add_uint32("modern-bert.classifier.pooling_type", kind)
+    w.add_sliding_window(cfg["local_attention"])
+    if (pattern := cfg.get("global_attn_every_n_layers")) is not None:
+        w.add_sliding_window_pattern(pattern)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    w.add_vocab_size(cfg["vocab_size"])
+    if (act := cfg.get("hidden_activation")) is not None:
+        w.add_string("modern-bert.hidden_activation", act)  # `add_hidden_act`, newer than some `gguf`s
+
+
+def _gpt2_vocab(w, src, cfg, pre="modern-bert", modernbert=True):
+    """`_set_vocab_gpt2` (ModernBERT's `set_vocab` adds BOS, EOS and SEP first; `SpecialVocab`
+    then says which are added): the tokenizer.json vocabulary padded to the config's
+    `vocab_size` with `[PAD{i}]` (unused), special tokens as control tokens, the merges, and the
+    special tokens as `SpecialVocab` reads them. Departure: `tokenizer.ggml.pre` is `pre`, the name
+    the released vocabulary hashes to (`modern-bert`), or `default` (EmbeddingGemma's fixture's
+    WordLevel vocabulary); the converter stops on the fixture's unknown hash."""
+    import gguf
+
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    reverse = {i: piece for piece, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(cfg["vocab_size"]):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.CONTROL if reverse[i] in special else gguf.TokenType.NORMAL)
+    if modernbert:
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(True)
+        w.add_add_sep_token(True)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(src, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w)
+    if not modernbert:
+        # The converter's (newer) `SpecialVocab` reads BOS / EOS as added from the post-processor's
+        # single template, `<bos> $A <eos>`, where some `gguf` releases do not.
+        single = (tok.get("post_processor") or {}).get("single") or []
+        if single:
+            w.add_add_bos_token("SpecialToken" in single[0])
+            w.add_add_eos_token("SpecialToken" in single[-1])
+
+
+def _embedding_gemma_dense(src):
+    """`EmbeddingGemma` with `--sentence-transformers-dense-modules`: the `2_Dense` / `3_Dense`
+    modules' weights (bias and activation not written) as `dense_2` / `dense_3`, with their widths."""
+    from safetensors.numpy import load_file
+
+    modules = json.loads((src / "modules.json").read_text())
+    out = []
+    for m in modules:
+        if m["type"].endswith("Dense") and (src / m["path"] / "model.safetensors").is_file():
+            prefix = "dense_2" if m["path"] == "2_Dense" else "dense_3"
+            conf = json.loads((src / m["path"] / "config.json").read_text())
+            weight = load_file(str(src / m["path"] / "model.safetensors"))["linear.weight"]
+            out.append((prefix, weight, conf["in_features"], conf["out_features"]))
+    return out
+
+
 def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split_max_tensors=0,
-            small_first_shard=False):
+            small_first_shard=False, dense_modules=False):
     """Writes `dest`, the GGUF file llama.cpp's converter makes of the checkpoint directory `src`
     with `--outtype` `outtype` (`"f32"` or `"q8_0"`); returns `dest`.
 
@@ -467,7 +583,9 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
     cfg.update(config or {})
     model_type = cfg["model_type"]
     model_type = "gemma3" if model_type == "gemma3_text" else model_type
-    arch = ARCH[model_type]
+    # `EmbeddingGemma` (registered for `Gemma3TextModel`): Gemma 3 as `gemma-embedding`.
+    embedding_gemma = model_type == "gemma3" and "Gemma3TextModel" in (cfg.get("architectures") or [])
+    arch = "gemma-embedding" if embedding_gemma else ARCH[model_type]
     n_layers = _find(cfg, "n_layers", "num_hidden_layers", "n_layer", "num_layers")
     names = gguf.get_tensor_name_map(_arch_enum(arch), n_layers)
     weights = load_file(str(src / "model.safetensors"))
@@ -475,7 +593,16 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
     ftype = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
 
     w = gguf.GGUFWriter(str(dest), arch, split_max_tensors=split_max_tensors, small_first_shard=small_first_shard)
-    for hf_name, t in _tensors(cfg, model_type, weights, n_layers, arch):
+    tensors = _tensors(cfg, model_type, weights, n_layers, arch)
+    dense = _embedding_gemma_dense(src) if embedding_gemma and dense_modules else []
+    if embedding_gemma:
+        # `Gemma3Model.modify_tensors`: the table cut to the tokenizer's tokens (vocabulary +
+        # added tokens, as it counts them); the dense layers after the model's own tensors.
+        tok = json.loads((src / "tokenizer.json").read_text())
+        n_real = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+        tensors = [(n, t[:n_real] if n.endswith("embed_tokens.weight") else t) for n, t in tensors]
+        tensors += [(f"={prefix}.weight", weight) for prefix, weight, _, _ in dense]
+    for hf_name, t in tensors:
         if hf_name.startswith("="):
             new_name = hf_name[1:]
         else:
@@ -503,15 +630,30 @@ def convert(src, dest, outtype=F32, vocab=True, config=None, experts=None, split
     w.add_name(src.name)
     if model_type == "bert":
         _bert_parameters(w, src, cfg, n_layers)
+    elif model_type == "nomic_bert":
+        _nomic_bert_parameters(w, src, cfg, n_layers)
+    elif model_type == "modernbert":
+        _modern_bert_parameters(w, src, cfg, n_layers)
     else:
         _parameters(w, cfg, model_type, n_layers)
+        if embedding_gemma:
+            # `EmbeddingGemma.set_gguf_parameters` after Gemma 3's: the sliding layers' base
+            # (`TextModel`'s), the dense widths, the pooling.
+            w.add_rope_freq_base_swa(_rope_params(cfg)["sliding_attention"]["rope_theta"])
+            for prefix, _, n_in, n_out in dense:
+                w.add_dense_features_dims(prefix, n_in, n_out)
+            _try_set_pooling_type(w, src)
         if model_type in ("qwen2", "qwen3"):
             # `Qwen2Model.set_gguf_parameters` (Qwen3's too) ends with `_try_set_pooling_type`.
             _try_set_pooling_type(w, src)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if model_type == "bert":
+    if model_type in ("bert", "nomic_bert"):
         _bert_vocab(w, src, cfg)
+    elif model_type == "modernbert":
+        _gpt2_vocab(w, src, cfg)
+    elif embedding_gemma:
+        _gpt2_vocab(w, src, cfg, pre="default", modernbert=False)
     elif vocab:
         _minimal_vocab(w, cfg)
     w.write_header_to_file()

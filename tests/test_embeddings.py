@@ -195,3 +195,32 @@ def test_a_gguf_pools_as_it_declares(dirs, models, tmp_path, mode, code):
     got = cw.ModelRuntime.load(path, device="cpu").embed(ids)
     for g, w in zip(got, want):
         assert rel_l2(g, w) <= TOL, (mode, rel_l2(g, w))
+
+
+def test_embeddinggemma_gguf_embeds_as_the_directory(dirs, tmp_path):
+    """EmbeddingGemma as llama.cpp's converter writes it with `--sentence-transformers-dense-modules`
+    (`gemma-embedding`: Gemma 3 with bidirectional attention and a window symmetric about each
+    token, `dense_2` / `dense_3` after the mean; tests/gguf_convert.py writes it, checked key for key
+    against the converter in tests/test_encoders_llama_cpp.py) embeds the directory's token ids as
+    sentence-transformers does; without the dense tensors it embeds as the directory without its
+    Dense modules."""
+    pytest.importorskip("gguf")
+    import gguf_convert
+
+    path = gguf_convert.convert(dirs["embeddinggemma"], tmp_path / "eg.gguf", gguf_convert.F32, dense_modules=True)
+    rt = cw.ModelRuntime.load(path, device="cpu")
+    assert rt.model_info["architecture"] == "gemma3" and rt.model_info["format"] == "gguf"
+    info = rt.embedding_info()
+    assert info["pooling"] == "mean" and info["normalize"] and info["dimension"] == 64
+    ids = META["input_ids"]["embeddinggemma"]
+    out, ref = rt.embed(ids), REF["embeddinggemma/default"]
+    assert max(rel_l2(out[i], ref[i]) for i in range(len(ids))) <= TOL
+    # Without the dense layers: the directory with only its Pooling and Normalize modules.
+    bare = gguf_convert.convert(dirs["embeddinggemma"], tmp_path / "bare.gguf", gguf_convert.F32)
+    src = tmp_path / "no-dense"
+    shutil.copytree(dirs["embeddinggemma"], src)
+    modules = [m for m in json.loads((src / "modules.json").read_text()) if not m["type"].endswith("Dense")]
+    (src / "modules.json").write_text(json.dumps(modules))
+    want = cw.ModelRuntime.load(src, device="cpu").embed(ids)
+    got = cw.ModelRuntime.load(bare, device="cpu").embed(ids)
+    assert got.shape == want.shape and max(rel_l2(got[i], want[i]) for i in range(len(ids))) <= TOL

@@ -25,9 +25,18 @@ from conftest import rel_l2
 DATA = Path(__file__).resolve().parent / "data" / "encoders"
 REF = load_file(str(DATA / "reference.safetensors"))
 META = json.loads((DATA / "reference.json").read_text())
+# llama.cpp's embeddings of the GGUF files its own converter writes of nomic-embed and
+# modernbert-embed (tests/encoder_llama_reference.py).
+LLAMA = load_file(str(DATA / "llama_cpp.safetensors"))
+LLAMA_META = json.loads((DATA / "llama_cpp.json").read_text())
 TOL = 1e-4
+# llama.cpp computes GELU from a float16 table of its input (ggml's GGML_GELU_FP16, the tanh
+# form): its ModernBERT (GeGLU) is 5e-4 to 9e-4 from the float32 reference, sentence-transformers,
+# which candlewick matches within 1.4e-6. That is llama.cpp's rounding, not a tolerance on
+# candlewick: this bound only says the two agree as peers.
+LLAMA_GELU_PEER = 2e-3
 EMBED_CASES = sorted(k for k in META["cases"] if "-embed/" in k)
-RERANKERS = ["bert-rerank", "xlmr-rerank"]
+RERANKERS = ["bert-rerank", "xlmr-rerank", "modernbert-rerank"]
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +52,15 @@ def models(dirs):
 @pytest.mark.parametrize("name", EMBED_CASES)
 def test_embeddings_match_sentence_transformers(models, name):
     rt = models[name.split("/")[0]]
-    out = rt.embed(fx.TEXTS, **META["cases"][name])
+    texts = META["texts"].get(name, fx.TEXTS)
+    out = rt.embed(texts, **META["cases"][name])
     ref = REF[name]
     assert out.dtype == np.float32 and out.shape == ref.shape, (out.shape, ref.shape)
-    for i in range(len(fx.TEXTS)):
+    for i in range(len(texts)):
         assert rel_l2(out[i], ref[i]) <= TOL, (name, i, rel_l2(out[i], ref[i]))
 
 
-@pytest.mark.parametrize("key", ["bert-embed", "xlmr-embed"])
+@pytest.mark.parametrize("key", ["bert-embed", "xlmr-embed", "modernbert-embed", "nomic-embed"])
 def test_tokenization_and_ids_match_the_reference(models, key):
     rt = models[key]
     assert [rt.tokenizer.encode(t) for t in fx.TEXTS] == META["input_ids"][key]
@@ -59,7 +69,8 @@ def test_tokenization_and_ids_match_the_reference(models, key):
     ref = REF[f"{key}/default"]
     # Ids past max_seq_length (16) are cut at their end, [SEP] included, where a text keeps its
     # [SEP]: only the inputs that fit compare.
-    fit = [i for i in range(len(ids)) if len(ids[i]) <= fx.MAX_SEQ_LENGTH]
+    limit = rt.embedding_info()["max_seq_length"]
+    fit = [i for i in range(len(ids)) if len(ids[i]) <= limit]
     assert len(fit) >= 4 and max(rel_l2(by_ids[i], ref[i]) for i in fit) <= TOL
     one = rt.embed(fx.TEXTS[1])
     assert one.shape == ref[1].shape and rel_l2(one, ref[1]) <= TOL
@@ -84,6 +95,43 @@ def test_long_pairs_are_cut_longest_first(models, key):
     assert rel_l2(np.array(scores, dtype=np.float32), REF[f"{key}/long"]) <= TOL
 
 
+def test_modernbert_head_reads_the_first_token_when_configured(dirs, tmp_path):
+    # gte-reranker-modernbert pools the mean before its head; classifier_pooling = "cls" reads
+    # the first token.
+    d = tmp_path / "cls"
+    shutil.copytree(dirs["modernbert-rerank"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"classifier_pooling": "cls"}))
+    results = cw.ModelRuntime.load(d, device="cpu").rerank(fx.QUERY, fx.DOCUMENTS)
+    scores = np.array([r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])], dtype=np.float32)
+    assert rel_l2(scores, REF["modernbert-rerank/cls"]) <= TOL, (scores, REF["modernbert-rerank/cls"])
+
+
+def test_modernbert_sliding_layers_see_their_window_only(models, dirs, tmp_path):
+    # The same weights with a window wider than any text give other vectors for the texts longer
+    # than the window, the same for the others: the references above exercise the window.
+    rt = models["modernbert-embed"]
+    assert rt.model_info["architecture"] == "modernbert"
+    e = rt.embedding_info()
+    assert e["pooling"] == "mean" and e["prompts"] == fx.NOMIC_PROMPTS and e["max_seq_length"] == 128
+    d = tmp_path / "wide"
+    shutil.copytree(dirs["modernbert-embed"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"local_attention": 512}))
+    wide = cw.ModelRuntime.load(d, device="cpu").embed(fx.TEXTS)
+    ref = REF["modernbert-embed/default"]
+    lens = [len(ids) for ids in META["input_ids"]["modernbert-embed"]]
+    # A token sees those at most local_attention / 2 away: a text of more tokens than that + 1
+    # has pairs the window separates.
+    reach = fx.MODERNBERT_LOCAL // 2
+    for i, n in enumerate(lens):
+        if n > reach + 1:
+            assert rel_l2(wide[i], ref[i]) > 1e-3, (i, n)
+        else:
+            assert rel_l2(wide[i], ref[i]) <= TOL, (i, n)
+    assert sum(n > reach + 1 for n in lens) >= 3 and min(lens) <= reach + 1
+
+
 def test_identity_activation_gives_the_logits(dirs, tmp_path):
     # sentence-transformers reads the CrossEncoder activation from config.json.
     d = tmp_path / "identity"
@@ -106,9 +154,10 @@ def test_model_info_and_embedding_info(models):
     assert models["xlmr-embed"].embedding_info()["pooling"] == "cls"
     # Without sentence-transformers files an encoder pools the mean, as sentence-transformers does.
     assert models["bert-rerank"].embedding_info()["pooling"] == "mean"
-    for name in ("bert", "roberta", "xlm-roberta"):
+    for name in ("bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert"):
         assert name in cw.supported_architectures()
-    assert "bert" in cw.supported_architectures("gguf") and "xlm-roberta" not in cw.supported_architectures("gguf")
+    gguf = cw.supported_architectures("gguf")
+    assert {"bert", "modernbert", "nomic_bert"} <= set(gguf) and "xlm-roberta" not in gguf
 
 
 def test_decoder_calls_are_refused(models):
@@ -213,3 +262,72 @@ def test_gguf_bert_embeds_as_sentence_transformers(dirs, tmp_path):
     assert len(fit) >= 4 and max(rel_l2(out[i], ref[i]) for i in fit) <= TOL
     with pytest.raises(cw.UnsupportedError, match="encoder"):
         rt.generate("the cat", max_tokens=1)
+
+
+def test_nomic_directory_matches_llama_cpp(models):
+    # The same texts (with and without the query prompt) through llama.cpp's file of the same
+    # weights: its tokens are the directory's, its vectors within 1e-4 (SwiGLU: no table).
+    rt = models["nomic-embed"]
+    assert LLAMA_META["input_ids"]["nomic-embed/default"] == META["input_ids"]["nomic-embed"]
+    for case, args in (("default", {}), ("query", {"prompt_name": "query"})):
+        out, ref = rt.embed(fx.TEXTS, **args), LLAMA[f"nomic-embed/{case}"]
+        assert max(rel_l2(out[i], ref[i]) for i in range(len(fx.TEXTS))) <= TOL, case
+
+
+@pytest.mark.parametrize("key", ["nomic-embed", "modernbert-embed"])
+def test_gguf_nomic_bert_and_modern_bert_embed_as_the_directory(dirs, tmp_path, key):
+    # llama.cpp's converter's file (tests/gguf_convert.py writes it as convert_hf_to_gguf.py
+    # does, checked against it key for key in tests/test_encoders_llama_cpp.py): nomic-bert's
+    # WordPiece vocabulary, ModernBERT's byte-level BPE (`modern-bert` pre-tokenizer, [CLS] / [SEP]
+    # added), the pooling from `{arch}.pooling_type`, ModernBERT's window and both rotary bases.
+    pytest.importorskip("gguf")
+    from gguf_convert import convert
+
+    path = convert(dirs[key], tmp_path / f"{key}.gguf")
+    rt = cw.ModelRuntime.load(path, device="cpu")
+    family = {"nomic-embed": "nomic_bert", "modernbert-embed": "modernbert"}[key]
+    assert rt.model_info["architecture"] == family and rt.model_info["format"] == "gguf"
+    assert [rt.tokenizer.encode(t) for t in fx.TEXTS] == META["input_ids"][key]
+    assert LLAMA_META["input_ids"][f"{key}/default"] == META["input_ids"][key]
+    assert rt.embedding_info()["pooling"] == "mean"
+    out = rt.embed(fx.TEXTS)
+    for i in range(len(fx.TEXTS)):
+        assert rel_l2(out[i], REF[f"{key}/default"][i]) <= TOL, i
+    peer = TOL if key == "nomic-embed" else LLAMA_GELU_PEER
+    assert max(rel_l2(out[i], LLAMA[f"{key}/default"][i]) for i in range(len(fx.TEXTS))) <= peer
+    query = rt.embed([fx.NOMIC_PROMPTS["query"] + t for t in fx.TEXTS])
+    assert max(rel_l2(query[i], REF[f"{key}/query"][i]) for i in range(len(fx.TEXTS))) <= TOL
+    with pytest.raises(cw.UnsupportedError, match="encoder"):
+        rt.generate("the cat", max_tokens=1)
+
+
+def test_gguf_modern_bert_cross_encoder_reranks_as_sentence_transformers(dirs, tmp_path):
+    # The converter keeps ModernBERT's head whole (`cls`, `cls.norm`, `cls.output`) and its
+    # `classifier.pooling_type`; pairs are `[CLS] q [SEP] d [SEP]` as llama.cpp's rerank forms
+    # them from a BERT-family vocabulary (`add_sep_token` written, false here).
+    pytest.importorskip("gguf")
+    from gguf_convert import convert
+
+    for config, case in (({}, "default"), ({"classifier_pooling": "cls"}, "cls")):
+        path = convert(dirs["modernbert-rerank"], tmp_path / f"{case}.gguf", config=config)
+        rt = cw.ModelRuntime.load(path, device="cpu")
+        results = rt.rerank(fx.QUERY, fx.DOCUMENTS)
+        scores = np.array([r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])], dtype=np.float32)
+        assert rel_l2(scores, REF[f"modernbert-rerank/{case}"]) <= TOL, (case, scores)
+    # The long pairs' reference is the mean head's, cut longest-first to the 128 positions.
+    path = convert(dirs["modernbert-rerank"], tmp_path / "mean.gguf")
+    long = [cw.ModelRuntime.load(path, device="cpu").rerank(q, [d])[0]["relevance_score"] for q, d in fx.LONG_PAIRS]
+    assert rel_l2(np.array(long, dtype=np.float32), REF["modernbert-rerank/long"]) <= TOL
+
+
+def test_nomic_bert_config_with_transformers_names_only(dirs, tmp_path):
+    # A config transformers' own `nomic_bert` wrote from scratch has only BERT's key names (the
+    # tensors it saves keep the released names): the same model.
+    d = tmp_path / "native"
+    shutil.copytree(dirs["nomic-embed"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    for key in ("n_embd", "n_layer", "n_head", "n_inner", "n_positions", "layer_norm_epsilon", "rotary_emb_base"):
+        cfg.pop(key)
+    (d / "config.json").write_text(json.dumps(cfg))
+    out, ref = cw.ModelRuntime.load(d, device="cpu").embed(fx.TEXTS), REF["nomic-embed/default"]
+    assert max(rel_l2(out[i], ref[i]) for i in range(len(fx.TEXTS))) <= TOL

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 
 use super::config::encoder::EncoderConfig;
 use super::config::metadata::Metadata;
@@ -164,6 +164,9 @@ impl BackendProvider for CandleBackend {
             }
             None => Decoder::load(config.arch, &loader, config.naming)?,
         };
+        if matches!(config.naming, Naming::Gguf) {
+            decoder.set_embedding_dense(gguf_embedding_dense(&loader, decoder.config().hidden_size)?);
+        }
         if let Some((vision, source)) = config.vision {
             // The encoder runs dense in float32 (or the requested dtype): quantization at load
             // is for the decoder's matmuls, as llama.cpp's mmproj is converted on its own.
@@ -304,8 +307,7 @@ impl CandleBackend {
             .ok_or_else(|| CandleError::MissingTensor { name: "token_embd.weight".into() })?;
         let vocab_size = embed.first().copied().unwrap_or(0);
         let source = path.display().to_string();
-        let type_rows = weights.shape("token_types.weight").and_then(|s| s.first().copied()).unwrap_or(0);
-        if let Some(encoder) = super::config::encoder::from_gguf(&md, vocab_size, type_rows, &source)? {
+        if let Some(encoder) = super::config::encoder::from_gguf(&md, vocab_size, &|t| weights.shape(t), &source)? {
             let max_context = options.max_context.unwrap_or(encoder.max_tokens()).min(encoder.max_tokens());
             validate_context(max_context)?;
             weights.drop_vocabulary();
@@ -422,4 +424,30 @@ fn check_no_extra_layers(names: &[String], n_layers: usize, prefix: &str, source
         }),
         None => Ok(()),
     }
+}
+
+/// The dense layers llama.cpp's converter writes after an embedding model's pooling
+/// (`--sentence-transformers-dense-modules`: EmbeddingGemma's `2_Dense` as `dense_2`, `3_Dense` as
+/// `dense_3`, weights only, as its graph applies them: no bias, no activation), each `[out, in]`
+/// and chained from the hidden width back to it, as llama.cpp requires.
+fn gguf_embedding_dense(w: &WeightLoader<'_>, hidden: usize) -> Result<Vec<Tensor>> {
+    let mut out = Vec::new();
+    let mut width = hidden;
+    for name in ["dense_2.weight", "dense_3.weight"] {
+        let Some(shape) = w.shape(name) else { continue };
+        let [rows, cols] = shape[..] else {
+            return Err(CandleError::TensorShape { name: name.into(), expected: vec![0, width], found: shape });
+        };
+        if cols != width {
+            return Err(CandleError::TensorShape { name: name.into(), expected: vec![rows, width], found: shape });
+        }
+        out.push(w.dense_f32(name, &[rows, cols])?);
+        width = rows;
+    }
+    if width != hidden {
+        return Err(CandleError::UnsupportedConfig {
+            what: format!("dense layers ending at width {width}, not the model's {hidden} (llama.cpp requires it)"),
+        });
+    }
+    Ok(out)
 }

@@ -272,6 +272,19 @@ impl EmbeddingSetup {
         Ok(setup)
     }
 
+    /// Adds the dense layers a GGUF file carries after pooling (EmbeddingGemma's `dense_2` /
+    /// `dense_3`: a weight each, no bias, no activation, as llama.cpp applies them); a directory
+    /// with Dense modules of its own keeps those.
+    fn with_file_dense(mut self, weights: &[Tensor]) -> Self {
+        if self.dense.is_empty() && !weights.is_empty() {
+            self.dense = weights
+                .iter()
+                .map(|w| Dense { weight: w.clone(), bias: None, activation: DenseActivation::Identity })
+                .collect();
+        }
+        self
+    }
+
     /// The width of the embeddings before any truncation.
     pub fn dimension(&self) -> usize {
         self.hidden_size
@@ -479,7 +492,8 @@ impl super::Model {
             decoder.config().hidden_size,
             default_pooling,
             decoder.device(),
-        )?;
+        )?
+        .with_file_dense(decoder.embedding_dense());
         let setup = std::sync::Arc::new(setup);
         *slot = Some(setup.clone());
         Ok(setup)

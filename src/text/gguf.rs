@@ -79,8 +79,9 @@ enum ByteLevelSplit {
 fn byte_level_split(pre: &str) -> Option<ByteLevelSplit> {
     Some(match pre {
         // llama.cpp writes these for vocabularies cut by GPT-2's regex; transformers leaves
-        // GPT2Tokenizer's `ByteLevel` in place for them.
-        "default" | "gpt-2" | "phi-2" | "mpt" | "olmo" => ByteLevelSplit::Gpt2,
+        // GPT2Tokenizer's `ByteLevel` in place for them (ModernBERT's is OLMo's, which llama.cpp
+        // cuts with GPT-2's regex too).
+        "default" | "gpt-2" | "phi-2" | "mpt" | "olmo" | "modern-bert" => ByteLevelSplit::Gpt2,
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
         | "jina-v5-nano" | "dbrx" | "smaug-bpe" => ByteLevelSplit::Regex(LLAMA3_SPLIT),
         "tekken" => ByteLevelSplit::Regex(TEKKEN_SPLIT),
@@ -239,6 +240,10 @@ struct Vocabulary<'a> {
     pad_id: Option<u32>,
     add_bos: Option<bool>,
     add_eos: Option<bool>,
+    /// Whether a separator goes between a pair's two texts: the converter writes it for the
+    /// BERT family only (its `SpecialVocab` reads it from their tokenizer configs).
+    add_sep: Option<bool>,
+    sep_id: Option<u32>,
     add_space_prefix: Option<bool>,
     pre: Option<String>,
     chat_template: Option<String>,
@@ -275,6 +280,9 @@ impl<'a> Vocabulary<'a> {
             pad_id: md.token_id("tokenizer.ggml.padding_token_id", n).unwrap_or(None),
             add_bos: md.boolean("tokenizer.ggml.add_bos_token")?,
             add_eos: md.boolean("tokenizer.ggml.add_eos_token")?,
+            add_sep: md.boolean("tokenizer.ggml.add_sep_token")?,
+            // llama.cpp's key is spelt so.
+            sep_id: md.token_id("tokenizer.ggml.seperator_token_id", n).unwrap_or(None),
             add_space_prefix: md.boolean("tokenizer.ggml.add_space_prefix")?,
             pre: md.string("tokenizer.ggml.pre")?.map(str::to_string),
             chat_template: md.string("tokenizer.chat_template")?.map(str::to_string),
@@ -711,9 +719,14 @@ fn special_token_processor(
         return Ok(None);
     }
     let err = |e: String| TextError::tokenizer("building the BOS/EOS template", e);
+    // A BERT-family vocabulary (`add_sep_token` written) pairs texts as llama.cpp's rerank does
+    // and transformers' BERT tokenizers do: `BOS A EOS [SEP] B EOS`, the SEP only where added
+    // (ModernBERT's and BERT's EOS is their [SEP] already).
+    let bert_pair = v.add_sep.is_some();
+    let sep = v.sep_id.filter(|_| v.add_sep == Some(true));
     // Internal piece names, so token texts containing spaces or colons cannot break the template.
     let mut specials = Vec::new();
-    for (name, id) in [("BOS", bos), ("EOS", eos)] {
+    for (name, id) in [("BOS", bos), ("EOS", eos), ("SEP", sep)] {
         if let Some(id) = id {
             let text = v.tokens[id as usize].to_string();
             specials.push(SpecialToken::new(name.into(), vec![id], vec![text]).map_err(|e| err(e.to_string()))?);
@@ -732,7 +745,20 @@ fn special_token_processor(
         pieces
     };
     let single = sequence("$A", 0);
-    let pair: Vec<String> = single.iter().cloned().chain(sequence("$B", 1)).collect();
+    let pair: Vec<String> = match bert_pair {
+        false => single.iter().cloned().chain(sequence("$B", 1)).collect(),
+        true => {
+            let mut pair = single.clone();
+            if sep.is_some() {
+                pair.push("SEP:1".into());
+            }
+            pair.push("$B:1".into());
+            if eos.is_some() {
+                pair.push("EOS:1".into());
+            }
+            pair
+        }
+    };
     let processor = TemplateProcessing::builder()
         .try_single(single)
         .map_err(err)?

@@ -93,8 +93,10 @@ pub fn supported_architectures(py: Python<'_>, format: Option<&str>, images: boo
     }
     let decoders =
         Architecture::ALL.into_iter().filter(|a| !gguf_only || a.gguf_name().is_some()).map(Architecture::name);
-    // BERT-family encoders (embeddings, cross-encoder reranking); of their GGUF files, BERT's.
+    // BERT-family encoders (embeddings, cross-encoder reranking); of their GGUF files, those
+    // llama.cpp's converter writes under an architecture of their own (bert, modern-bert,
+    // nomic-bert), listed by their config.json names.
     let encoders =
-        EncoderFamily::ALL.into_iter().filter(|f| !gguf_only || *f == EncoderFamily::Bert).map(EncoderFamily::name);
+        EncoderFamily::ALL.into_iter().filter(|f| !gguf_only || f.gguf_name().is_some()).map(EncoderFamily::name);
     Ok(decoders.chain(encoders).collect())
 }

@@ -17,10 +17,16 @@ pub fn parse_config(
     path: &str,
 ) -> Result<ArchConfig> {
     let name = md.string("general.architecture")?;
-    let arch = Architecture::ALL
-        .into_iter()
-        .find(|a| a.gguf_name() == Some(name.as_str()))
-        .ok_or_else(|| Architecture::unsupported(&name, true))?;
+    // llama.cpp's `gemma-embedding` (EmbeddingGemma as its converter writes it) is Gemma 3 with
+    // every token attending every other, a sliding layer's window symmetric about the token.
+    let embedding_gemma = name == "gemma-embedding";
+    let arch = match embedding_gemma {
+        true => Architecture::Gemma3,
+        false => Architecture::ALL
+            .into_iter()
+            .find(|a| a.gguf_name() == Some(name.as_str()))
+            .ok_or_else(|| Architecture::unsupported(&name, true))?,
+    };
     let key = |k: &str| format!("{name}.{k}");
     // As llama.cpp requires: an embedding row without a token would be generated and then
     // decode to nothing, silently dropping text.
@@ -71,6 +77,16 @@ pub fn parse_config(
     // Phi-3's converter writes a window of 0 for "none" (llama.cpp's loader reads it so); for the
     // others 0 stays the invalid window it is, refused by `validate`.
     let window = if arch == Architecture::Phi3 { window.filter(|&w| w > 0) } else { window };
+    // The file keeps the checkpoint's own window (the converter undoes transformers' halving);
+    // llama.cpp's symmetric window sees `w / 2` either side, which is the decoder's bidirectional
+    // window of `w / 2 + 1`, as `hf.rs` reads transformers' Gemma 3.
+    let window = if embedding_gemma { window.map(|w| w / 2 + 1) } else { window };
+    // llama.cpp's `rope_freq_base_train_swa`: Gemma 3's sliding layers keep base 10k; its
+    // gemma-embedding reads `rope.freq_base_swa` (the global base where absent).
+    let swa_theta = match embedding_gemma {
+        true => md.opt_f64(&key("rope.freq_base_swa"))?.unwrap_or(theta),
+        false => 10_000.0,
+    };
     let sliding = sliding_layers(md, arch, n_layers, window.is_some(), &key("attention.sliding_window_pattern"))?;
     let layers: Vec<LayerConfig> = sliding
         .into_iter()
@@ -80,8 +96,7 @@ pub fn parse_config(
                 Architecture::Gpt2 => None,
                 // llama.cpp's `n_no_rope_layer_step = 4`: every fourth layer rotates nothing.
                 Architecture::SmolLm3 if (i + 1) % 4 == 0 => None,
-                // llama.cpp's `rope_freq_base_train_swa`: Gemma 3's sliding layers keep base 10k.
-                Architecture::Gemma3 if slides => Some(RopeConfig { theta: 10_000.0, scaling: RopeScaling::None }),
+                Architecture::Gemma3 if slides => Some(RopeConfig { theta: swa_theta, scaling: RopeScaling::None }),
                 _ => Some(full),
             };
             LayerConfig { sliding_window: if slides { window } else { None }, rope }
@@ -170,7 +185,7 @@ pub fn parse_config(
         bos_token_id: md.token_id("tokenizer.ggml.bos_token_id")?,
         moe: None,
         attn_sinks: has_tensor("blk.0.attn_sinks.weight"),
-        bidirectional: false,
+        bidirectional: embedding_gemma,
         embedding_pooling: super::encoder::EncoderPooling::from_gguf(md.opt_usize(&key("pooling_type"))?, path, &name)?,
     };
     // Errors name llama.cpp's keys, not transformers' names of the same quantities.

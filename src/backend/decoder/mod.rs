@@ -93,6 +93,10 @@ pub struct Decoder {
     saes: std::sync::Arc<SaeRegistry>,
     /// The vision encoder and projector of a vision-language model (DESIGN §13).
     vision: Option<std::sync::Arc<VisionModel>>,
+    /// An embedding model's dense layers after pooling, where its GGUF file carries them
+    /// (EmbeddingGemma's `dense_2` / `dense_3`, float32 `[out, in]`); a directory's are in its
+    /// sentence-transformers folders instead.
+    embedding_dense: Vec<Tensor>,
     /// The LoRA adapters loaded on this model, shared with every clone and session (`adapters.rs`).
     adapters: std::sync::Arc<AdapterRegistry>,
     /// The LoRA adapters merged into its weights (their descriptions, no factors), in merge order.
@@ -258,6 +262,7 @@ impl Decoder {
             quantized_at_load: w.quantize_report(),
             saes: Default::default(),
             vision: None,
+            embedding_dense: Vec::new(),
             adapters: Default::default(),
             merged: Vec::new(),
             embed_site,
@@ -290,6 +295,7 @@ impl Decoder {
             quantized_at_load: None,
             saes: Default::default(),
             vision: None,
+            embedding_dense: Vec::new(),
             adapters: Default::default(),
             merged: Vec::new(),
             embed_site,
@@ -483,6 +489,16 @@ impl Decoder {
         self.fingerprint =
             format!("{}-v{:08x}", self.fingerprint, crc32fast::hash(format!("{:?}", vision.config()).as_bytes()));
         self.vision = Some(std::sync::Arc::new(vision));
+    }
+
+    /// The dense layers an embedding model's GGUF file carries after pooling (none for others).
+    pub fn embedding_dense(&self) -> &[Tensor] {
+        &self.embedding_dense
+    }
+
+    /// Gives the model the dense layers its file carries after pooling.
+    pub fn set_embedding_dense(&mut self, dense: Vec<Tensor>) {
+        self.embedding_dense = dense;
     }
 
     /// The sparse autoencoders attached to this model (shared by all its sessions).
