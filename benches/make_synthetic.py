@@ -110,8 +110,10 @@ def writer_for(path, s):
     w.add_float32(f"{a}.rope.freq_base", s["rope_theta"])
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s["eps"])
     w.add_uint32(f"{a}.vocab_size", s["vocab"])
-    tokens = ["<|bos|>", "<|eos|>", *byte_symbols()]
-    types = [3, 3] + [1] * 256
+    # The one merge's result is a token too: a tokenizer whose merge makes a token outside the
+    # vocabulary is refused by candlewick (and by Hugging Face tokenizers) when it is built.
+    tokens = ["<|bos|>", "<|eos|>", *byte_symbols(), "\u0120t"]
+    types = [3, 3] + [1] * 257
     tokens += [f"<|pad_{i}|>" for i in range(s["vocab"] - len(tokens))]
     types += [3] * (s["vocab"] - len(types))
     w.add_string("tokenizer.ggml.model", "gpt2")
