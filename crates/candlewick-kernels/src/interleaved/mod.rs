@@ -464,7 +464,7 @@ pub fn fast_path(format: Format) -> Option<Path> {
         if avx512() {
             Some(Path::Avx512Vnni)
         } else {
-            (!format.is_grid()).then_some(Path::Avx2)
+            (!format.is_grid() || grid::avx2::runs(format)).then_some(Path::Avx2)
         }
     }
     #[cfg(target_arch = "aarch64")]
@@ -789,7 +789,7 @@ impl Interleaved {
                             Format::Q3K => {
                                 k_quants::avx2::q6k_columns::<Q3K>(self, &xq, &half_sums, m, t0, tiles, ptr.0)
                             }
-                            // The grid formats have no AVX2 kernel and are never repacked there.
+                            _ if self.format.is_grid() => grid::avx2::columns(self, &xq, m, t0, tiles, ptr.0),
                             _ => self.portable_columns(&xq, m, t0, tiles, ptr),
                         }
                     }
@@ -1691,7 +1691,7 @@ mod tests {
         for format in formats() {
             let want = if avx512() {
                 Some(Path::Avx512Vnni)
-            } else if avx2() && !format.is_grid() {
+            } else if avx2() && (!format.is_grid() || grid::avx2::runs(format)) {
                 Some(Path::Avx2)
             } else {
                 None
