@@ -67,11 +67,11 @@ def test_int8_kernel_is_chosen_by_this_cpu_not_by_the_build():
     avx512 = {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
     tiles = avx512 or {"avx2", "fma", "f16c"} <= flags
     assert candlewick.build_info()["interleaved_tiles"] == tiles
-    # AVX-512 tiles every block type; AVX2 all but the grid i-quants and the ternary types.
+    # AVX-512 and AVX2 tile every block type, the grid i-quants and the ternary types included.
     grid = {"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "tq1_0", "tq2_0"}
     tiled = set(candlewick.build_info()["tiled_types"])
-    assert len(tiled) == (21 if avx512 else 12 if tiles else 0)
-    assert not tiles or avx512 or not tiled & grid
+    assert len(tiled) == (21 if tiles else 0)
+    assert not tiles or grid <= tiled
 
 
 def test_portable_build_keeps_to_its_baseline():

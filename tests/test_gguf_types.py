@@ -38,14 +38,14 @@ FLOATS = [T.F32, T.F16, T.BF16]
 # The types candle lacks whose Q8_0 re-encoding keeps every value (see `extra_types.rs`).
 EXACT_AS_Q8_0 = [T.IQ4_NL, T.TQ1_0, T.TQ2_0, T.MXFP4]
 # The types candle lacks that run in interleaved tiles of their own blocks where the CPU has them
-# (AVX-512 VNNI), with the bits a value of those blocks: the table formats, and since issue 43 the
+# (AVX-512 VNNI or AVX2), with the bits a value of those blocks: the table formats, and since issue 43 the
 # grid i-quants and the ternary types (re-encoded as Q8_0 before, 8.5 bits a value).
 OWN_TILES = {
     T.IQ4_NL: 4.5, T.IQ4_XS: 4.25, T.MXFP4: 4.25,
     T.IQ1_S: 1.5625, T.IQ1_M: 1.75, T.IQ2_XXS: 2.0625, T.IQ2_XS: 2.3125, T.IQ2_S: 2.5625,
     T.IQ3_XXS: 3.0625, T.IQ3_S: 3.4375, T.TQ1_0: 1.6875, T.TQ2_0: 2.0625,
 }
-# The types this CPU keeps in tiles of their own (AVX-512 VNNI: all; AVX2: not the grid ones).
+# The types this CPU keeps in tiles of their own (AVX-512 VNNI and AVX2: all; Arm: the grid ones).
 TILED = {t for t in OWN_TILES if t.name.lower() in cw.build_info()["tiled_types"]}
 
 

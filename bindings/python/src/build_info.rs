@@ -21,9 +21,9 @@ use candlewick::backend::kernels::{self, int8_gemm};
 ///     ``"neon-dotprod"``, ``"neon"`` or ``"portable"``); ``interleaved_tiles`` (whether this CPU
 ///     repacks block weights at load into 16-row tiles of their own size: AVX-512 VNNI or AVX2 on
 ///     x86, ``sdot`` on Arm); ``tiled_types`` (the ggml types it repacks, by llama.cpp's name:
-///     every block type on AVX-512 VNNI, all but the grid i-quants and ternary types (IQ1_S …
-///     IQ3_S, TQ1_0, TQ2_0) on AVX2, all but IQ4_NL/IQ4_XS/MXFP4 on Arm; elsewhere weights stay in
-///     ggml's layout, and the types candle lacks are re-encoded as Q8_0); ``devices``
+///     every block type on AVX-512 VNNI and on AVX2 (the grid i-quants and ternary types IQ1_S …
+///     IQ3_S, TQ1_0, TQ2_0 included), all but IQ4_NL/IQ4_XS/MXFP4 on Arm; elsewhere weights stay
+///     in ggml's layout, and the types candle lacks are re-encoded as Q8_0); ``devices``
 ///     (``"cpu:0"``, ``"cuda:0"`` ...: what this build sees here).
 ///
 /// Example:

@@ -1,7 +1,8 @@
 //! The tiles on x86 CPUs with AVX2 but without AVX-512 VNNI (AMD Zen 2 and 3, Intel cores
 //! before Ice Lake, most laptops of the last decade): the 32-value formats here, the k-quants in
-//! `k_quants::avx2`. Without them such a CPU left k-quant weights in ggml's layout for candle's
-//! row-by-row kernels and re-encoded the table formats as Q8_0.
+//! `k_quants::avx2`, the grid i-quants and ternary types in `grid::avx2`. Without them such a CPU
+//! left k-quant weights in ggml's layout for candle's row-by-row kernels and re-encoded the table
+//! and grid formats as Q8_0.
 //!
 //! A 256-bit register holds 8 of a tile's 16 rows (4 values each), so a tile runs as two halves
 //! of 8 rows (rows 0–7 are the first 32 bytes of each 64-byte vector, rows 8–15 the second),

@@ -733,6 +733,475 @@ pub(super) mod x86 {
     }
 }
 
+/// The tiles on x86 CPUs with AVX2 but without AVX-512 VNNI: the AVX-512 kernel's structure and
+/// `Decoded` layout (so `decode_scalar` is the reference of both decoders), in 256-bit vectors.
+/// A 32-byte vector of decoded values holds 4 rows' 8 values of a group (quarter `q`: rows
+/// `4q..4q + 4`, at `g·128 + 32q`). Without `vpdpbusd`, the stored values (plus 128, the full
+/// 8-bit range) are flipped back to signed and multiplied as ggml's AVX2 code multiplies signed
+/// bytes: `|q|` by `x` with `q`'s sign (`vpmaddubsw`, pairs of products in 16 bits), so no
+/// `−128·Σx` start is needed. The grid entries are scalar loads, as on AVX-512: a `vpgatherdq`
+/// of 4 rows' entries made IQ2_XXS's one-row product 25% slower on an AMD EPYC (Zen).
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    use super::super::avx2::{bytes_u32, store};
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Tiles `t0..t0 + tiles` against every activation row.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in super::super) unsafe fn columns(
+        w: &Interleaved,
+        xq: &QuantizedRows,
+        m: usize,
+        t0: usize,
+        tiles: usize,
+        out: *mut f32,
+    ) {
+        let nb = w.blocks();
+        DECODED.with(|cell| {
+            let dec = &mut *cell.borrow_mut();
+            for t in t0..t0 + tiles {
+                if m <= 4 {
+                    // Each record decoded and multiplied at once, in L1.
+                    dec.reserve(1);
+                    rows_by_four!(m, 0, |R, row0| tile::<R>(w, dec, xq, row0, t, true, out));
+                    continue;
+                }
+                dec.reserve(nb);
+                for b in 0..nb {
+                    decode(w, t, b, dec, b);
+                }
+                rows_by_four!(m, 0, |R, row0| tile::<R>(w, dec, xq, row0, t, false, out));
+            }
+        })
+    }
+
+    /// Activation rows `row0..row0 + R` times tile `t`: its records decoded one at a time into
+    /// slot 0 (`fresh`), or read from their slots.
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        w: &Interleaved,
+        dec: &mut Decoded,
+        xq: &QuantizedRows,
+        row0: usize,
+        t: usize,
+        fresh: bool,
+        out: *mut f32,
+    ) {
+        let nb = w.blocks();
+        let units = nb * QK_K / QK;
+        let flip = _mm256_set1_epi8(-128);
+        // Per row and quarter, 4 rows' pairs of lanes.
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        for b in 0..nb {
+            let slot = if fresh {
+                decode(w, t, b, dec, 0);
+                0
+            } else {
+                b
+            };
+            let values = dec.values.as_ptr().add(slot * VALUES_BYTES);
+            let mult = dec.mult.as_ptr().add(slot * SLOTS * 2 * LANES);
+            let dp = dec.d.as_ptr().add(slot * 2 * LANES);
+            for u in 0..QK_K / QK {
+                let unit = |r: usize| (row0 + r) * units + b * QK_K / QK + u;
+                let xd: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(*xq.scales.get_unchecked(unit(r))));
+                for q in 0..4 {
+                    let mut total = [_mm256_setzero_si256(); R];
+                    for h in 0..2 {
+                        // The two groups' pairs of products add in 16 bits: grid values are at
+                        // most 62 (IQ3), activations 127, so 2·2·62·127 < 2^15.
+                        let mut sums = [_mm256_setzero_si256(); R];
+                        for gg in 0..2 {
+                            let g = 4 * u + 2 * h + gg;
+                            let v =
+                                _mm256_xor_si256(_mm256_loadu_si256(values.add(g * 128 + 32 * q) as *const _), flip);
+                            let mag = _mm256_abs_epi8(v);
+                            for r in 0..R {
+                                let xp = xq.values.as_ptr().add(unit(r) * QK + 8 * (2 * h + gg)) as *const i64;
+                                let x = _mm256_sign_epi8(_mm256_set1_epi64x(xp.read_unaligned()), v);
+                                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(mag, x));
+                            }
+                        }
+                        // The slot's multipliers (at most 31) in both 16-bit halves of each
+                        // lane: `vpmaddwd` widens the sums and multiplies them at once.
+                        let m = _mm256_loadu_si256(mult.add((2 * u + h) * 2 * LANES + 8 * q) as *const _);
+                        let m = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
+                        for r in 0..R {
+                            total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(sums[r], m));
+                        }
+                    }
+                    let d = _mm256_loadu_ps(dp.add(8 * q));
+                    for r in 0..R {
+                        acc[r][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(d, xd[r]), acc[r][q]);
+                    }
+                }
+            }
+        }
+        for (r, acc) in acc.into_iter().enumerate() {
+            for hh in 0..2 {
+                // A row's two lanes hold halves of its sum (no offset in either, so adding them
+                // as floats at the end loses nothing): `vhaddps` adds the pairs of quarters
+                // 2hh and 2hh + 1 in the order rows 0, 1, 4, 5 | 2, 3, 6, 7 (of 8hh..).
+                let rows = _mm256_hadd_ps(acc[2 * hh], acc[2 * hh + 1]);
+                let rows = _mm256_castsi256_ps(_mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(rows)));
+                store(rows, out, row0 + r, w.n, t * LANES, hh);
+            }
+        }
+    }
+
+    /// Two vectors of rows 0–7 and 8–15, `f(h)` for half `h`.
+    #[inline(always)]
+    unsafe fn both<T>(f: impl FnMut(usize) -> T) -> [T; 2] {
+        std::array::from_fn(f)
+    }
+
+    /// The 16 rows' sign bytes of 7-bit sign indices (`v`: one per 32-bit lane, rows 0–7 and
+    /// 8–15): the index with its parity as the eighth bit (ggml's `ksigns_iq2xs`), as 4 words of
+    /// 4 rows' sign bytes.
+    #[inline(always)]
+    unsafe fn ksigns(v: [__m256i; 2]) -> [u32; 4] {
+        let first = _mm256_setr_epi8(
+            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+            -1, -1, -1, -1,
+        );
+        let mut out = [0u32; 4];
+        for (h, v) in v.into_iter().enumerate() {
+            let mut p = _mm256_xor_si256(v, _mm256_srli_epi32(v, 4));
+            p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+            p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+            let s = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi32(1)), 7));
+            // Each lane's low byte, 4 rows to a word of each 128-bit half.
+            let bytes = _mm256_shuffle_epi8(s, first);
+            out[2 * h] = _mm256_extract_epi32::<0>(bytes) as u32;
+            out[2 * h + 1] = _mm256_extract_epi32::<4>(bytes) as u32;
+        }
+        out
+    }
+
+    /// 16 sign bytes at `p` as 4 words of 4 rows'.
+    #[inline(always)]
+    unsafe fn masks(p: *const u8) -> [u32; 4] {
+        std::array::from_fn(|q| (p.add(4 * q) as *const u32).read_unaligned())
+    }
+
+    /// Grid magnitudes (below 128) of 4 rows with their sign bytes `signs` (one a row, bit `j`
+    /// for value `j`), plus 128: `128 + g` or `128 − g`. The sign bits spread to bytes as
+    /// `avx2::with_high_bits` spreads its masks.
+    #[inline(always)]
+    unsafe fn signed(mag: __m256i, signs: u32) -> __m256i {
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(signs as i32),
+            _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+            ),
+        );
+        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let negative = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+        let bias = _mm256_set1_epi8(-128);
+        _mm256_blendv_epi8(_mm256_xor_si256(mag, bias), _mm256_sub_epi8(bias, mag), negative)
+    }
+
+    /// The 4 rows' grid entries `entry(r)` (rows `4q..4q + 4`) as one vector.
+    #[inline(always)]
+    unsafe fn rows4(q: usize, entry: impl Fn(usize) -> u64) -> __m256i {
+        let e = |i: usize| entry(4 * q + i) as i64;
+        _mm256_set_epi64x(e(3), e(2), e(1), e(0))
+    }
+
+    /// An 8-lane vector (rows `8h..8h + 8`) in pairs: lanes `2r`, `2r + 1` row `r`'s.
+    #[inline(always)]
+    unsafe fn pairs(v: __m256i) -> [__m256i; 2] {
+        let lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        let hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+        [_mm256_permutevar8x32_epi32(v, lo), _mm256_permutevar8x32_epi32(v, hi)]
+    }
+
+    /// Stores `D` (rows 0–7, 8–15) in pairs.
+    #[inline(always)]
+    unsafe fn store_d(dec: &mut Decoded, slot: usize, d: [__m256; 2]) {
+        let p = dec.d.as_mut_ptr().add(slot * 2 * LANES);
+        for (h, d) in d.into_iter().enumerate() {
+            let [lo, hi] = pairs(_mm256_castps_si256(d));
+            _mm256_storeu_ps(p.add(16 * h), _mm256_castsi256_ps(lo));
+            _mm256_storeu_ps(p.add(16 * h + 8), _mm256_castsi256_ps(hi));
+        }
+    }
+
+    /// The 16 rows' float16 at `p` times `scale`.
+    #[inline(always)]
+    unsafe fn halves(p: *const u8, scale: f32) -> [__m256; 2] {
+        both(|h| _mm256_mul_ps(super::super::avx2::halves(p, h), _mm256_set1_ps(scale)))
+    }
+
+    /// Stores slot `s`'s multipliers (one per row) in pairs.
+    #[inline(always)]
+    unsafe fn store_mult(dec: &mut Decoded, slot: usize, s: usize, mult: [__m256i; 2]) {
+        let p = dec.mult.as_mut_ptr().add((slot * SLOTS + s) * 2 * LANES);
+        for (h, m) in mult.into_iter().enumerate() {
+            let [lo, hi] = pairs(m);
+            _mm256_storeu_si256(p.add(16 * h) as *mut _, lo);
+            _mm256_storeu_si256(p.add(16 * h + 8) as *mut _, hi);
+        }
+    }
+
+    /// Each 32-bit lane shifted right by `n` (not a constant).
+    #[inline(always)]
+    unsafe fn srl32(v: [__m256i; 2], n: u32) -> [__m256i; 2] {
+        v.map(|v| _mm256_srl_epi32(v, _mm_cvtsi32_si128(n as i32)))
+    }
+
+    /// Each 32-bit lane and `mask`.
+    #[inline(always)]
+    unsafe fn and32(v: [__m256i; 2], mask: i32) -> [__m256i; 2] {
+        v.map(|v| _mm256_and_si256(v, _mm256_set1_epi32(mask)))
+    }
+
+    /// `2·s + 1` for 4-bit `s` in each 32-bit lane.
+    #[inline(always)]
+    unsafe fn odd(s: [__m256i; 2]) -> [__m256i; 2] {
+        s.map(|s| _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1)))
+    }
+
+    /// The 16 rows' bytes at `p`, one per 32-bit lane.
+    #[inline(always)]
+    unsafe fn bytes16(p: *const u8) -> [__m256i; 2] {
+        both(|h| bytes_u32(p, h))
+    }
+
+    /// The 16 rows' u16 at `p`, one per 32-bit lane.
+    #[inline(always)]
+    unsafe fn words16(p: *const u8) -> [__m256i; 2] {
+        both(|h| _mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(16 * h) as *const __m128i)))
+    }
+
+    /// The 16 rows' u32 at `p`.
+    #[inline(always)]
+    unsafe fn dwords16(p: *const u8) -> [__m256i; 2] {
+        both(|h| _mm256_loadu_si256(p.add(32 * h) as *const __m256i))
+    }
+
+    /// Decodes record `b` of tile `t` into `slot` of `dec`: the same bytes as `decode_scalar`.
+    #[inline(always)]
+    pub(super) unsafe fn decode(w: &Interleaved, t: usize, b: usize, dec: &mut Decoded, slot: usize) {
+        let rec = w.record(t, b).as_ptr();
+        let values = dec.values.as_mut_ptr().add(slot * VALUES_BYTES);
+        let put = |g: usize, q: usize, v: __m256i| _mm256_storeu_si256(values.add(g * 128 + 32 * q) as *mut _, v);
+        let byte = |at: usize| *rec.add(at) as usize;
+        let word = |at: usize| (rec.add(at) as *const u16).read_unaligned() as usize;
+        match w.format {
+            Format::IQ2XXS => {
+                store_d(dec, slot, halves(rec, 0.125));
+                for ib in 0..8 {
+                    let base = 32 + 128 * ib;
+                    let aux = dwords16(rec.add(base + 64));
+                    let mult = odd(srl32(aux, 28));
+                    store_mult(dec, slot, 2 * ib, mult);
+                    store_mult(dec, slot, 2 * ib + 1, mult);
+                    for l in 0..4 {
+                        let signs = ksigns(and32(srl32(aux, 7 * l as u32), 127));
+                        for q in 0..4 {
+                            let mag = rows4(q, |r| *IQ2XXS_GRID.get_unchecked(byte(base + 16 * l + r)));
+                            put(4 * ib + l, q, signed(mag, signs[q]));
+                        }
+                    }
+                }
+            }
+            Format::IQ2XS => {
+                store_d(dec, slot, halves(rec, 0.125));
+                for ib in 0..8 {
+                    let sc = bytes16(rec.add(32 + 1024 + 16 * ib));
+                    store_mult(dec, slot, 2 * ib, odd(and32(sc, 15)));
+                    store_mult(dec, slot, 2 * ib + 1, odd(srl32(sc, 4)));
+                }
+                for k in 0..GROUPS {
+                    let at = 32 + 32 * k;
+                    let signs = ksigns(srl32(words16(rec.add(at)), 9));
+                    for q in 0..4 {
+                        let mag = rows4(q, |r| *IQ2XS_GRID.get_unchecked(word(at + 2 * r) & 511));
+                        put(k, q, signed(mag, signs[q]));
+                    }
+                }
+            }
+            Format::IQ2S => {
+                store_d(dec, slot, halves(rec, 0.125));
+                for ib in 0..8 {
+                    let sc = bytes16(rec.add(32 + 1152 + 16 * ib));
+                    store_mult(dec, slot, 2 * ib, odd(and32(sc, 15)));
+                    store_mult(dec, slot, 2 * ib + 1, odd(srl32(sc, 4)));
+                }
+                for k in 0..GROUPS {
+                    let signs = masks(rec.add(32 + 512 + 16 * k));
+                    let (qs, qh, shift) = (32 + 16 * k, 32 + 1024 + 16 * (k / 4), 2 * (k % 4));
+                    for q in 0..4 {
+                        let mag =
+                            rows4(q, |r| *IQ2S_GRID.get_unchecked(byte(qs + r) | (byte(qh + r) >> shift & 3) << 8));
+                        put(k, q, signed(mag, signs[q]));
+                    }
+                }
+            }
+            Format::IQ3XXS => {
+                store_d(dec, slot, halves(rec, 0.25));
+                for ib in 0..8 {
+                    let aux = dwords16(rec.add(32 + 1024 + 64 * ib));
+                    let mult = odd(srl32(aux, 28));
+                    store_mult(dec, slot, 2 * ib, mult);
+                    store_mult(dec, slot, 2 * ib + 1, mult);
+                    for l in 0..4 {
+                        let signs = ksigns(and32(srl32(aux, 7 * l as u32), 127));
+                        let at = 32 + 16 * (8 * ib + 2 * l);
+                        for q in 0..4 {
+                            let mag = rows4(q, |r| {
+                                let lo = *IQ3XXS_GRID.get_unchecked(byte(at + r)) as u64;
+                                lo | (*IQ3XXS_GRID.get_unchecked(byte(at + 16 + r)) as u64) << 32
+                            });
+                            put(4 * ib + l, q, signed(mag, signs[q]));
+                        }
+                    }
+                }
+            }
+            Format::IQ3S => {
+                store_d(dec, slot, halves(rec, 1.0));
+                for j in 0..4 {
+                    let sc = bytes16(rec.add(1696 + 16 * j));
+                    for (ib, s) in [(2 * j, and32(sc, 15)), (2 * j + 1, srl32(sc, 4))] {
+                        store_mult(dec, slot, 2 * ib, odd(s));
+                        store_mult(dec, slot, 2 * ib + 1, odd(s));
+                    }
+                }
+                for k in 0..GROUPS {
+                    let signs = masks(rec.add(1184 + 16 * k));
+                    // Indices 2k and 2k + 1: their ninth bits are bits of qh[k / 4].
+                    let (qs, qh) = (32 + 16 * 2 * k, 1056 + 16 * (k / 4));
+                    let shift = 2 * (k % 4);
+                    for q in 0..4 {
+                        let mag = rows4(q, |r| {
+                            let high = byte(qh + r) >> shift;
+                            let lo = *IQ3S_GRID.get_unchecked(byte(qs + r) | (high & 1) << 8) as u64;
+                            lo | (*IQ3S_GRID.get_unchecked(byte(qs + 16 + r) | (high >> 1 & 1) << 8) as u64) << 32
+                        });
+                        put(k, q, signed(mag, signs[q]));
+                    }
+                }
+            }
+            Format::IQ1S => {
+                store_d(dec, slot, halves(rec, 0.125));
+                let table = IQ1_SHIFTED.as_ptr();
+                for ib in 0..8 {
+                    let qh_at = 544 + 32 * ib;
+                    let mult = odd(and32(srl32(words16(rec.add(qh_at)), 12), 7));
+                    store_mult(dec, slot, 2 * ib, mult);
+                    store_mult(dec, slot, 2 * ib + 1, mult);
+                    for l in 0..4 {
+                        let k = 4 * ib + l;
+                        for q in 0..4 {
+                            let v = rows4(q, |r| {
+                                let qh = word(qh_at + 2 * r);
+                                *table.add(byte(32 + 16 * k + r) | (qh >> (3 * l) & 7) << 8 | (qh >> 15) << 11)
+                            });
+                            put(k, q, v);
+                        }
+                    }
+                }
+            }
+            Format::IQ1M => {
+                let s: [[__m256i; 2]; 4] = std::array::from_fn(|i| words16(rec.add(768 + 32 * i)));
+                // d's float16 bits, the top nibbles of the four scale words.
+                let d = both(|h| {
+                    let bits = _mm256_or_si256(
+                        _mm256_or_si256(
+                            _mm256_srli_epi32(s[0][h], 12),
+                            _mm256_and_si256(_mm256_srli_epi32(s[1][h], 8), _mm256_set1_epi32(0x00f0)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi32(s[2][h], 4), _mm256_set1_epi32(0x0f00)),
+                            _mm256_and_si256(s[3][h], _mm256_set1_epi32(0xf000)),
+                        ),
+                    );
+                    // At most 0xffff: packing to u16 without saturation.
+                    let words = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256::<1>(bits));
+                    _mm256_mul_ps(_mm256_cvtph_ps(words), _mm256_set1_ps(0.125))
+                });
+                store_d(dec, slot, d);
+                for h in 0..SLOTS {
+                    store_mult(dec, slot, h, odd(and32(srl32(s[h / 4], 3 * (h % 4) as u32), 7)));
+                }
+                let table = IQ1_SHIFTED.as_ptr();
+                for k in 0..GROUPS {
+                    let (qh, shift) = (512 + 16 * (k / 2), 4 * (k % 2));
+                    for q in 0..4 {
+                        let v = rows4(q, |r| {
+                            let nibble = byte(qh + r) >> shift & 15;
+                            *table.add(byte(16 * k + r) | (nibble & 7) << 8 | (nibble >> 3) << 11)
+                        });
+                        put(k, q, v);
+                    }
+                }
+            }
+            Format::TQ2_0 => {
+                store_d(dec, slot, halves(rec.add(1024), 1.0));
+                store_ones(dec, slot);
+                let three = _mm256_set1_epi8(3);
+                let bias = _mm256_set1_epi8(127);
+                for g in 0..GROUPS {
+                    // Value 128c + 32l + m is bits 2l of byte 32c + m.
+                    let (c, l, piece) = (g / 16, g % 16 / 4, g % 4);
+                    for q in 0..4 {
+                        let bytes = _mm256_loadu_si256(rec.add(128 * (4 * c + piece) + 32 * q) as *const _);
+                        let v = _mm256_and_si256(_mm256_srl_epi64(bytes, _mm_cvtsi32_si128(2 * l as i32)), three);
+                        put(g, q, _mm256_add_epi8(v, bias));
+                    }
+                }
+            }
+            Format::TQ1_0 => {
+                store_d(dec, slot, halves(rec.add(832), 1.0));
+                store_ones(dec, slot);
+                const POW3: [i16; 5] = [1, 3, 9, 27, 81];
+                for g in 0..30 {
+                    // Values 32n + m (bytes 0..32, digit n), then 160 + 16n + m (bytes 32..48).
+                    let (n, piece) = if g < 20 { (g / 4, g % 4) } else { ((g - 20) / 2, 4 + (g - 20) % 2) };
+                    for q in 0..4 {
+                        let bytes = _mm256_loadu_si256(rec.add(128 * piece + 32 * q) as *const _);
+                        put(g, q, trits(bytes, _mm256_set1_epi16(POW3[n])));
+                    }
+                }
+                // Values 240 + 4n + m: digit n of the last 4 bytes; a group holds digits n, n + 1.
+                for (g, n) in [(30, 0), (31, 2)] {
+                    let pow = |i: usize| POW3[i] as i64 as u64 & 0xffff;
+                    let c = (pow(n) | pow(n) << 16 | pow(n + 1) << 32 | pow(n + 1) << 48) as i64;
+                    for q in 0..4 {
+                        let four = _mm256_cvtepu32_epi64(_mm_loadu_si128(rec.add(768 + 16 * q) as *const __m128i));
+                        let both = _mm256_or_si256(four, _mm256_slli_epi64(four, 32));
+                        put(g, q, trits(both, _mm256_set1_epi64x(c)));
+                    }
+                }
+            }
+            _ => unreachable!("{:?} is not a grid format", w.format),
+        }
+    }
+
+    /// Multipliers of 1 for every slot (the ternary types' one scale a block).
+    #[inline(always)]
+    unsafe fn store_ones(dec: &mut Decoded, slot: usize) {
+        for h in 0..SLOTS {
+            store_mult(dec, slot, h, [_mm256_set1_epi32(1); 2]);
+        }
+    }
+
+    /// TQ1_0's base-3 digit of each byte for the power of 3 in its 16-bit lane `pow`, plus 127:
+    /// `x86::trits` in 256 bits.
+    #[inline(always)]
+    unsafe fn trits(bytes: __m256i, pow: __m256i) -> __m256i {
+        let low = _mm256_set1_epi16(0x00ff);
+        let three = _mm256_set1_epi16(3);
+        let even = _mm256_and_si256(_mm256_mullo_epi16(bytes, pow), low);
+        let odd = _mm256_mullo_epi16(_mm256_andnot_si256(low, bytes), pow);
+        let even = _mm256_mulhi_epu16(_mm256_slli_epi16(even, 8), three);
+        let odd = _mm256_slli_epi16(_mm256_mulhi_epu16(odd, three), 8);
+        _mm256_add_epi8(_mm256_or_si256(even, odd), _mm256_set1_epi8(127))
+    }
+}
+
 /// The tiles on Arm with `sdot`: records decoded by the reference decoder (`decode_scalar`),
 /// signed values multiplied 8 at a time (a 16-byte vector is two rows' 8 values; the activation
 /// group is repeated in both halves).
@@ -861,6 +1330,49 @@ mod tests {
                         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
                         unsafe fn run(w: &Interleaved, t: usize, b: usize, dec: &mut Decoded) {
                             x86::decode(w, t, b, dec, b)
+                        }
+                        run(&w, t, b, &mut got);
+                    }
+                }
+                for (i, (a, b)) in got.values.iter().zip(&want.values).enumerate() {
+                    assert_eq!(a, b, "{format:?} tile {t} value byte {i}");
+                }
+                assert_eq!(got.mult, want.mult, "{format:?} tile {t} multipliers");
+                let bits = |d: &[f32]| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got.d), bits(&want.d), "{format:?} tile {t} scales");
+            }
+        }
+    }
+
+    /// The AVX2 decoder writes the reference decoder's bytes, multipliers and scales, for
+    /// random records of every format.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx2_decoder_matches_the_reference() {
+        if !super::super::avx2() {
+            return;
+        }
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        for format in GRID_FORMATS {
+            let ty = format.grid_type();
+            let mut rng = StdRng::seed_from_u64(ty.id() as u64);
+            let (n, k) = (61, 2048);
+            let mut data: Vec<u8> = (0..n * k / QK_K * ty.block_bytes()).map(|_| rng.random()).collect();
+            for block in data.chunks_exact_mut(ty.block_bytes()) {
+                super::super::tests::finite_extra(ty, block);
+            }
+            let w = Interleaved::repack(format, &data, n, k).unwrap();
+            let (mut want, mut got) = (Decoded::default(), Decoded::default());
+            want.reserve(8);
+            got.reserve(8);
+            for t in 0..4 {
+                for b in 0..8 {
+                    decode_scalar(&w, t, b, &mut want, b);
+                    // SAFETY: AVX2, FMA and F16C were detected; the record and slot exist.
+                    unsafe {
+                        #[target_feature(enable = "avx2,fma,f16c")]
+                        unsafe fn run(w: &Interleaved, t: usize, b: usize, dec: &mut Decoded) {
+                            avx2::decode(w, t, b, dec, b)
                         }
                         run(&w, t, b, &mut got);
                     }

@@ -453,19 +453,16 @@ fn avx2() -> bool {
 }
 
 /// The SIMD path that multiplies `format`'s tiles on this CPU, if there is one: weights are
-/// repacked only then. AVX2 and Arm have kernels for some formats (`avx2.rs`, `neon::runs`);
-/// others stay in ggml's layout there (the grid formats re-encoded as Q8_0).
+/// repacked only then. x86 (AVX-512 VNNI or AVX2) has kernels for every format; Arm for some
+/// (`neon::runs`), the others staying in ggml's layout there.
+#[cfg_attr(target_arch = "x86_64", allow(unused_variables))]
 pub fn fast_path(format: Format) -> Option<Path> {
     if !available() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if avx512() {
-            Some(Path::Avx512Vnni)
-        } else {
-            (!format.is_grid()).then_some(Path::Avx2)
-        }
+        Some(if avx512() { Path::Avx512Vnni } else { Path::Avx2 })
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -789,7 +786,7 @@ impl Interleaved {
                             Format::Q3K => {
                                 k_quants::avx2::q6k_columns::<Q3K>(self, &xq, &half_sums, m, t0, tiles, ptr.0)
                             }
-                            // The grid formats have no AVX2 kernel and are never repacked there.
+                            _ if self.format.is_grid() => grid::avx2::columns(self, &xq, m, t0, tiles, ptr.0),
                             _ => self.portable_columns(&xq, m, t0, tiles, ptr),
                         }
                     }
@@ -1682,16 +1679,15 @@ mod tests {
         }
     }
 
-    /// On x86 the tiles run where AVX-512 VNNI and BW do, every format; else where AVX2, FMA and
-    /// F16C do, every format but the grid ones (re-encoded as Q8_0 there, `grid.rs` having no
-    /// AVX2 kernel); else nowhere.
+    /// On x86 the tiles of every format run where AVX-512 VNNI and BW do; else where AVX2, FMA
+    /// and F16C do; else nowhere.
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn x86_tiles_follow_the_cpu() {
         for format in formats() {
             let want = if avx512() {
                 Some(Path::Avx512Vnni)
-            } else if avx2() && !format.is_grid() {
+            } else if avx2() {
                 Some(Path::Avx2)
             } else {
                 None
