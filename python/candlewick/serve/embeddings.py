@@ -93,7 +93,9 @@ class EmbeddingBatcher:
     def _take(self) -> list:
         """The next batch: the oldest request, and the later ones with its options that fit."""
         key = sorted(self.pending[0][1].items())
-        batch, rest, count = [], [], 0
+        batch: list = []
+        rest: list = []
+        count = 0
         for item in self.pending:
             if sorted(item[1].items()) == key and (not batch or count + len(item[0]) <= self.max_inputs):
                 batch.append(item)

@@ -85,7 +85,9 @@ pub(super) unsafe fn with_high_bits(v: __m256i, masks: *const u8, index: usize, 
     let bits = (masks.add(index * 8 + h * 4) as *const i32).read_unaligned();
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(bits),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        ),
     );
     let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
@@ -157,9 +159,8 @@ unsafe fn tile<const F: u8, const R: usize>(
         let rec = w.data.as_ptr().add((t * nb + b) * size);
         let values = rec.add(w.format.values_at() + part * QK / 2 * LANES);
         let xs: [*const i8; R] = std::array::from_fn(|r| xq.values.as_ptr().add(((row0 + r) * units + u) * QK));
-        let mut dot: [__m256i; R] = std::array::from_fn(|r| {
-            _mm256_set1_epi32(-offset * *xq.qsums.get_unchecked((row0 + r) * units + u))
-        });
+        let mut dot: [__m256i; R] =
+            std::array::from_fn(|r| _mm256_set1_epi32(-offset * *xq.qsums.get_unchecked((row0 + r) * units + u)));
         if R == 1 && h == 0 {
             prefetch_next(rec, size, part, per_block);
         }

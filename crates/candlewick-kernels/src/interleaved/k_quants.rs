@@ -609,7 +609,8 @@ pub(super) mod avx2 {
                     let lo = bytes_u32(rec.add(Q4K_SC_LO + j * LANES), h);
                     let hi = bytes_u32(rec.add(Q4K_SC_HI + (j % 4) * LANES), h);
                     let hi = if j >= 4 { _mm256_srli_epi32(hi, 4) } else { hi };
-                    let sc = _mm256_or_si256(_mm256_and_si256(lo, four), _mm256_slli_epi32(_mm256_and_si256(hi, low2), 4));
+                    let sc =
+                        _mm256_or_si256(_mm256_and_si256(lo, four), _mm256_slli_epi32(_mm256_and_si256(hi, low2), 4));
                     let mins = _mm256_or_si256(
                         _mm256_srli_epi32(lo, 4),
                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2), low2), 4),
