@@ -90,3 +90,25 @@ def tiny_with_tokenizer(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(dest / "tokenizer.json"))
     return dest
+
+
+def _bf16_gemm_rounds_activations() -> bool:
+    """Whether a bfloat16 model's prompt rows are multiplied with their activations rounded to
+    bfloat16: on x86 CPUs with AVX-512 BF16 (`vdpbf16ps`, kernels/bf16_gemm.rs). Elsewhere on x86
+    they stay float32 (the widened GEMM), which keeps the few rows that miss the bfloat16 bound
+    where the activations are rounded inside it. Other architectures: assumed rounded, as before."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return True
+
+
+BF16_GEMM_ROUNDS_ACTIVATIONS = _bf16_gemm_rounds_activations()

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 import candlewick as cw
 from candlewick import interventions as iv
-from conftest import DEVICE, TINY, rel_l2
+from conftest import BF16_GEMM_ROUNDS_ACTIVATIONS, DEVICE, TINY, rel_l2
 
 # The comparisons of the first six, collected again in this module under its own `case`.
 from test_inspection import (  # noqa: F401
@@ -81,7 +81,9 @@ HALF_MISSES = {
 
 @pytest.mark.parametrize("dtype,bound", [("bf16", 2e-2), ("f16", 5e-3)])
 def test_half_precision_stays_within_stated_bound(request, case, ref, dtype, bound):
-    if (case, dtype) in HALF_MISSES:
+    # The bfloat16 misses come from activations rounded to bfloat16 (conftest): where the CPU
+    # keeps them float32, those rows are within the bound.
+    if (case, dtype) in HALF_MISSES and (dtype != "bf16" or BF16_GEMM_ROUNDS_ACTIVATIONS):
         request.applymarker(pytest.mark.xfail(strict=True, reason=HALF_MISSES[(case, dtype)]))
     test_reference_tiny.test_half_precision_stays_within_stated_bound(case, ref, dtype, bound)
 

@@ -34,12 +34,14 @@ pub fn available() -> bool {
 }
 
 /// Whether `matmul` takes `x · wᵀ`: two or more float32 rows on the CPU against a contiguous 2-D
-/// bfloat16 weight, on a CPU with `vdpbf16ps` (or forced to the portable path); one row goes
-/// through the GEMV.
+/// bfloat16 weight, on a CPU with `vdpbf16ps` (forced to the portable path, there too: elsewhere
+/// the prompt rows go through the widened float32 GEMM in either mode, so that forcing the
+/// portable kernels changes kernels, not the rounding: this GEMM rounds the activations to
+/// bfloat16, as `vdpbf16ps` reads them, the widened GEMM keeps them float32, 1e-2 apart on
+/// Gemma 3's tiny checkpoint); one row goes through the GEMV.
 pub fn takes(x: &Tensor, w: &Tensor) -> bool {
     let path_ok = match dense::mode() {
-        Mode::Auto => available(),
-        Mode::Portable => true,
+        Mode::Auto | Mode::Portable => available(),
         Mode::Candle => false,
     };
     path_ok
